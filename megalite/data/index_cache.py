@@ -1,0 +1,112 @@
+"""Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs).
+
+One process per node (local rank 0) builds missing indices and publishes them
+atomically: arrays first, each via a temporary name and a rename, then a
+`description.json` that marks the set complete. Every other process waits for that
+marker, so no one ever reads a half-written index. Nodes that share a filesystem may
+both build; the renames make that harmless because the content is identical.
+"""
+
+import hashlib
+import json
+import os
+import time
+
+import numpy as np
+
+from megalite.errors import UserError
+
+WAIT_TIMEOUT_S = float(os.environ.get("MEGALITE_INDEX_CACHE_TIMEOUT", 3600))
+
+
+def description_hash(description: dict) -> str:
+    """Stable md5 of a JSON-able description of everything that affects the indices."""
+    text = json.dumps(description, sort_keys=True)
+    return hashlib.md5(text.encode("utf-8"), usedforsecurity=False).hexdigest()
+
+
+def file_fingerprint(path: str) -> str:
+    """Cheap identity of a file: its size and an md5 of its first and last MiB.
+
+    Guards a cache against a file rebuilt in place under the same name, without reading
+    a large file whole.
+    """
+    size = os.path.getsize(path)
+    digest = hashlib.md5(usedforsecurity=False)
+    with open(path, "rb") as f:
+        digest.update(f.read(1 << 20))
+        if size > 2 << 20:
+            f.seek(size - (1 << 20))
+            digest.update(f.read())
+    return f"{size}:{digest.hexdigest()}"
+
+
+def is_builder_process() -> bool:
+    """The node's first process builds; with no distributed run, this process does."""
+    local_rank = os.environ.get("LOCAL_RANK")
+    if local_rank is not None:
+        return int(local_rank) == 0
+    import torch.distributed as dist
+
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
+
+
+def load_or_build(cache_dir: str | None, name: str, description: dict, build, log=print):
+    """Return the dict of arrays `build()` makes, from the cache when it holds them.
+
+    cache_dir: folder of the cache, or None to build in memory without caching.
+    name: readable part of the file names (e.g. "GPTDataset-train").
+    description: JSON-able inputs of `build`; its hash keys the files.
+    build: () -> dict[str, np.ndarray].
+    """
+    if cache_dir is None:
+        return build()
+    base = os.path.join(cache_dir, f"{description_hash(description)}-{name}")
+    marker = base + "-description.json"
+    if not os.path.isfile(marker):
+        if is_builder_process():
+            start = time.perf_counter()
+            arrays = build()
+            _publish(cache_dir, base, marker, description, arrays)
+            log(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
+            return arrays
+        _wait_for(marker)
+    keys = json.load(open(marker))["arrays"]
+    return {key: np.load(f"{base}-{key}.npy", mmap_mode="r") for key in keys}
+
+
+def _publish(cache_dir, base, marker, description, arrays) -> None:
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        for key, array in arrays.items():
+            _atomic_save(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+        record = {"description": description, "arrays": sorted(arrays)}
+        _atomic_save(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
+    except OSError as err:
+        raise UserError(
+            f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); "
+            "point --data-cache-path at a writable folder"
+        ) from err
+
+
+def _atomic_save(path: str, write) -> None:
+    tmp = f"{path}.tmp-{os.getpid()}"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
+def _wait_for(marker: str) -> None:
+    deadline = time.monotonic() + WAIT_TIMEOUT_S
+    while not os.path.isfile(marker):
+        if time.monotonic() > deadline:
+            raise UserError(
+                f"waited {WAIT_TIMEOUT_S:.0f} s for another process to build {marker}; "
+                "check the log of local rank 0 for its error, or raise "
+                "MEGALITE_INDEX_CACHE_TIMEOUT if building is just slow"
+            )
+        time.sleep(0.2)

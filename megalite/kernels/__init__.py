@@ -1,0 +1,1 @@
+"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point."""

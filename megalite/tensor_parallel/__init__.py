@@ -1,0 +1,1 @@
+"""Tensor and sequence parallelism: autograd collectives (comm.py) and parallel layers (layers.py)."""
