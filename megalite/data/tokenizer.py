@@ -1,0 +1,308 @@
+"""Tokenizers (SentencePiece, Hugging Face, Megatron's NullTokenizer) and SentencePiece training.
+
+Every tokenizer offers the same small interface: `vocab_size` and the special ids
+`bos`, `eos`, `eod`, `pad`, `unk` (None where the tokenizer has none), `tokenize`,
+`tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path) and `detokenize`.
+Tokenizers pickle cheaply (they reload from their model path), so worker processes
+can receive them.
+"""
+
+import io
+import os
+import time
+from typing import Iterable, Iterator
+
+import numpy as np
+import sentencepiece
+
+from megalite.errors import UserError
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
+
+# SentencePiece drops training sentences longer than this (bytes); we cut them to it instead.
+MAX_SENTENCE_BYTES = 4192
+SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
+
+
+class Tokenizer:
+    """The interface; subclasses set the attributes and implement `tokenize` / `detokenize`."""
+
+    vocab_size: int
+    bos: int | None = None
+    eos: int | None = None
+    eod: int | None = None  # appended after each document by --append-eod
+    pad: int | None = None
+    unk: int | None = None
+
+    def tokenize(self, text: str) -> list[int]:
+        raise NotImplementedError
+
+    def detokenize(self, ids) -> str:
+        raise NotImplementedError
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return [self.tokenize(text) for text in texts]
+
+    def tokenize_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        """Token ids of all texts back to back, [total] int, and tokens per text, [len(texts)] int64."""
+        batch = self.tokenize_batch(texts)
+        lengths = np.fromiter(map(len, batch), dtype=np.int64, count=len(batch))
+        tokens = np.fromiter((i for ids in batch for i in ids), dtype=np.int64, count=int(lengths.sum()))
+        return tokens, lengths
+
+
+class SentencePieceTokenizer(Tokenizer):
+    """A SentencePiece model; eod is its eos id.
+
+    add_bos: start every text with bos, as Megatron's Llama2Tokenizer does.
+    num_threads: threads of one batch encode; 1 keeps the per-process throughput honest
+        when preprocessing already runs one worker process per core.
+    """
+
+    def __init__(self, model_path: str, add_bos: bool = False, num_threads: int = 1):
+        self.model_path = model_path
+        self.add_bos = add_bos
+        self.num_threads = num_threads
+        try:
+            self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
+        except (OSError, RuntimeError) as err:
+            raise UserError(f"--tokenizer-model {model_path} is not a SentencePiece model ({err})") from err
+        self.vocab_size = self._processor.vocab_size()
+        self.bos = _id_or_none(self._processor.bos_id())
+        self.eos = _id_or_none(self._processor.eos_id())
+        self.pad = _id_or_none(self._processor.pad_id())
+        self.unk = _id_or_none(self._processor.unk_id())
+        self.eod = self.eos
+
+    def __reduce__(self):
+        return SentencePieceTokenizer, (self.model_path, self.add_bos, self.num_threads)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._processor.encode(text, add_bos=self.add_bos)
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._processor.encode(texts, add_bos=self.add_bos, num_threads=self.num_threads)
+
+    def tokenize_batch_flat(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        if not texts:
+            return np.zeros(0, np.int32), np.zeros(0, np.int64)
+        # SentencePiece fills numpy buffers in C++: no Python int per token.
+        arrays = self._processor.encode(
+            texts, add_bos=self.add_bos, num_threads=self.num_threads, out_type="numpy"
+        )
+        lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
+        return np.concatenate(arrays), lengths
+
+    def detokenize(self, ids) -> str:
+        return self._processor.decode(np.asarray(ids, dtype=np.int64).tolist())
+
+
+def _id_or_none(token_id: int) -> int | None:
+    return None if token_id < 0 else token_id
+
+
+class NullTokenizer(Tokenizer):
+    """Megatron's _NullTokenizer: the text is whitespace-separated integer ids.
+
+    Given `vocab_size` V, eod is V and the reported vocab_size is V + 1.
+    Ids outside [0, V] raise ValueError, as does a word that is not an integer.
+    """
+
+    def __init__(self, vocab_size: int):
+        self.eod = int(vocab_size)
+        self.eos = self.eod
+        self.vocab_size = self.eod + 1
+
+    def tokenize(self, text: str) -> list[int]:
+        ids = [int(word) for word in text.split()]
+        if ids and not 0 <= min(ids) <= max(ids) < self.vocab_size:
+            raise ValueError(f"NullTokenizer ids must lie in [0, {self.vocab_size - 1}]")
+        return ids
+
+    def detokenize(self, ids) -> str:
+        return " ".join(str(int(i)) for i in ids)
+
+
+class HuggingFaceTokenizer(Tokenizer):
+    """A `transformers` tokenizer from a local folder (or a hub name, which needs internet).
+
+    Like Megatron's, `tokenize` adds the tokenizer's own special tokens (a Llama tokenizer
+    starts each text with bos). eod is the eos id.
+    """
+
+    def __init__(self, path: str):
+        try:
+            from transformers import AutoTokenizer
+        except ImportError as err:
+            raise UserError(
+                "--tokenizer-type HuggingFaceTokenizer needs transformers; pip install transformers"
+            ) from err
+        self.path = path
+        try:
+            self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path))
+        except (OSError, ValueError) as err:
+            reason = str(err).strip().splitlines()[0]
+            raise UserError(
+                f"could not load the Hugging Face tokenizer {path} ({reason}); pass a local tokenizer folder "
+                "as --tokenizer-model"
+            ) from err
+        self.vocab_size = len(self._tokenizer)
+        self.bos = self._tokenizer.bos_token_id
+        self.eos = self._tokenizer.eos_token_id
+        self.pad = self._tokenizer.pad_token_id
+        self.unk = self._tokenizer.unk_token_id
+        self.eod = self.eos
+
+    def __reduce__(self):
+        return HuggingFaceTokenizer, (self.path,)
+
+    def tokenize(self, text: str) -> list[int]:
+        return self._tokenizer(text)["input_ids"]
+
+    def tokenize_batch(self, texts: list[str]) -> list[list[int]]:
+        return self._tokenizer(texts)["input_ids"] if texts else []
+
+    def detokenize(self, ids) -> str:
+        return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist())
+
+
+def build_tokenizer(
+    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
+) -> Tokenizer:
+    """The tokenizer named by Megatron's `--tokenizer-type`, `--tokenizer-model`, `--vocab-size`."""
+    if tokenizer_type not in TOKENIZER_TYPES:
+        raise UserError(
+            f"--tokenizer-type {tokenizer_type} is unknown; use one of {', '.join(TOKENIZER_TYPES)}"
+        )
+    if tokenizer_type == "NullTokenizer":
+        if vocab_size is None or vocab_size < 1:
+            raise UserError(
+                "--tokenizer-type NullTokenizer needs --vocab-size V "
+                "(ids 0..V-1; V is the end-of-document id)"
+            )
+        return NullTokenizer(vocab_size)
+    if tokenizer_model is None:
+        raise UserError(
+            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (its model file or folder)"
+        )
+    if tokenizer_type == "HuggingFaceTokenizer":
+        return HuggingFaceTokenizer(tokenizer_model)
+    if not os.path.isfile(tokenizer_model):
+        raise UserError(
+            f"--tokenizer-model {tokenizer_model} does not exist; pass a SentencePiece .model file "
+            "(tools/train_tokenizer.py writes one)"
+        )
+    return SentencePieceTokenizer(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
+
+
+def padded_vocab_size(
+    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
+) -> int:
+    """`vocab_size` rounded up to a multiple of divisible_by x TP, so every TP rank holds an equal slice."""
+    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
+    return -(-vocab_size // multiple) * multiple
+
+
+class TrainingSentences:
+    """The non-empty lines of `documents`, cut to MAX_SENTENCE_BYTES, counted as they are read."""
+
+    def __init__(self, documents: Iterable[str]):
+        self.documents = documents
+        self.count = 0
+
+    def __iter__(self) -> Iterator[str]:
+        for document in self.documents:
+            for line in document.split("\n"):
+                if not line:
+                    continue
+                # A character is at most 4 bytes, so shorter lines need no byte count.
+                if len(line) * 4 > MAX_SENTENCE_BYTES:
+                    line = _cut_to_bytes(line, MAX_SENTENCE_BYTES)
+                self.count += 1
+                yield line
+
+
+def _cut_to_bytes(text: str, max_bytes: int) -> str:
+    """The longest prefix of `text` whose UTF-8 form fits in `max_bytes` (no character split)."""
+    return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
+
+
+def train_sentencepiece(
+    documents: Iterable[str],
+    output_prefix: str,
+    vocab_size: int = 8192,
+    model_type: str = "bpe",
+    character_coverage: float = 0.9995,
+    max_sentences: int = 0,
+    seed: int = 0,
+    hard_vocab_limit: bool = True,
+) -> dict:
+    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`.
+
+    Suited to code and prose alike: no normalisation, whitespace kept as it is (runs of
+    spaces become pieces, so indentation survives), digits split, and byte fallback, so
+    that decode(encode(text)) == text for any text. ids: unk 0, bos 1, eos 2, pad 3.
+    max_sentences > 0 samples that many lines (reservoir sampling seeded by `seed`).
+    hard_vocab_limit=False lets a corpus too small for `vocab_size` give a smaller vocabulary
+    instead of an error.
+    Deterministic: the same documents and arguments give a byte-identical model.
+    Returns {"model", "vocab", "vocab_size", "num_sentences", "seconds"}.
+    """
+    start = time.perf_counter()
+    sentences = TrainingSentences(documents)
+    model = io.BytesIO()
+    sentencepiece.set_random_generator_seed(seed)
+    try:
+        sentencepiece.SentencePieceTrainer.train(
+            sentence_iterator=iter(sentences),
+            model_writer=model,
+            model_type=model_type,
+            vocab_size=vocab_size,
+            hard_vocab_limit=hard_vocab_limit,
+            character_coverage=character_coverage,
+            input_sentence_size=max_sentences,
+            shuffle_input_sentence=True,
+            max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity",
+            remove_extra_whitespaces=False,
+            add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True,
+            split_digits=True,
+            byte_fallback=True,
+            # The model records its trainer's thread count; a fixed 1 gives the same file on
+            # every machine (and BPE training gains nothing from more on our corpora).
+            num_threads=1,
+            minloglevel=1,
+            **SPECIAL_IDS,
+        )
+    except RuntimeError as err:
+        raise UserError(
+            f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it more text"
+        ) from err
+    model_path, vocab_path = f"{output_prefix}.model", f"{output_prefix}.vocab"
+    _write_atomically(model_path, model.getvalue())
+    processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
+    _write_atomically(vocab_path, _vocab_listing(processor).encode("utf-8"))
+    return {
+        "model": model_path,
+        "vocab": vocab_path,
+        "vocab_size": processor.vocab_size(),
+        "num_sentences": sentences.count,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def _vocab_listing(processor) -> str:
+    """SentencePiece's .vocab format: one "piece<TAB>score" line per id."""
+    pieces = range(processor.vocab_size())
+    return "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in pieces)
+
+
+def _write_atomically(path: str, content: bytes) -> None:
+    """Write via a temporary file and rename, so a reader never sees half a file."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    temporary = f"{path}.tmp{os.getpid()}"
+    with open(temporary, "wb") as file:
+        file.write(content)
+    os.replace(temporary, path)
