@@ -33,6 +33,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder, token_dtype_for
 from megalite.data.text_sources import (  # noqa: E402
     DEFAULT_CHUNK_BYTES,
     ReadStats,
+    add_input_args,
     iter_chunks,
     resolve_inputs,
 )
@@ -43,14 +44,7 @@ from megalite.errors import UserError, run_main  # noqa: E402
 def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     group = parser.add_argument_group("input data")
-    group.add_argument("--input", nargs="+", required=True,
-                       help="JSONL files or globs, .txt files, a datasets folder or data files, "
-                       "or a hub name")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="keys (columns) to tokenize; each writes its own .bin/.idx")
-    group.add_argument("--hf-split", default=None, help="split of a Hugging Face dataset input")
-    group.add_argument("--skip-bad-lines", action="store_true",
-                       help="skip (and count) malformed lines instead of stopping at the first")
+    add_input_args(group)
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", required=True, choices=TOKENIZER_TYPES, metavar="TYPE",
                        help=f"one of {', '.join(TOKENIZER_TYPES)}")

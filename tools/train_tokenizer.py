@@ -15,20 +15,14 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from megalite.data.text_sources import ReadStats, iter_documents  # noqa: E402
+from megalite.data.text_sources import ReadStats, add_input_args, iter_documents  # noqa: E402
 from megalite.data.tokenizer import train_sentencepiece  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
 
 
 def get_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="JSONL files or globs, .txt files, a datasets folder or data files, "
-                        "or a hub name")
-    parser.add_argument("--json-keys", nargs="+", default=["text"],
-                        help="keys (columns) whose text to learn from")
-    parser.add_argument("--hf-split", default=None, help="split of a Hugging Face dataset input")
-    parser.add_argument("--skip-bad-lines", action="store_true", help="skip (and count) malformed lines")
+    add_input_args(parser)
     parser.add_argument("--output-prefix", required=True, help="writes {prefix}.model and {prefix}.vocab")
     parser.add_argument("--vocab-size", type=int, default=8192)
     parser.add_argument("--model-type", choices=("bpe", "unigram"), default="bpe")

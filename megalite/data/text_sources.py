@@ -32,6 +32,18 @@ MAX_BAD_EXAMPLES = 5  # where the first few skipped lines are; the rest are only
 SKIP_HINT = "fix it or pass --skip-bad-lines to skip bad lines"
 
 
+def add_input_args(parser) -> None:
+    """The input flags shared by tools/preprocess_data.py and tools/train_tokenizer.py."""
+    parser.add_argument("--input", nargs="+", required=True,
+                        help="JSONL files or globs, .txt files, a datasets folder or data files, "
+                        "or a hub name")
+    parser.add_argument("--json-keys", nargs="+", default=["text"],
+                        help="keys (columns) to read; preprocessing writes one .bin/.idx per key")
+    parser.add_argument("--hf-split", default=None, help="split of a Hugging Face dataset input")
+    parser.add_argument("--skip-bad-lines", action="store_true",
+                        help="skip (and count) malformed lines instead of stopping at the first")
+
+
 @dataclass(frozen=True)
 class Source:
     """One resolved input. kind: "jsonl", "txt", "dataset_folder", "data_file" or "hub"."""
