@@ -196,14 +196,6 @@ def build_tokenizer(
     return SentencePieceTokenizer(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
 
 
-def padded_vocab_size(
-    vocab_size: int, make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1
-) -> int:
-    """`vocab_size` rounded up to a multiple of divisible_by x TP, so every TP rank holds an equal slice."""
-    multiple = make_vocab_size_divisible_by * tensor_model_parallel_size
-    return -(-vocab_size // multiple) * multiple
-
-
 class TrainingSentences:
     """The non-empty lines of `documents`, cut to MAX_SENTENCE_BYTES, counted as they are read."""
 

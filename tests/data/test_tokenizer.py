@@ -8,7 +8,6 @@ from megalite.data.tokenizer import (
     NullTokenizer,
     SentencePieceTokenizer,
     build_tokenizer,
-    padded_vocab_size,
 )
 from megalite.errors import UserError
 
@@ -115,19 +114,6 @@ def test_hugging_face_tokenizer_missing_folder_is_a_user_error(tmp_path):
     with pytest.raises(UserError, match="--tokenizer-model"):
         build_tokenizer("HuggingFaceTokenizer", str(empty))
 
-
-@pytest.mark.parametrize(
-    "vocab_size, divisible_by, tp, padded",
-    [
-        (8192, 128, 1, 8192),
-        (8193, 128, 1, 8320),
-        (50257, 128, 2, 50432),
-        (101, 128, 1, 128),
-        (400, 1, 3, 402),
-    ],
-)
-def test_padded_vocab_size(vocab_size, divisible_by, tp, padded):
-    assert padded_vocab_size(vocab_size, divisible_by, tp) == padded
 
 
 def test_build_tokenizer_errors_name_the_flag(tmp_path):

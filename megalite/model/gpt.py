@@ -1,0 +1,167 @@
+"""GPTModel: embedding -> transformer layers -> final norm -> output layer -> loss.
+
+One class covers GPT-2 (learned positions, LayerNorm, GELU, biases, tied output) and
+LLaMA (rope, RMSNorm, SwiGLU, GQA, untied) from a ModelConfig. A pipeline stage builds
+only its part: the embedding when `pre_process`, the layers in `layer_ids`, and the
+final norm, output layer and loss when `post_process`. Layers sit in a ModuleDict
+keyed by their global id, so parameter names (`layers.7.mlp.linear_fc1.weight`) and
+their initial values are the same under every layout.
+
+Vocabulary padding: the embedding and output layer hold `config.vocab_size` rows, of
+which the tokenizer uses `config.real_vocab_size`. Padding rows start at zero and
+padding logits are -inf in the loss, so they get no gradient and stay zero: the
+model does not depend on how much padding the TP size adds, and converted
+checkpoints drop the padding without changing any output.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.config import ModelConfig
+from megalite.model.rotary import RotaryEmbedding
+from megalite.model.transformer import TransformerLayer, make_norm
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
+                                             initialize, mark_parameter)
+
+
+class Embedding(nn.Module):
+    """Token ids [b, s] (+ learned positions) -> hidden [s, b, h], with hidden dropout."""
+
+    def __init__(self, config: ModelConfig, parallel=None, with_positions: bool = True):
+        super().__init__()
+        self.config = config
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, init_std=config.init_method_std,
+            real_num_embeddings=config.real_vocab_size, parallel=parallel)
+        self.position_embeddings = None
+        if with_positions and config.position_embedding_type == "learned_absolute":
+            self.position_embeddings = mark_parameter(
+                nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size)), False)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        """The position table (replicated on TP ranks); word_embeddings initialise themselves."""
+        if self.position_embeddings is not None:
+            with torch.no_grad():
+                self.position_embeddings.copy_(init_full_tensor(
+                    tuple(self.position_embeddings.shape), self.config.init_method_std, seed,
+                    f"{prefix}.position_embeddings"))
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None) -> torch.Tensor:
+        hidden = self.word_embeddings(tokens.t())  # [s, b, h]
+        if self.position_embeddings is not None:
+            if position_ids is None:
+                position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
+            hidden = hidden + F.embedding(position_ids.t(), self.position_embeddings)
+        # TP+SP: scatter_to_sequence_parallel_region(hidden) before the dropout.
+        return F.dropout(hidden, self.config.hidden_dropout, self.training)
+
+
+class GPTModel(nn.Module):
+    """A GPT / LLaMA model, or the part of it one pipeline stage holds.
+
+    config: the architecture. seed: the init seed; every parameter is drawn from
+    (seed, its global name). layer_ids: the global layer ids this stage holds (all by
+    default). pre_process / post_process: whether it holds the embedding / the final
+    norm, output layer and loss. parallel: the parallel-state object, None for one process.
+    """
+
+    def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
+                 post_process: bool = True, parallel=None):
+        super().__init__()
+        config.validate()
+        self.config = config
+        self.pre_process, self.post_process = pre_process, post_process
+        self.tied = not config.untie_embeddings_and_output_weights
+        layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
+        if any(not 0 <= i < config.num_layers for i in layer_ids):
+            raise ValueError(f"layer ids {list(layer_ids)} are outside 0..{config.num_layers - 1}")
+
+        self.embedding = None
+        if pre_process:
+            self.embedding = Embedding(config, parallel)
+        elif post_process and self.tied:
+            # The last stage keeps its own copy of the tied word embeddings, under the same
+            # name and with the same initial values; the pipeline keeps the copies equal by
+            # summing their grads over the embedding group (parameters marked shared_embedding).
+            self.embedding = Embedding(config, parallel, with_positions=False)
+        if self.embedding is not None and self.tied:
+            self.embedding.word_embeddings.weight.shared_embedding = True
+
+        self.rotary = None
+        if config.position_embedding_type == "rope":
+            self.rotary = RotaryEmbedding(config.head_dim, config.rotary_base,
+                                          config.rope_scaling_factor if config.use_rope_scaling else None)
+
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel) for i in layer_ids})
+
+        self.final_layernorm = self.output_layer = None
+        if post_process:
+            self.final_layernorm = make_norm(config)
+            # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
+            self.output_layer = ColumnParallelLinear(
+                config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
+                skip_weight_param=self.tied, real_output_size=config.real_vocab_size, parallel=parallel)
+
+        if not any(p.is_meta for p in self.parameters()):
+            self.reset_parameters(seed)
+
+    def reset_parameters(self, seed: int) -> None:
+        """Initialise every parameter from (seed, its global name); layout-independent."""
+        initialize(self, seed)
+
+    def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
+                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
+                hidden_states: torch.Tensor | None = None) -> torch.Tensor:
+        """Run this stage.
+
+        tokens, position_ids, labels, loss_mask: `[b, s]` (position_ids None: 0..s-1).
+        hidden_states: `[s, b, h]` from the previous stage, on stages without the embedding.
+        Returns: on the last stage, per-token fp32 losses `[b, s]` (times loss_mask when
+        given) if labels are given, else logits `[b, s, real_vocab]`; on other stages the
+        hidden states `[s, b, h]` for the next stage.
+        """
+        hidden = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
+        rotary = None
+        if self.rotary is not None:
+            rotary = self.rotary(hidden.shape[0], position_ids, device=hidden.device)
+
+        full_recompute = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
+        for layer in self.layers.values():
+            if full_recompute:
+                hidden = checkpoint(layer, hidden, rotary, use_reentrant=False)
+            else:
+                hidden = layer(hidden, rotary)
+
+        if not self.post_process:
+            return hidden
+        hidden = self.final_layernorm(hidden)
+        weight = self.embedding.word_embeddings.weight if self.tied else None
+        logits = self.output_layer(hidden, weight)  # [s, b, vocab]
+        real_vocab = self.config.real_vocab_size
+        if labels is None:
+            return logits[..., :real_vocab].transpose(0, 1).contiguous()
+        if real_vocab < self.config.vocab_size:
+            logits[..., real_vocab:] = float("-inf")  # padding never enters the loss
+        # TP: vocab_parallel_cross_entropy(logits, labels) on the vocab-sharded logits.
+        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten(),
+                                 reduction="none").view(labels.shape[1], labels.shape[0]).t().contiguous()
+        if loss_mask is not None:
+            losses = losses * loss_mask
+        return losses
+
+
+def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
+                layer_ids=None, pre_process: bool = True, post_process: bool = True,
+                parallel=None) -> GPTModel:
+    """GPTModel on `device` in `dtype`; 'meta' gives shapes only (no memory, no init).
+
+    Weights are drawn on the CPU in fp32, copied to the device, then cast to `dtype`,
+    so a GPU model starts from exactly the CPU model.
+    """
+    # Built directly on the device: Module.to_empty would drop the parameters' TP attributes.
+    with torch.device(device):
+        model = GPTModel(config, seed, layer_ids=layer_ids, pre_process=pre_process,
+                         post_process=post_process, parallel=parallel)
+    return model.to(dtype)

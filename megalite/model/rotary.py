@@ -1,0 +1,72 @@
+"""Rotary position embeddings (RoPE) in Hugging Face's rotate-half convention.
+
+Channel i of a head is paired with channel i + d/2 (not with its neighbour), the
+convention of HF's LLaMA, so converted checkpoints need no permutation of q/k rows.
+Tensors are `[s, b, heads, d]`. Frequencies are inv_freq[j] = base^(-2j/d), with Llama
+3.1's long-context scaling when `scaling_factor` is set.
+"""
+
+import math
+
+import torch
+from torch import nn
+
+
+def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
+                           high_freq_factor: float = 4.0, original_context: int = 8192) -> torch.Tensor:
+    """Llama 3.1's frequency scaling: long wavelengths / factor, short kept, smooth in between."""
+    wavelength = 2 * math.pi / inv_freq
+    long_wavelength = original_context / low_freq_factor
+    short_wavelength = original_context / high_freq_factor
+    smooth = (original_context / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    scaled = torch.where(wavelength > long_wavelength, inv_freq / factor, blended)
+    return torch.where(wavelength < short_wavelength, inv_freq, scaled)
+
+
+class RotaryEmbedding(nn.Module):
+    """cos/sin tables `[s, b, 1, d]` (fp32) for given positions; no parameters.
+
+    Positions are `position_ids` `[b, s]` when given (documents restarting at 0 with
+    --reset-position-ids), else `offset + arange(s)`; the tables for the latter are
+    cached per device, for the longest length seen. The model computes them once per forward and
+    every layer reuses them.
+    """
+
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None):
+        super().__init__()
+        # An explicit CPU device: the model may be built under a meta-device context.
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        inv_freq = 1.0 / (base ** exponents)
+        if scaling_factor is not None:
+            inv_freq = llama3_scaled_inv_freq(inv_freq, scaling_factor)
+        self.inv_freq = inv_freq  # a plain attribute: not a parameter, not in the state dict
+        self._cache: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def _tables(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """positions [s, b] -> cos, sin [s, b, 1, d]."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
+        return angles.cos(), angles.sin()
+
+    def forward(self, seq_length: int, position_ids: torch.Tensor | None = None, offset: int = 0,
+                device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        if position_ids is not None:
+            return self._tables(position_ids.t())
+        end = offset + seq_length
+        key = str(device)
+        if key not in self._cache or self._cache[key][0].shape[0] < end:
+            # One table per device for positions [0, end); shorter requests slice it.
+            self._cache[key] = self._tables(torch.arange(end, device=device)[:, None])
+        cos, sin = self._cache[key]
+        return cos[offset:end], sin[offset:end]
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension, halves of d/2 channels."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[s, b, heads, d]` by the angles of cos/sin `[s, b or 1, 1, d]`; keeps x's dtype."""
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))

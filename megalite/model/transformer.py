@@ -1,0 +1,161 @@
+"""The transformer layer: pre-norm attention (GQA, RoPE) and MLP (GELU or SwiGLU).
+
+Activations are `[s, b, h]`. Every projection is a tensor-parallel layer, so the head
+and feature counts below are per TP partition (the whole model at TP=1).
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from megalite.config import ModelConfig
+from megalite.model.rotary import apply_rotary_pos_emb
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
+                                             tensor_parallel_rank_size)
+
+
+def output_projection_std(config: ModelConfig) -> float:
+    """Megatron's init std for the projections that write into the residual stream."""
+    return config.init_method_std / math.sqrt(2.0 * config.num_layers)
+
+
+class LayerNorm(nn.Module):
+    """LayerNorm with weight and bias, replicated on every TP rank."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = mark_parameter(nn.Parameter(torch.empty(hidden_size)), False, sequence_parallel=True)
+        self.bias = mark_parameter(nn.Parameter(torch.empty(hidden_size)), False, sequence_parallel=True)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+            self.bias.zero_()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+
+
+class RMSNorm(nn.Module):
+    """x / rms(x) * weight, computed in fp32 and returned in x's dtype (as LLaMA does)."""
+
+    def __init__(self, hidden_size: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = mark_parameter(nn.Parameter(torch.empty(hidden_size)), False, sequence_parallel=True)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        with torch.no_grad():
+            self.weight.fill_(1.0)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * normed.to(x.dtype)
+
+
+def make_norm(config: ModelConfig) -> nn.Module:
+    norm = LayerNorm if config.normalization == "LayerNorm" else RMSNorm
+    return norm(config.hidden_size, config.norm_epsilon)
+
+
+class Attention(nn.Module):
+    """Causal self-attention with grouped-query heads and optional RoPE.
+
+    The fused QKV output is laid out group by group (Megatron's layout): for each of
+    the G key/value groups, its H/G query heads, then its key head, then its value
+    head, each `head_dim` wide. Splitting the rows into TP contiguous blocks thus gives
+    every rank whole groups with their own query heads.
+    """
+
+    def __init__(self, config: ModelConfig, parallel=None):
+        super().__init__()
+        _, tp_size = tensor_parallel_rank_size(parallel)
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads // tp_size
+        self.num_groups = config.query_groups // tp_size
+        self.heads_per_group = config.num_attention_heads // config.query_groups
+        self.attention_dropout = config.attention_dropout
+        self.selective_recompute = config.recompute_granularity == "selective"
+        qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
+        self.linear_qkv = ColumnParallelLinear(
+            config.hidden_size, qkv_size, bias=config.add_bias_linear,
+            init_std=config.init_method_std, parallel=parallel)
+        self.linear_proj = RowParallelLinear(
+            config.num_attention_heads * self.head_dim, config.hidden_size, bias=config.add_bias_linear,
+            init_std=output_projection_std(config), input_is_parallel=True, parallel=parallel)
+
+    def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q [s, b, heads, d], k/v [s, b, groups, d] -> context [s, b, heads * d]."""
+        s, b = q.shape[:2]
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
+        context = F.scaled_dot_product_attention(
+            q, k, v, is_causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
+            enable_gqa=self.num_groups != self.num_heads)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+
+    def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
+        s, b = hidden.shape[:2]
+        qkv = self.linear_qkv(hidden).view(s, b, self.num_groups, (self.heads_per_group + 2) * self.head_dim)
+        q, k, v = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
+        q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
+        if rotary is not None:
+            q, k = apply_rotary_pos_emb(q, *rotary), apply_rotary_pos_emb(k, *rotary)
+        if self.selective_recompute and torch.is_grad_enabled():
+            context = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+        else:
+            context = self.core_attention(q, k, v)
+        return self.linear_proj(context)
+
+
+class MLP(nn.Module):
+    """fc1 -> GELU (exact, or tanh with openai_gelu) -> fc2; or SwiGLU: silu(gate) * up -> fc2.
+
+    With SwiGLU, fc1 is one fused [gate; up] projection of 2 x ffn outputs, sharded
+    block by block so each TP rank holds matching gate and up slices.
+    """
+
+    def __init__(self, config: ModelConfig, parallel=None):
+        super().__init__()
+        self.swiglu = config.swiglu
+        self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        self.linear_fc1 = ColumnParallelLinear(
+            config.hidden_size, fc1_size, bias=config.add_bias_linear, init_std=config.init_method_std,
+            output_chunks=2 if config.swiglu else 1, parallel=parallel)
+        self.linear_fc2 = RowParallelLinear(
+            config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+            init_std=output_projection_std(config), input_is_parallel=True, parallel=parallel)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        x = self.linear_fc1(hidden)
+        if self.swiglu:
+            gate, up = x.chunk(2, dim=-1)
+            x = F.silu(gate) * up
+        else:
+            x = F.gelu(x, approximate=self.gelu_approximate)
+        return self.linear_fc2(x)
+
+
+class TransformerLayer(nn.Module):
+    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))): `[s, b, h]` in and out."""
+
+    def __init__(self, config: ModelConfig, parallel=None):
+        super().__init__()
+        self.hidden_dropout = config.hidden_dropout
+        self.input_layernorm = make_norm(config)
+        self.self_attention = Attention(config, parallel)
+        self.pre_mlp_layernorm = make_norm(config)
+        self.mlp = MLP(config, parallel)
+
+    def forward(self, hidden: torch.Tensor,
+                rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
+        # TP+SP: dropout here acts on sequence-split activations (the RNG of random.py).
+        attention = self.self_attention(self.input_layernorm(hidden), rotary)
+        hidden = hidden + F.dropout(attention, self.hidden_dropout, self.training)
+        mlp = self.mlp(self.pre_mlp_layernorm(hidden))
+        return hidden + F.dropout(mlp, self.hidden_dropout, self.training)

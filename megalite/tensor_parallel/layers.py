@@ -1,0 +1,231 @@
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
+
+Every layer takes `parallel`, the object `megalite/parallel_state.py` builds (or None for
+one process). The layer reads its tensor-parallel rank and size from it through
+`tensor_parallel_rank_size`, the one place that knows the attribute names. With TP=1
+the layers are plain `F.linear` / `F.embedding` on full weights shaped like
+`nn.Linear` / `nn.Embedding`; the comments marked "TP:" say where the collectives of
+`tensor_parallel/comm.py` go.
+
+Initialisation is layout-independent: each weight is drawn as the FULL tensor from a
+generator seeded by (global seed, the parameter's global name), then this rank's shard
+is cut from it. So every TP size, every pipeline split and every module build order
+starts from the same model.
+
+Parameter attributes (read by grad clipping, DDP and sequence parallelism):
+- `tensor_model_parallel`: True when each TP rank holds a different shard; False when
+  the parameter is replicated on all TP ranks (counted once in the grad norm).
+- `partition_dim`, `partition_chunks`: the dimension sharded across TP, and the number
+  of equal blocks it is sharded block by block (see shard_full_tensor); so checkpoint
+  code can cut or join any shard from these attributes alone.
+- `sequence_parallel`: the parameter acts on sequence-split activations under SP
+  (norm weights, row-parallel biases), so its grads must be summed across TP then.
+"""
+
+import hashlib
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+def init_seed(seed: int, name: str) -> int:
+    """A 63-bit generator seed from (seed, name); stable across runs, processes and platforms."""
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
+    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+
+
+def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
+                     real_rows: int | None = None) -> torch.Tensor:
+    """The full fp32 CPU tensor normal(0, std) for parameter `name`; depends on nothing else.
+
+    With `real_rows`, only the first `real_rows` rows are drawn and the rest (vocabulary
+    padding) are zero, so the drawn values do not depend on how much padding TP adds.
+    """
+    generator = torch.Generator(device="cpu").manual_seed(init_seed(seed, name))
+    rows = shape[0] if real_rows is None else real_rows
+    # Explicitly on the CPU: models are built under a default-device context (cuda, meta).
+    full = torch.zeros(shape, dtype=torch.float32, device="cpu")
+    full[:rows].normal_(0.0, std, generator=generator)
+    return full
+
+
+def shard_full_tensor(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
+    """Rank `rank`'s shard of `full` along `dim` among `size` ranks.
+
+    With `chunks` > 1 the dimension is `chunks` equal blocks (e.g. SwiGLU's [gate; up])
+    and the rank takes its slice of every block, in order, so a local chunk(...) still
+    splits gate from up.
+    """
+    blocks = full.chunk(chunks, dim=dim)
+    return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
+
+
+def mark_parameter(param: nn.Parameter, tensor_model_parallel: bool, partition_dim: int = -1,
+                   sequence_parallel: bool = False, partition_chunks: int = 1) -> nn.Parameter:
+    """Set the attributes described in the module docstring; return the parameter."""
+    param.tensor_model_parallel = tensor_model_parallel
+    param.partition_dim = partition_dim
+    param.partition_chunks = partition_chunks
+    param.sequence_parallel = sequence_parallel
+    return param
+
+
+def tensor_parallel_rank_size(parallel) -> tuple[int, int]:
+    """(tp_rank, tp_size) of `parallel`; (0, 1) for None. Raises until the TP issue lands."""
+    if parallel is None:
+        return 0, 1
+    rank, size = parallel.tp_rank, parallel.tp_size
+    if size != 1:
+        raise NotImplementedError("tensor parallelism (issue 4) is not implemented yet; "
+                                  "use --tensor-model-parallel-size 1")
+    return rank, size
+
+
+def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
+    """Call `init_weights(seed, global name)` on `module` and every submodule that has one.
+
+    `prefix` is the module's own global name (e.g. "layers.3") when it is not the model root.
+    """
+    for name, submodule in module.named_modules(prefix=prefix):
+        if hasattr(submodule, "init_weights"):
+            submodule.init_weights(seed, name)
+
+
+def _divide(numerator: int, denominator: int, what: str) -> int:
+    if numerator % denominator:
+        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size {denominator}")
+    return numerator // denominator
+
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T + b with A's rows (output features) split across TP ranks.
+
+    Input `[*, in]` (full; TP+SP: `[s/tp, b, in]`, all-gathered first), output
+    `[*, out/tp]`, or `[*, out]` with `gather_output`. `output_chunks` > 1 says the
+    output is that many equal blocks sharded block by block (see shard_full_tensor).
+    `skip_weight_param`: the weight is passed to forward (tied output layer).
+    `real_output_size`: rows at or above it are vocabulary padding, initialised to zero.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
+                 gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,
+                 real_output_size: int | None = None, parallel=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.parallel = parallel
+        self.input_size, self.output_size = input_size, output_size
+        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
+        self.real_output_size = real_output_size
+        self.weight = None
+        if not skip_weight_param:
+            self.weight = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
+                                         True, 0, partition_chunks=output_chunks)
+        self.bias = None
+        if bias:
+            self.bias = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition)),
+                                       True, 0, partition_chunks=output_chunks)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        """Draw the full weight for `{prefix}.weight` and keep this rank's rows; zero the bias."""
+        with torch.no_grad():
+            if self.weight is not None:
+                full = init_full_tensor((self.output_size, self.input_size), self.init_std, seed,
+                                        f"{prefix}.weight", self.real_output_size)
+                self.weight.copy_(shard_full_tensor(full, 0, self.tp_rank, self.tp_size, self.output_chunks))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
+        weight = self.weight if weight is None else weight
+        # TP: input = copy_to_tensor_parallel_region(input)  (SP: gather_from_sequence_parallel_region)
+        output = F.linear(input, weight, self.bias)
+        # TP: if self.gather_output: output = gather_from_tensor_parallel_region(output)
+        return output
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}")
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T + b with A's columns (input features) split across TP ranks.
+
+    Input `[*, in/tp]` (`input_is_parallel`) or `[*, in]` (scattered first); output
+    `[*, out]`, summed over TP ranks (TP+SP: reduce-scattered to `[s/tp, b, out]`).
+    The bias is replicated and added once, after the reduction.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
+                 input_is_parallel: bool = True, parallel=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.parallel = parallel
+        self.input_size, self.output_size = input_size, output_size
+        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
+        self.init_std, self.input_is_parallel = init_std, input_is_parallel
+        self.weight = mark_parameter(
+            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), True, 1)
+        self.bias = None
+        if bias:
+            self.bias = mark_parameter(nn.Parameter(torch.empty(output_size)), False, sequence_parallel=True)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        """Draw the full weight for `{prefix}.weight` and keep this rank's columns; zero the bias."""
+        with torch.no_grad():
+            full = init_full_tensor((self.output_size, self.input_size), self.init_std, seed,
+                                    f"{prefix}.weight")
+            self.weight.copy_(shard_full_tensor(full, 1, self.tp_rank, self.tp_size))
+            if self.bias is not None:
+                self.bias.zero_()
+
+    def forward(self, input: torch.Tensor) -> torch.Tensor:
+        # TP: if not self.input_is_parallel: input = scatter_to_tensor_parallel_region(input)
+        output = F.linear(input, self.weight)
+        # TP: output = reduce_from_tensor_parallel_region(output)
+        #     (SP: reduce_scatter_to_sequence_parallel_region)
+        if self.bias is not None:
+            output = output + self.bias
+        return output
+
+    def extra_repr(self) -> str:
+        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
+                f"bias={self.bias is not None}")
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table `[num, dim]` with rows (vocabulary) split across TP ranks.
+
+    Input ids `[*]`, output `[*, dim]`. Under TP a rank looks up the ids in its row
+    range, zeroes the rest, and the outputs are summed over TP.
+    `real_num_embeddings`: rows at or above it are vocabulary padding, initialised to zero.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
+                 real_num_embeddings: int | None = None, parallel=None):
+        super().__init__()
+        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.parallel = parallel
+        self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
+        self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "vocabulary size")
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.init_std, self.real_num_embeddings = init_std, real_num_embeddings
+        self.weight = mark_parameter(
+            nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)), True, 0)
+
+    def init_weights(self, seed: int, prefix: str) -> None:
+        """Draw the full table for `{prefix}.weight` and keep this rank's rows."""
+        with torch.no_grad():
+            full = init_full_tensor((self.num_embeddings, self.embedding_dim), self.init_std, seed,
+                                    f"{prefix}.weight", self.real_num_embeddings)
+            self.weight.copy_(shard_full_tensor(full, 0, self.tp_rank, self.tp_size))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # TP: mask ids outside [vocab_start_index, + per_partition), shift them into the local
+        # range, look up, zero the masked rows, then reduce_from_tensor_parallel_region.
+        return F.embedding(input_ids, self.weight)
+
+    def extra_repr(self) -> str:
+        return f"num={self.num_embeddings}, dim={self.embedding_dim}, tp={self.tp_size}"
+

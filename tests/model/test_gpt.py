@@ -1,0 +1,139 @@
+"""GPTModel: layout-independent init, pipeline stages, vocabulary padding, losses."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from megalite.model.gpt import GPTModel, build_model
+
+
+def batch(config, b=2, seed=0):
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, config.real_vocab_size, (b, config.seq_length), generator=generator)
+    return tokens, torch.arange(config.seq_length).repeat(b, 1), tokens.roll(-1, dims=1)
+
+
+def test_init_is_deterministic_and_depends_on_seed_and_name(llama_config):
+    config = llama_config()
+    first, again, other = (GPTModel(config, seed=s).state_dict() for s in (1, 1, 2))
+    assert all(torch.equal(first[name], again[name]) for name in first)
+    weight = "layers.0.self_attention.linear_qkv.weight"
+    assert not torch.equal(first[weight], other[weight])
+    assert not torch.equal(first[weight], first["layers.1.self_attention.linear_qkv.weight"])
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_stage_holds_bitwise_the_same_tensors_as_the_whole_model(llama_config, tied):
+    config = llama_config(untie_embeddings_and_output_weights=not tied)
+    whole = GPTModel(config, seed=3).state_dict()
+    last = GPTModel(config, seed=3, layer_ids=[3, 2], pre_process=False).state_dict()
+    first = GPTModel(config, seed=3, layer_ids=[0], post_process=False).state_dict()
+    middle = GPTModel(config, seed=3, layer_ids=[1], pre_process=False, post_process=False).state_dict()
+    assert {name.split(".")[1] for name in last if name.startswith("layers.")} == {"2", "3"}
+    assert set(middle) == {name for name in whole if name.startswith("layers.1.")}
+    for stage in (first, middle, last):
+        for name, value in stage.items():
+            assert torch.equal(value, whole[name]), name
+    # Tied: the last stage's copy of the word embeddings is the first stage's.
+    assert ("embedding.word_embeddings.weight" in last) == tied
+    assert set(first) | set(middle) | set(last) == set(whole)
+
+
+def test_pipeline_stages_chained_equal_the_whole_model(gpt2_config):
+    config = gpt2_config(num_layers=3)
+    tokens, positions, labels = batch(config)
+    whole = GPTModel(config, seed=4)
+    stage0 = GPTModel(config, seed=4, layer_ids=[0], post_process=False)
+    stage1 = GPTModel(config, seed=4, layer_ids=[1], pre_process=False, post_process=False)
+    stage2 = GPTModel(config, seed=4, layer_ids=[2], pre_process=False)
+    hidden = stage0(tokens, positions)
+    assert hidden.shape == (config.seq_length, 2, config.hidden_size)  # [s, b, h] between stages
+    hidden = stage1(None, positions, hidden_states=hidden)
+    losses = stage2(None, positions, labels=labels, hidden_states=hidden)
+    torch.testing.assert_close(losses, whole(tokens, positions, labels=labels), atol=0, rtol=0)
+
+
+def test_losses_are_fp32_cross_entropy_times_loss_mask(llama_config):
+    config = llama_config()
+    model = GPTModel(config, seed=5)
+    tokens, positions, labels = batch(config)
+    logits = model(tokens, positions)
+    expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
+    torch.testing.assert_close(model(tokens, positions, labels=labels), expected)
+    loss_mask = torch.ones_like(tokens, dtype=torch.float32)
+    loss_mask[0, 4:] = 0
+    masked = model(tokens, positions, labels=labels, loss_mask=loss_mask)
+    torch.testing.assert_close(masked, expected * loss_mask)
+    assert masked.is_contiguous()
+
+
+def test_bf16_model_returns_fp32_losses(llama_config):
+    config = llama_config()
+    model = build_model(config, seed=5, dtype=torch.bfloat16)
+    tokens, positions, labels = batch(config)
+    losses = model(tokens, positions, labels=labels)
+    assert losses.dtype == torch.float32
+    reference = build_model(config, seed=5)(tokens, positions, labels=labels)
+    torch.testing.assert_close(losses, reference, atol=0.1, rtol=0.02)
+
+
+def test_vocabulary_padding_changes_nothing(llama_config):
+    """The padded model equals the unpadded one, and padding rows get no gradient."""
+    plain = GPTModel(llama_config(vocab_size=250), seed=6)
+    padded = GPTModel(llama_config(vocab_size=384, tokenizer_vocab_size=250), seed=6)
+    for name, value in plain.state_dict().items():
+        torch.testing.assert_close(padded.state_dict()[name][: value.shape[0]], value, atol=0, rtol=0)
+    assert padded.output_layer.weight[250:].abs().max() == 0
+    assert padded.embedding.word_embeddings.weight[250:].abs().max() == 0
+    tokens, positions, labels = batch(plain.config)
+    torch.testing.assert_close(padded(tokens, positions), plain(tokens, positions))
+    losses = padded(tokens, positions, labels=labels)
+    torch.testing.assert_close(losses, plain(tokens, positions, labels=labels))
+    losses.sum().backward()
+    assert padded.output_layer.weight.grad[250:].abs().max() == 0
+    assert padded.embedding.word_embeddings.weight.grad[250:].abs().max() == 0
+
+
+def test_tied_output_uses_the_embedding_weight(gpt2_config):
+    model = GPTModel(gpt2_config(), seed=7)
+    assert model.output_layer.weight is None
+    names = [name for name, _ in model.named_parameters()]
+    assert "output_layer.weight" not in names and "embedding.word_embeddings.weight" in names
+    tokens, positions, labels = batch(model.config)
+    model(tokens, positions, labels=labels).sum().backward()
+    assert model.embedding.word_embeddings.weight.grad.abs().max() > 0
+    assert model.embedding.word_embeddings.weight.shared_embedding
+
+
+def test_output_projections_are_scaled_by_depth(llama_config):
+    config = llama_config(num_layers=8, init_method_std=0.05, ffn_hidden_size=512)
+    state = GPTModel(config, seed=8).state_dict()
+    scaled = 0.05 / (2 * 8) ** 0.5
+    for name, std in [("layers.5.self_attention.linear_qkv.weight", 0.05),
+                      ("layers.5.mlp.linear_fc1.weight", 0.05),
+                      ("layers.5.self_attention.linear_proj.weight", scaled),
+                      ("layers.5.mlp.linear_fc2.weight", scaled),
+                      ("embedding.word_embeddings.weight", 0.05), ("output_layer.weight", 0.05)]:
+        assert state[name].std().item() == pytest.approx(std, rel=0.05), name
+    assert torch.equal(state["layers.5.input_layernorm.weight"], torch.ones(64))
+
+
+def test_parameters_carry_tensor_parallel_marks(gpt2_config):
+    model = GPTModel(gpt2_config(), seed=0)
+    marks = {name: (p.tensor_model_parallel, p.sequence_parallel) for name, p in model.named_parameters()}
+    assert marks["layers.0.self_attention.linear_qkv.weight"] == (True, False)
+    assert marks["layers.0.self_attention.linear_qkv.bias"] == (True, False)
+    assert marks["layers.0.mlp.linear_fc2.weight"] == (True, False)
+    assert marks["layers.0.mlp.linear_fc2.bias"] == (False, True)  # replicated row-parallel bias
+    assert marks["layers.0.input_layernorm.weight"] == (False, True)
+    assert marks["final_layernorm.bias"] == (False, True)
+    assert marks["embedding.word_embeddings.weight"] == (True, False)
+    assert marks["embedding.position_embeddings"] == (False, False)
+    fc1 = GPTModel(gpt2_config(swiglu=True), seed=0).layers["0"].mlp.linear_fc1
+    assert (fc1.weight.partition_dim, fc1.weight.partition_chunks, fc1.bias.partition_chunks) == (0, 2, 2)
+    assert build_model(model.config, seed=0, dtype=torch.bfloat16).final_layernorm.weight.sequence_parallel
+
+
+def test_bad_layer_ids_are_refused(llama_config):
+    with pytest.raises(ValueError, match="outside 0..3"):
+        GPTModel(llama_config(), seed=0, layer_ids=[4])
