@@ -14,7 +14,7 @@ import numpy as np
 
 from megalite.data.blended_dataset import SURPLUS, BlendedDataset, normalize_weights, samples_per_dataset
 from megalite.data.gpt_dataset import (
-    SPLIT_NAMES, GPTDataset, GPTDatasetConfig, split_document_ranges, validate_config,
+    SPLIT_NAMES, GPTDataset, GPTDatasetConfig, cache_dir_for, split_document_ranges, validate_config,
 )
 from megalite.data.indexed_dataset import IndexedDataset, bin_path, exists, idx_path
 from megalite.data.mock_dataset import MockTokenDataset
@@ -146,7 +146,7 @@ def _blend_split(data_path, flag, split, num_samples, split_name, config):
         _gpt_split(f, p, r, n, split_name, config)
         for f, p, r, n in zip(files, prefixes, ranges, with_surplus)
     ]
-    return BlendedDataset(parts, prefixes, weights, sum(targets), _blend_cache_dir(prefixes, config),
+    return BlendedDataset(parts, prefixes, weights, sum(targets), cache_dir_for(prefixes[0], config.cache_dir),
                           split_name)
 
 
@@ -169,9 +169,3 @@ def _gpt_split(indexed, name, document_range, num_samples, split_name, config):
         )
     documents = np.arange(begin, end, dtype=np.int32)
     return GPTDataset(indexed, documents, num_samples, split_name, config)
-
-
-def _blend_cache_dir(prefixes: list[str], config) -> str:
-    if config.cache_dir is not None:
-        return config.cache_dir
-    return os.path.join(os.path.dirname(os.path.abspath(prefixes[0])), "cache")

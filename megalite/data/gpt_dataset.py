@@ -204,9 +204,7 @@ class GPTDataset(torch.utils.data.Dataset):
     def _cache_dir(self) -> str | None:
         if self.indexed.path_prefix is None:  # synthetic data: cheap to rebuild, nothing to key on
             return None
-        if self.config.cache_dir is not None:
-            return self.config.cache_dir
-        return os.path.join(os.path.dirname(os.path.abspath(self.indexed.path_prefix)), "cache")
+        return cache_dir_for(self.indexed.path_prefix, self.config.cache_dir)
 
     def __len__(self) -> int:
         return len(self.sample_index) - 1
@@ -247,12 +245,19 @@ def ltor_masks(tokens: torch.Tensor, labels: torch.Tensor, config: GPTDatasetCon
         loss_mask[labels == config.pad] = 0.0
     position_ids = torch.arange(len(tokens), dtype=torch.int64)
     if config.reset_position_ids:
-        is_eod = (tokens == config.eod).to(torch.int64)
-        # A document starts after each EOD: subtract the position where the current one began.
-        segment_start = torch.cummax(torch.where(torch.roll(is_eod, 1).bool() & (position_ids > 0),
-                                                 position_ids, torch.zeros_like(position_ids)), 0).values
+        starts_document = torch.zeros_like(tokens, dtype=torch.bool)
+        starts_document[1:] = tokens[:-1] == config.eod
+        # Subtract, at every position, where its document began (the latest start so far).
+        segment_start = torch.cummax(torch.where(starts_document, position_ids, 0), 0).values
         position_ids = position_ids - segment_start
     return {"loss_mask": loss_mask, "position_ids": position_ids}
+
+
+def cache_dir_for(path_prefix: str, cache_dir: str | None) -> str:
+    """`--data-cache-path` when given, else a `cache/` folder beside the token files."""
+    if cache_dir is not None:
+        return cache_dir
+    return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")
 
 
 def validate_config(config: GPTDatasetConfig) -> None:
