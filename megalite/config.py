@@ -8,6 +8,9 @@ are padding that never reaches the loss (see megalite/model/gpt.py).
 
 `MODEL_PRESETS` maps a `--model` name to field values with the published numbers;
 a preset's `vocab_size` is the tokenizer's vocabulary, padded by `model_config_from_preset`.
+
+The other dataclasses hold the rest of a run, grouped as Megatron groups its flags;
+`megalite/arguments.py` fills them from the command line and validates them together.
 """
 
 import dataclasses
@@ -230,3 +233,114 @@ def num_parameters(config: ModelConfig) -> int:
         embedding += config.max_position_embeddings * hidden
     output = config.vocab_size * hidden if config.untie_embeddings_and_output_weights else 0
     return embedding + config.num_layers * layer + norm + output
+
+
+@dataclass
+class ParallelConfig:
+    """How the world is cut: TP x PP x DP = world size (DP is what remains)."""
+
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    num_layers_per_virtual_pipeline_stage: int | None = None
+    num_virtual_stages_per_pipeline_rank: int | None = None
+    sequence_parallel: bool = False
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
+    distributed_timeout_minutes: int = 10
+    world_size: int = 1
+
+    @property
+    def data_parallel_size(self) -> int:
+        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+
+@dataclass
+class TrainConfig:
+    """Batch, length of training, optimizer, LR schedule, precision and stopping rules."""
+
+    micro_batch_size: int = 8
+    global_batch_size: int = 16
+    train_iters: int = 200
+    lr: float = 1e-3
+    min_lr: float = 1e-4
+    lr_decay_style: str = "cosine"
+    lr_wsd_decay_style: str = "exponential"
+    lr_wsd_decay_iters: int | None = None
+    lr_warmup_iters: int = 0
+    lr_decay_iters: int | None = None  # None: train_iters
+    override_opt_param_scheduler: bool = False
+    use_checkpoint_opt_param_scheduler: bool = False
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+    seed: int = 1234
+    bf16: bool = False
+    fp16: bool = False
+    initial_loss_scale: float = 2.0 ** 32
+    min_loss_scale: float = 1.0
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    compile: bool = False
+    eval_interval: int = 100  # 0: no evaluation during training
+    eval_iters: int = 5
+    exit_interval: int | None = None
+    exit_duration_in_mins: float | None = None
+    exit_signal_handler: bool = False
+
+    @property
+    def params_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass
+class DataConfig:
+    """Where tokens come from (`--data-path` blends, per-split paths, or `--mock-data`)."""
+
+    data_path: list[str] | None = None
+    split: str = "969,30,1"
+    train_data_path: list[str] | None = None
+    valid_data_path: list[str] | None = None
+    test_data_path: list[str] | None = None
+    data_cache_path: str | None = None
+    mock_data: bool = False
+    tokenizer_type: str | None = None
+    tokenizer_model: str | None = None
+    vocab_size: int | None = None
+    eod_mask_loss: bool = False
+    reset_position_ids: bool = False
+    num_workers: int = 0
+    builtin_corpus: bool = False  # True: the default run's corpus, built under data/build/
+
+
+@dataclass
+class CheckpointConfig:
+    save: str | None = None
+    load: str | None = None
+    save_interval: int | None = None  # None: save only at the end (and on exit)
+    no_load_optim: bool = False
+    no_load_rng: bool = False
+    finetune: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    log_interval: int = 10
+    metrics_file: str | None = None  # None: <save>/metrics.jsonl when --save is set
+
+
+@dataclass
+class RunConfig:
+    """Everything one run needs; `megalite/arguments.py` builds it from the command line."""
+
+    model_name: str
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig

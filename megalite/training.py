@@ -1,95 +1,345 @@
-"""The single-process training loop: global batches of micro-batches, AdamW, eval, sample.
+"""The training loop: global batches, optimizer steps, evaluation, checkpoints, stopping.
 
-First step of the training issue: one process, fp32, no checkpoints yet. The loss of
-an iteration is the mean over every unmasked token of the global batch, so gradient
-accumulation over micro-batches changes no arithmetic.
+`pretrain(run)` takes a validated RunConfig (megalite/arguments.py) through one run:
+
+    resolve data and tokenizer -> build model and optimizer -> load a checkpoint (--load)
+    -> data loaders from the consumed samples -> iterations -> test evaluation -> save
+
+One iteration is one global batch: its micro-batches run forward and backward one after
+another, gradients accumulate in fp32 (megalite/data_parallel/grad_buffer.py), and the
+optimizer steps once. The loss of an iteration is the mean over every unmasked token of
+the global batch, so the number of micro-batches changes no arithmetic.
+
+Stopping: after `--train-iters`; at a multiple of `--exit-interval`; once
+`--exit-duration-in-mins` have passed; or, with `--exit-signal-handler`, after SIGTERM.
+Every early stop happens at an iteration boundary, saves a checkpoint when `--save` is
+set, and returns normally (exit code 0), so a scheduler can requeue the same command
+with `--load` and the run continues exactly where it stopped.
 """
 
+import dataclasses
 import math
+import os
+import signal
 import time
+from dataclasses import dataclass, field
 
 import torch
 
+from megalite import checkpointing
+from megalite.arguments import with_tokenizer_vocab
+from megalite.config import RunConfig
+from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import next_global_batch
+from megalite.data.tokenizer import build_tokenizer
+from megalite.data_parallel.optimizer import DynamicLossScaler, MixedPrecisionOptimizer, NonFiniteGradError
+from megalite.errors import UserError
+from megalite.logging import TrainingLogger
+from megalite.lr_schedule import LRSchedule
+from megalite.model.gpt import build_model
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
-def lr_at(iteration: int, lr: float, min_lr: float, warmup_iters: int, decay_iters: int) -> float:
-    """Linear warmup to `lr`, then cosine decay to `min_lr` at `decay_iters`."""
-    if iteration < warmup_iters:
-        return lr * (iteration + 1) / warmup_iters
-    progress = min(1.0, (iteration - warmup_iters) / max(1, decay_iters - warmup_iters))
-    return min_lr + 0.5 * (lr - min_lr) * (1 + math.cos(math.pi * progress))
+@dataclass
+class TrainState:
+    """What a checkpoint must restore besides tensors, and what a run reports at the end."""
+
+    iteration: int = 0
+    consumed_train_samples: int = 0
+    consumed_valid_samples: int = 0
+    losses: list[float] = field(default_factory=list)  # this process's iterations only
+    exit_reason: str = "finished"
 
 
-def build_optimizer(model, lr: float, weight_decay: float, betas=(0.9, 0.95), eps: float = 1e-8):
-    """AdamW; weight decay only on matrices (not on norm weights and biases)."""
-    decay = [p for p in model.parameters() if p.requires_grad and p.ndim >= 2]
-    no_decay = [p for p in model.parameters() if p.requires_grad and p.ndim < 2]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, foreach=True)
+def print_flushed(line: str) -> None:
+    """Console lines appear at once, also when stdout is a file or a pipe (tee, SLURM logs)."""
+    print(line, flush=True)
 
 
-def global_batch_loss(model, micro_batches, backward: bool) -> float:
-    """Mean loss over the global batch's unmasked tokens; accumulates grads when `backward`."""
+def device_for_run() -> torch.device:
+    """The one place the device is chosen (parallel_state takes this over with the TP issue)."""
+    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+
+
+def resolve_data(run: RunConfig) -> None:
+    """The default run: build or reuse the built-in corpus and point the data flags at it."""
+    if not run.data.builtin_corpus:
+        return
+    from megalite.data.builtin_corpus import ensure_builtin_corpus
+
+    prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
+    run.data.data_path = [prefix]
+    run.data.tokenizer_type, run.data.tokenizer_model = "SentencePieceTokenizer", tokenizer_model
+
+
+def build_datasets(run: RunConfig, tokenizer):
+    """Train/valid/test datasets sized like Megatron's: every sample the run will draw."""
+    train = run.train
+    evaluations = train.train_iters // train.eval_interval + 1 if train.eval_interval else 1
+    num_samples = (train.train_iters * train.global_batch_size,
+                   evaluations * train.eval_iters * train.global_batch_size,
+                   train.eval_iters * train.global_batch_size)
+    data = run.data
+    return build_gpt_datasets(
+        data.data_path, data.split, run.model.seq_length, train.seed, num_samples, data.data_cache_path,
+        eod=tokenizer.eod, pad=tokenizer.pad, eod_mask_loss=data.eod_mask_loss,
+        reset_position_ids=data.reset_position_ids, train_data_path=data.train_data_path,
+        valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
+        mock_vocab_size=tokenizer.vocab_size - 1 if data.mock_data else None)
+
+
+def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
+    """fp16's dynamic loss scaler; None for fp32 and bf16, which need none."""
+    train = run.train
+    if not train.fp16:
+        return None
+    return DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
+                             growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
+
+
+def build_optimizer(model, run: RunConfig) -> MixedPrecisionOptimizer:
+    train = run.train
+    return MixedPrecisionOptimizer(model, lr=train.lr, weight_decay=train.weight_decay,
+                                   betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
+                                   clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run))
+
+
+def build_lr_schedule(run: RunConfig) -> LRSchedule:
+    train = run.train
+    return LRSchedule(train.lr, train.min_lr, train.lr_warmup_iters, train.lr_decay_iters,
+                      train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
+
+
+def forward_backward(model, micro_batches, optimizer=None) -> float:
+    """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
+
+    micro_batches: dicts of [b, s] tensors. The loss of each micro-batch is divided by
+    the token count of the whole global batch, so the accumulated gradient is the
+    gradient of the global mean.
+    """
     total_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
-    total_loss = 0.0
+    if total_tokens == 0:
+        raise UserError("a global batch has no tokens that count towards the loss (every loss_mask "
+                        "is zero); check --eod-mask-loss and the data")
+    device = next(model.parameters()).device
+    total_loss = torch.zeros((), dtype=torch.float64)
     for mb in micro_batches:
-        losses = model(mb["tokens"], mb["position_ids"], mb["labels"], mb["loss_mask"])  # [b, s]
+        mb = {key: value.to(device, non_blocking=True) for key, value in mb.items()}
+        losses = model(mb["tokens"], mb["position_ids"], mb["labels"], mb["loss_mask"])  # [b, s] fp32
         loss = losses.sum() / total_tokens
-        if backward:
-            loss.backward()
-        total_loss += float(loss.detach())
-    return total_loss
+        if optimizer is not None:
+            optimizer.scale_loss(loss).backward()
+        total_loss += loss.detach().double().cpu()
+    return float(total_loss)
 
 
 @torch.no_grad()
 def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int) -> float:
+    """Mean over `eval_iters` global batches of their mean token loss (dropout off)."""
     model.eval()
-    losses = [global_batch_loss(model, next_global_batch(micro_batch_iterator, num_microbatches), False)
+    losses = [forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches))
               for _ in range(eval_iters)]
     model.train()
     return sum(losses) / len(losses)
 
 
-@torch.no_grad()
-def generate(model, tokens: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-             generator: torch.Generator | None = None) -> list[int]:
-    """Sample a continuation of `tokens` (no KV cache: the model is small)."""
-    model.eval()
-    seq_length = model.config.seq_length
-    out = list(tokens)
-    for _ in range(max_new_tokens):
-        context = torch.tensor([out[-seq_length:]])
-        logits = model(context)[0, -1].float() / max(temperature, 1e-5)  # [vocab]
-        top = torch.topk(logits, min(top_k, logits.numel()))
-        probs = torch.softmax(top.values, dim=-1)
-        out.append(int(top.indices[torch.multinomial(probs, 1, generator=generator)]))
-    model.train()
-    return out
+class SigtermFlag:
+    """Remembers a SIGTERM so the loop can save and stop at the next iteration boundary."""
+
+    def __init__(self):
+        self.received = False
+        self._previous = signal.signal(signal.SIGTERM, self._handle)
+
+    def _handle(self, signum, frame):
+        self.received = True
+
+    def restore(self) -> None:
+        signal.signal(signal.SIGTERM, self._previous)
 
 
-def train(model, optimizer, args, train_iterator, valid_iterator, num_microbatches: int, log=print):
-    """Run `args.train_iters` iterations; returns the list of per-iteration losses."""
-    tokens_per_iter = args.global_batch_size * args.seq_length
-    losses = []
-    for iteration in range(args.train_iters):
+def exit_reason(run: RunConfig, state: TrainState, start_time: float, sigterm: SigtermFlag | None) -> str | None:
+    """Why the loop should stop after the iteration just finished, or None to go on."""
+    train = run.train
+    if state.iteration >= train.train_iters:
+        return "finished"
+    if sigterm is not None and sigterm.received:
+        return "SIGTERM"
+    if train.exit_interval and state.iteration % train.exit_interval == 0:
+        return f"--exit-interval {train.exit_interval}"
+    if train.exit_duration_in_mins and (time.time() - start_time) / 60 > train.exit_duration_in_mins:
+        return f"--exit-duration-in-mins {train.exit_duration_in_mins:g}"
+    return None
+
+
+class Trainer:
+    """One run's objects, built in the order the checkpoint and the data need them."""
+
+    def __init__(self, run: RunConfig, log=print_flushed):
+        self.run, self.log = run, log
+        train = run.train
+        torch.manual_seed(train.seed)
+        resolve_data(run)
+        self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
+        run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
+                                         run.parallel.tensor_model_parallel_size)
+        self.device = device_for_run()
+        self.model = build_model(run.model, train.seed, self.device, train.params_dtype)
+        self.forward_model = torch.compile(self.model) if train.compile else self.model
+        self.optimizer = build_optimizer(self.model, run)
+        self.schedule = build_lr_schedule(run)
+        self.state = TrainState()
+        self.load()
+        self.num_microbatches = train.global_batch_size // train.micro_batch_size
+        self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
+        self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
+        self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
+        metrics_file = run.logging.metrics_file
+        if metrics_file is None and run.checkpoint.save:
+            metrics_file = os.path.join(run.checkpoint.save, "metrics.jsonl")
+        self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length,
+                                     train.train_iters, run.logging.log_interval, metrics_file,
+                                     device=self.device, dtype=train.params_dtype,
+                                     start_iteration=self.state.iteration,
+                                     print_fn=None if log is print_flushed else log)
+        if log is print_flushed:
+            self.log = self.logger.print  # above the progress bar, and only on the logging rank
+
+    def _iterator(self, dataset, consumed_samples: int):
+        if dataset is None:
+            return None
+        train = self.run.train
+        return iter(build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
+                                      num_workers=self.run.data.num_workers))
+
+    # -- checkpoints -------------------------------------------------------------------------
+
+    def load(self) -> None:
+        ckpt = self.run.checkpoint
+        if ckpt.load is None:
+            return
+        if checkpointing.read_latest_iteration(ckpt.load) is None:
+            if ckpt.load != ckpt.save or ckpt.finetune:
+                raise UserError(f"--load {ckpt.load} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+                                "check the folder, or drop --load to start from scratch")
+            self.log(f"no checkpoint in {ckpt.load} yet: starting from scratch")
+            return
+        finetune = ckpt.finetune
+        loaded = checkpointing.load_checkpoint(
+            ckpt.load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
+            model_config=self.run.model, load_optim=not (finetune or ckpt.no_load_optim),
+            load_rng=not (finetune or ckpt.no_load_rng))
+        if finetune:
+            self.log(f"loaded the model weights of {ckpt.load} iteration {loaded['iteration']} (--finetune): "
+                     f"starting at iteration 0")
+            return
+        extra = loaded.get("extra") or {}
+        self.state.iteration = loaded["iteration"]
+        self.state.consumed_train_samples = loaded["consumed_samples"]
+        self.state.consumed_valid_samples = loaded.get("consumed_valid_samples") or 0
+        if "lr_schedule" in extra:
+            train = self.run.train
+            self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
+                                          use_checkpoint=train.use_checkpoint_opt_param_scheduler)
+        self.log(f"loaded {ckpt.load} at iteration {self.state.iteration} "
+                 f"({self.state.consumed_train_samples} samples consumed)")
+
+    def save(self) -> None:
+        save = self.run.checkpoint.save
+        if save is None:
+            return
         start = time.perf_counter()
-        for group in optimizer.param_groups:
-            group["lr"] = lr_at(iteration, args.lr, args.min_lr, args.lr_warmup_iters, args.train_iters)
-        optimizer.zero_grad(set_to_none=True)
-        loss = global_batch_loss(model, next_global_batch(train_iterator, num_microbatches), True)
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip_grad))
-        optimizer.step()
-        losses.append(loss)
-        elapsed = time.perf_counter() - start
-        if (iteration + 1) % args.log_interval == 0 or iteration == 0:
-            log(f" iteration {iteration + 1:6d}/{args.train_iters} | consumed samples: "
-                f"{(iteration + 1) * args.global_batch_size:9d} | elapsed time per iteration (ms): "
-                f"{elapsed * 1000:.1f} | tokens/s: {tokens_per_iter / elapsed:.0f} | learning rate: "
-                f"{optimizer.param_groups[0]['lr']:.3e} | global batch size: {args.global_batch_size} | "
-                f"lm loss: {loss:.4f} | grad norm: {grad_norm:.3f}")
-        if valid_iterator is not None and args.eval_interval and (iteration + 1) % args.eval_interval == 0:
-            valid_loss = evaluate(model, valid_iterator, num_microbatches, args.eval_iters)
-            log(f" validation loss at iteration {iteration + 1} | lm loss: {valid_loss:.4f} | "
-                f"lm loss PPL: {math.exp(min(valid_loss, 50)):.2f}")
-    return losses
+        extra = {"lr_schedule": self.schedule.state_dict(), "model_name": self.run.model_name,
+                 "run": _json_able(dataclasses.asdict(self.run))}
+        path = checkpointing.save_checkpoint(save, self.state.iteration, self.model, self.optimizer,
+                                             consumed_samples=self.state.consumed_train_samples,
+                                             consumed_valid_samples=self.state.consumed_valid_samples,
+                                             model_config=self.run.model, extra=extra)
+        self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
+
+    # -- the loop ----------------------------------------------------------------------------
+
+    def train_step(self) -> tuple[float, float, bool, float]:
+        """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
+        lr = self.schedule.lr_at(self.state.iteration)
+        self.optimizer.zero_grad()
+        batch = next_global_batch(self.train_iterator, self.num_microbatches)
+        loss = forward_backward(self.forward_model, batch, self.optimizer)
+        diverged = f"at iteration {self.state.iteration + 1}; the run diverged: lower --lr, keep --clip-grad on, " \
+                   "or resume from an earlier checkpoint"
+        if not math.isfinite(loss) and self.optimizer.loss_scaler is None:
+            raise UserError(f"the lm loss is {loss} {diverged}")
+        try:
+            updated, grad_norm = self.optimizer.step(lr)
+        except NonFiniteGradError:
+            raise UserError(f"the gradient norm is not finite {diverged}") from None
+        return loss, grad_norm, updated, lr
+
+    def evaluate_split(self, split: str, iterator) -> None:
+        if iterator is None or self.run.train.eval_iters == 0:
+            return
+        loss = evaluate(self.forward_model, iterator, self.num_microbatches, self.run.train.eval_iters)
+        if split == "valid":
+            self.state.consumed_valid_samples += self.run.train.eval_iters * self.run.train.global_batch_size
+        self.logger.log_evaluation(self.state.iteration, split, loss)
+
+    def train(self) -> TrainState:
+        run, state = self.run, self.state
+        sigterm = SigtermFlag() if run.train.exit_signal_handler else None
+        start_time = time.time()
+        saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
+        try:
+            reason = "finished" if state.iteration >= run.train.train_iters else None
+            while reason is None:
+                step_start = time.perf_counter()
+                loss, grad_norm, updated, lr = self.train_step()
+                state.iteration += 1
+                state.consumed_train_samples += run.train.global_batch_size
+                state.losses.append(loss)
+                self.logger.log_iteration(state.iteration, state.consumed_train_samples,
+                                          time.perf_counter() - step_start, lr, loss,
+                                          self.optimizer.loss_scale, grad_norm, skipped=not updated)
+                if run.train.eval_interval and state.iteration % run.train.eval_interval == 0:
+                    self.evaluate_split("valid", self.valid_iterator)
+                interval = run.checkpoint.save_interval
+                if interval and state.iteration % interval == 0:
+                    self.save()
+                    saved_at = state.iteration
+                reason = exit_reason(run, state, start_time, sigterm)
+            state.exit_reason = reason
+            if reason == "finished":
+                if not (run.train.eval_interval and state.iteration % run.train.eval_interval == 0):
+                    self.evaluate_split("valid", self.valid_iterator)
+                test_iterator = self._iterator(self.test_ds, 0)
+                self.evaluate_split("test", test_iterator)
+            else:
+                self.log(f"exiting at iteration {state.iteration}: {reason}")
+            if saved_at != state.iteration:
+                self.save()
+        finally:
+            self.logger.close()
+            if sigterm is not None:
+                sigterm.restore()
+        return state
+
+
+def _json_able(value):
+    """dataclasses.asdict output with anything JSON cannot hold turned into its string."""
+    if isinstance(value, dict):
+        return {key: _json_able(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_able(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)
+
+
+def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
+    """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
+    trainer = Trainer(run, log)
+    model = run.model
+    log(f"model {run.model_name}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
+        f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.real_vocab_size} "
+        f"(padded {model.vocab_size}), seq {model.seq_length}, {str(run.train.params_dtype).split('.')[-1]} "
+        f"on {trainer.device.type} with {torch.get_num_threads()} threads")
+    return trainer, trainer.train()

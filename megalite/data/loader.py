@@ -65,9 +65,13 @@ def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, mi
     `position_ids`, each [micro_batch_size, seq_length]."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, global_batch_size,
                                 micro_batch_size, data_parallel_rank, data_parallel_size)
+    # An own generator: DataLoader draws its worker base seed when an iterator starts, and
+    # drawing it from the global RNG would shift dropout after a resume (the samples are
+    # fixed by the sampler; workers do no random work).
     return torch.utils.data.DataLoader(
         dataset, batch_sampler=sampler, num_workers=num_workers,
         persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
+        generator=torch.Generator().manual_seed(0),
     )
 
 

@@ -1,0 +1,120 @@
+"""The command line: presets and overrides, derived values, and one test per validation rule."""
+
+import pytest
+
+from megalite.arguments import list_models, parse_args, with_tokenizer_vocab
+from megalite.errors import UserError
+
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
+
+
+def test_defaults_are_the_default_run():
+    run = parse_args([])
+    assert run.model_name == "tiny" and run.model.num_layers == 4 and run.model.swiglu
+    assert run.data.builtin_corpus and run.checkpoint.save == "runs/default"
+    assert run.train.train_iters == 200 and run.train.lr_decay_iters == 200 and run.train.lr_warmup_iters == 20
+    assert run.parallel.data_parallel_size == 1
+
+
+def test_explicit_flags_override_the_preset():
+    run = parse_args(["--model", "gpt2-124m", "--num-layers", "2", "--position-embedding-type", "rope",
+                      "--disable-bias-linear", "--group-query-attention", "--num-query-groups", "4",
+                      "--swiglu", "--seq-length", "128", *MOCK])
+    model = run.model
+    assert (model.num_layers, model.hidden_size, model.position_embedding_type) == (2, 768, "rope")
+    assert not model.add_bias_linear and model.num_query_groups == 4 and model.swiglu
+    assert model.seq_length == 128 and model.max_position_embeddings == 1024  # the preset's table stays
+    assert run.checkpoint.save is None  # only the default run saves by default
+
+
+def test_tokenizer_vocab_is_padded():
+    run = parse_args(MOCK)
+    assert run.model.real_vocab_size == 101 and run.model.vocab_size == 128
+    model = with_tokenizer_vocab(run.model, 300)
+    assert (model.real_vocab_size, model.vocab_size) == (300, 384)
+
+
+def test_train_samples_warmup_fraction_and_recompute():
+    run = parse_args([*MOCK, "--train-samples", "64", "--global-batch-size", "16", "--lr-warmup-fraction", "0.25",
+                      "--recompute-activations"])
+    assert run.train.train_iters == 4 and run.train.lr_warmup_iters == 1
+    assert run.model.recompute_granularity == "selective"
+    assert parse_args([*MOCK, "--recompute-granularity", "full"]).model.recompute_granularity == "full"
+
+
+def test_list_models_prints_every_preset_with_its_size(capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        parse_args(["--list-models"])
+    assert exit_info.value.code == 0
+    out = capsys.readouterr().out
+    assert out == list_models() + "\n"
+    for name, size in [("tiny", "7.1M"), ("gpt2-124m", "124.4M"), ("llama2-7b", "6.74B"), ("llama3-8b", "8.03B"),
+                       ("llama3.2-1b", "1.24B"), ("llama-1b", "1.10B"), ("gpt2-350m", "354.8M")]:
+        line = next(line for line in out.splitlines() if line.startswith(name + " "))
+        assert line.endswith(size)
+
+
+REJECTED = [
+    # (flags, world size, words the message must contain)
+    (["--model", "gpt5"], 1, ["--model 'gpt5'", "--list-models"]),
+    (["--num-layers", "0"], 1, ["--num-layers", "positive"]),
+    (["--hidden-size", "100", "--num-attention-heads", "3"], 1, ["--hidden-size 100", "--num-attention-heads 3"]),
+    (["--num-query-groups", "2"], 1, ["--num-query-groups", "--group-query-attention"]),
+    (["--group-query-attention"], 1, ["--group-query-attention", "--num-query-groups"]),
+    (["--group-query-attention", "--num-query-groups", "3"], 1, ["--num-query-groups 3", "divide"]),
+    (["--model", "gpt2-124m", "--seq-length", "2048"], 1, ["--seq-length 2048", "--max-position-embeddings"]),
+    (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout", "[0, 1)"]),
+    (["--recompute-activations", "--recompute-granularity", "full"], 1, ["--recompute-activations"]),
+    (["--micro-batch-size", "3", "--global-batch-size", "8"], 1, ["--global-batch-size 8", "--micro-batch-size 3"]),
+    (["--micro-batch-size", "0"], 1, ["--micro-batch-size must be at least 1"]),
+    (["--train-iters", "10", "--train-samples", "160"], 1, ["--train-iters", "--train-samples", "pick one"]),
+    (["--train-samples", "100", "--global-batch-size", "16"], 1, ["--train-samples 100", "multiple"]),
+    (["--train-iters", "0"], 1, ["--train-iters must be at least 1"]),
+    (["--bf16", "--fp16"], 1, ["--bf16", "--fp16"]),
+    (["--initial-loss-scale", "1024"], 1, ["--initial-loss-scale", "--fp16"]),
+    (["--lr", "0"], 1, ["--lr must be positive"]),
+    (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, ["--lr-warmup-iters", "--lr-warmup-fraction"]),
+    (["--lr-warmup-fraction", "2"], 1, ["--lr-warmup-fraction"]),
+    (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
+     ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]),
+    (["--adam-beta2", "1.0"], 1, ["--adam-beta2"]),
+    (["--weight-decay", "-1"], 1, ["--weight-decay"]),
+    (["--eval-iters", "-1"], 1, ["--eval-iters"]),
+    (["--log-interval", "0"], 1, ["--log-interval"]),
+    (["--exit-interval", "0"], 1, ["--exit-interval"]),
+    (["--exit-duration-in-mins", "0"], 1, ["--exit-duration-in-mins"]),
+    (["--compile", "--recompute-activations"], 1, ["--compile", "--recompute"]),
+    (["--mock-data", "--data-path", "x"], 1, ["--mock-data", "--data-path"]),
+    (["--data-path", "x", "--train-data-path", "y", "--tokenizer-type", "NullTokenizer"], 1,
+     ["--data-path", "--train/valid/test-data-path"]),
+    (["--data-path", "x"], 1, ["--tokenizer-type is required"]),
+    (["--tokenizer-type", "NullTokenizer"], 1, ["--tokenizer-type", "built-in corpus"]),
+    (["--num-workers", "-1"], 1, ["--num-workers"]),
+    (["--vocab-size", "100"], 1, ["--vocab-size", "NullTokenizer"]),
+    (["--save-interval", "10", *MOCK], 1, ["--save-interval", "--save"]),
+    (["--save", "out", "--save-interval", "0", *MOCK], 1, ["--save-interval must be at least 1"]),
+    (["--exit-signal-handler", *MOCK], 1, ["--exit-signal-handler", "--save"]),
+    (["--finetune"], 1, ["--finetune needs --load"]),
+    (["--no-load-optim"], 1, ["--no-load-optim needs --load"]),
+    (["--no-load-rng"], 1, ["--no-load-rng needs --load"]),
+    (["--tensor-model-parallel-size", "0"], 1, ["--tensor-model-parallel-size must be at least 1"]),
+    (["--tensor-model-parallel-size", "2"], 3, ["--tensor-model-parallel-size 2", "world size 3"]),
+    (["--tensor-model-parallel-size", "2"], 2, ["--tensor-model-parallel-size 2", "not supported yet"]),
+    (["--pipeline-model-parallel-size", "2"], 2, ["--pipeline-model-parallel-size 2", "not supported yet"]),
+    (["--sequence-parallel"], 1, ["--sequence-parallel", "not supported yet"]),
+    (["--num-layers-per-virtual-pipeline-stage", "1"], 1, ["virtual pipeline stages", "not supported yet"]),
+    ([], 2, ["data parallelism over 2 processes", "not supported yet"]),
+    (["--use-distributed-optimizer"], 1, ["--use-distributed-optimizer", "not supported yet"]),
+    (["--overlap-grad-reduce"], 1, ["--overlap-grad-reduce", "not supported yet"]),
+    (["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
+]
+
+
+@pytest.mark.parametrize("flags, world_size, words", REJECTED, ids=[" ".join(r[0]) or "world" for r in REJECTED])
+def test_each_rule_names_the_flags(flags, world_size, words):
+    with pytest.raises(UserError) as err:
+        parse_args(flags, world_size)
+    message = str(err.value)
+    for word in words:
+        assert word in message, message
+    assert "\n" not in message

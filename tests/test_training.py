@@ -1,0 +1,153 @@
+"""The training loop end to end, in process: exact resume, precision modes, stopping rules."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from megalite.arguments import parse_args
+from megalite.data.indexed_dataset import IndexedDatasetBuilder
+from megalite.errors import UserError
+from megalite.training import pretrain
+
+SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
+         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16", "--micro-batch-size", "2",
+         "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-interval", "3",
+         "--eval-iters", "1", "--log-interval", "2"]
+MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module")
+def token_file(tmp_path_factory) -> str:
+    """A real .bin/.idx file: 300 documents of random NullTokenizer ids below 99."""
+    prefix = str(tmp_path_factory.mktemp("tokens") / "random_text_document")
+    rng = np.random.default_rng(0)
+    with IndexedDatasetBuilder(prefix, dtype=np.uint16) as builder:
+        for _ in range(300):
+            builder.add_document(rng.integers(0, 99, rng.integers(5, 40)).tolist() + [99])
+    return prefix
+
+
+def train(*flags, quiet=True):
+    lines = []
+    trainer, state = pretrain(parse_args([*SMALL, *flags]), log=lines.append if quiet else print)
+    return trainer, state, lines
+
+
+def data_flags(kind: str, token_file: str) -> list[str]:
+    if kind == "mock":
+        return MOCK
+    return ["--data-path", token_file, "--split", "90,5,5", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+
+
+@pytest.mark.parametrize("kind", ["mock", "real"])
+def test_resume_is_bitwise_exact(tmp_path, token_file, kind):
+    """8 iterations straight == 4 iterations, exit, --load, 4 more (dropout on, to test the RNG)."""
+    common = [*data_flags(kind, token_file), "--train-iters", "8", "--hidden-dropout", "0.1"]
+    _, straight, _ = train(*common, "--save", str(tmp_path / "a"))
+    _, first, _ = train(*common, "--save", str(tmp_path / "b"), "--exit-interval", "4")
+    assert first.exit_reason == "--exit-interval 4" and first.iteration == 4
+    _, second, lines = train(*common, "--save", str(tmp_path / "b"), "--load", str(tmp_path / "b"))
+    assert any("loaded" in line and "iteration 4" in line for line in lines)
+    assert first.losses + second.losses == straight.losses  # bitwise: == on Python floats
+    assert len(set(straight.losses)) == 8
+    # The metrics of the resumed run continue the first run's file without duplicates.
+    records = [json.loads(line) for line in open(tmp_path / "b" / "metrics.jsonl")]
+    iterations = [r["iteration"] for r in records if "split" not in r]
+    assert iterations == [2, 4, 6, 8]
+    straight_records = [json.loads(line) for line in open(tmp_path / "a" / "metrics.jsonl")]
+    assert [r["lm_loss"] for r in records] == [r["lm_loss"] for r in straight_records]
+
+
+def test_without_the_rng_state_dropout_differs(tmp_path):
+    common = [*MOCK, "--train-iters", "4", "--hidden-dropout", "0.1", "--save", str(tmp_path)]
+    _, straight, _ = train(*common[:-2])
+    train(*common, "--exit-interval", "2")
+    _, second, _ = train(*common, "--load", str(tmp_path), "--no-load-rng")
+    assert second.losses[0] != straight.losses[2]
+
+
+def test_finetune_loads_weights_and_restarts_counting(tmp_path):
+    train(*MOCK, "--train-iters", "4", "--save", str(tmp_path / "base"))
+    trainer, state, lines = train(*MOCK, "--train-iters", "2", "--load", str(tmp_path / "base"), "--finetune",
+                                  "--save", str(tmp_path / "ft"))
+    assert state.iteration == 2 and any("--finetune" in line for line in lines)
+    fresh_trainer, fresh, _ = train(*MOCK, "--train-iters", "2")
+    assert state.losses[0] < fresh.losses[0] - 0.05  # it starts from the trained weights
+
+
+def test_load_refuses_a_different_model(tmp_path):
+    train(*MOCK, "--train-iters", "2", "--save", str(tmp_path))
+    with pytest.raises(UserError, match="num_layers .checkpoint 2, now 3."):
+        train(*MOCK, "--train-iters", "4", "--load", str(tmp_path), "--num-layers", "3")
+
+
+def test_load_of_an_empty_folder(tmp_path):
+    with pytest.raises(UserError, match="holds no checkpoint"):
+        train(*MOCK, "--train-iters", "2", "--load", str(tmp_path / "nothing"))
+    # --load equal to --save and still empty: a fresh start (the requeue pattern).
+    _, state, lines = train(*MOCK, "--train-iters", "2", "--load", str(tmp_path), "--save", str(tmp_path))
+    assert state.iteration == 2 and any("starting from scratch" in line for line in lines)
+
+
+def test_lr_schedule_change_on_resume_needs_a_flag(tmp_path):
+    train(*MOCK, "--train-iters", "4", "--save", str(tmp_path), "--exit-interval", "2")
+    with pytest.raises(UserError, match="--override-opt_param-scheduler"):
+        train(*MOCK, "--train-iters", "4", "--load", str(tmp_path), "--lr-decay-style", "linear")
+    _, state, _ = train(*MOCK, "--train-iters", "4", "--load", str(tmp_path), "--lr-decay-style", "linear",
+                        "--override-opt_param-scheduler")
+    assert state.iteration == 4
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]])
+def test_half_precision_tracks_fp32_with_fp32_main_params(precision):
+    _, reference, _ = train(*MOCK, "--train-iters", "10")
+    trainer, state, _ = train(*MOCK, "--train-iters", "10", *precision)
+    dtype = torch.bfloat16 if precision[0] == "--bf16" else torch.float16
+    assert all(p.dtype == dtype for p in trainer.model.parameters())
+    assert all(p.dtype == torch.float32 for p in trainer.optimizer.main_params)
+    assert np.allclose(state.losses, reference.losses, atol=0.02), (state.losses, reference.losses)
+    assert state.losses != reference.losses  # it really ran in half precision
+
+
+def test_fp16_overflow_skips_steps_and_lowers_the_scale():
+    trainer, state, lines = train(*MOCK, "--train-iters", "4", "--fp16", "--log-interval", "4")
+    # 2^32 overflows fp16 grads: every step so far is skipped and the scale backs off.
+    assert trainer.optimizer.loss_scale < 2.0 ** 32
+    assert any("number of skipped iterations:   4" in line for line in lines), lines
+    assert trainer.optimizer.adam.state == {} or all(
+        float(s["step"]) == 0 for s in trainer.optimizer.adam.state.values())
+
+
+def test_recompute_changes_nothing(tmp_path):
+    _, plain, _ = train(*MOCK, "--train-iters", "3")
+    _, full, _ = train(*MOCK, "--train-iters", "3", "--recompute-granularity", "full")
+    _, selective, _ = train(*MOCK, "--train-iters", "3", "--recompute-activations")
+    assert plain.losses == full.losses == selective.losses
+
+
+def test_exit_duration_stops_and_saves(tmp_path):
+    _, state, lines = train(*MOCK, "--train-iters", "50", "--exit-duration-in-mins", "1e-9", "--save", str(tmp_path))
+    assert state.iteration == 1 and state.exit_reason.startswith("--exit-duration-in-mins")
+    assert open(tmp_path / "latest_checkpointed_iteration.txt").read().strip() == "1"
+
+
+def test_divergence_stops_with_one_sentence():
+    with pytest.raises(UserError, match="diverged"):
+        train(*MOCK, "--train-iters", "5", "--lr", "1e30", "--lr-warmup-iters", "0", "--clip-grad", "0")
+
+
+def test_save_interval_and_final_checkpoint(tmp_path):
+    train(*MOCK, "--train-iters", "5", "--save", str(tmp_path), "--save-interval", "2")
+    assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", "iter_0000005",
+                                            "latest_checkpointed_iteration.txt", "metrics.jsonl"]
