@@ -19,12 +19,7 @@ LRS = [3e-3, 1e-2, 5e-3, 2e-3]  # one lr per step: the optimizer must use the on
 HYPER = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:

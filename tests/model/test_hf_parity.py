@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
+from megalite.hf import llama_config_to_hf
 from megalite.model.gpt import GPTModel
 
 transformers = pytest.importorskip("transformers")
@@ -130,20 +131,7 @@ def compare(ours: GPTModel, hf_model, config: ModelConfig, reset_at: int | None 
 
 
 def hf_llama(config: ModelConfig):
-    rope_scaling = None
-    if config.use_rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
-        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon, rope_theta=config.rotary_base, rope_scaling=rope_scaling,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
-        attention_bias=False, mlp_bias=False, attention_dropout=0.0)
-    hf_config._attn_implementation = "eager"
-    return transformers.LlamaForCausalLM(hf_config).float()
+    return transformers.LlamaForCausalLM(llama_config_to_hf(config, attn_implementation="eager")).float()
 
 
 @pytest.mark.parametrize("overrides", [

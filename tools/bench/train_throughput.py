@@ -34,6 +34,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
+from megalite.hf import llama_config_to_hf  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
 
@@ -75,19 +76,7 @@ def hf_llama(config: ModelConfig):
     """LlamaForCausalLM with megalite's dimensions, SDPA attention, no KV cache (fp32, CPU)."""
     import transformers
 
-    rope_scaling = None
-    if config.use_rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-    hf_config = transformers.LlamaConfig(
-        vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
-        num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
-        head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
-        rms_norm_eps=config.norm_epsilon, rope_theta=config.rotary_base, rope_scaling=rope_scaling,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights, attention_bias=False,
-        mlp_bias=False, attention_dropout=0.0, use_cache=False, attn_implementation="sdpa")
-    return transformers.LlamaForCausalLM(hf_config)
+    return transformers.LlamaForCausalLM(llama_config_to_hf(config, attn_implementation="sdpa", use_cache=False))
 
 
 def make_optimizer(model):
