@@ -19,6 +19,7 @@ import torch
 from megalite.arguments import parse_args
 from megalite.errors import run_main
 from megalite.generation import generate
+from megalite.parallel_state import world_size_from_env
 from megalite.training import pretrain
 
 SAMPLE_PROMPT = "def "
@@ -26,15 +27,15 @@ SAMPLE_PROMPT = "def "
 
 def main(argv) -> None:
     start = time.perf_counter()
-    run = parse_args(argv)
+    run = parse_args(argv, world_size_from_env())
     trainer, state = pretrain(run)
-    if not state.losses:
+    if not state.losses or not trainer.parallel.is_logging_rank:
         return
     vocab = run.model.real_vocab_size
     print(f"trained iterations {state.iteration - len(state.losses) + 1}-{state.iteration} in "
           f"{time.perf_counter() - start:.0f} s: lm loss {state.losses[0]:.3f} -> {state.losses[-1]:.3f} "
           f"(ln vocab = {math.log(vocab):.3f})")
-    if state.exit_reason == "finished" and run.data.tokenizer_type != "NullTokenizer":
+    if state.exit_reason == "finished" and run.data.tokenizer_type != "NullTokenizer" and run.parallel.world_size == 1:
         tokenizer = trainer.tokenizer
         sample = generate(trainer.model, tokenizer.tokenize(SAMPLE_PROMPT), 60, temperature=0.8, top_k=40,
                           generator=torch.Generator().manual_seed(run.train.seed))

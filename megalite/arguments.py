@@ -169,6 +169,7 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
 def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
     parallel = _parallel_config(args, world_size)
     model = _model_config(args, parallel.tensor_model_parallel_size)
+    _check_tensor_parallel(model, parallel)
     data = _data_config(args)
     train = _train_config(args, parallel)
     checkpoint = _checkpoint_config(args, data)
@@ -206,6 +207,22 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
     return model_config_from_preset(args.model, tensor_model_parallel_size, **overrides)
 
 
+def _check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Every dimension TP splits must divide by it; SP also splits the sequence."""
+    tp = parallel.tensor_model_parallel_size
+    for flag, value in [("--num-attention-heads", model.num_attention_heads),
+                        ("--num-query-groups", model.query_groups), ("--ffn-hidden-size", model.ffn_hidden_size)]:
+        if value % tp:
+            raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                            f"use a tensor-parallel size that divides it")
+    if parallel.sequence_parallel and tp == 1:
+        raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks, so it needs "
+                        "--tensor-model-parallel-size 2 or more; drop --sequence-parallel")
+    if parallel.sequence_parallel and model.seq_length % tp:
+        raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size {tp}, "
+                        f"which --sequence-parallel needs; use a multiple of {tp}")
+
+
 def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int,
                          tensor_model_parallel_size: int = 1) -> ModelConfig:
     """`model` with the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP."""
@@ -239,10 +256,6 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
 def _refuse_unimplemented(parallel: ParallelConfig) -> None:
     """Parallel features whose issues have not landed stop here rather than run wrong."""
     pending = []
-    if parallel.tensor_model_parallel_size > 1:
-        pending.append(f"--tensor-model-parallel-size {parallel.tensor_model_parallel_size}")
-    if parallel.sequence_parallel:
-        pending.append("--sequence-parallel")
     if parallel.pipeline_model_parallel_size > 1:
         pending.append(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}")
     if parallel.num_layers_per_virtual_pipeline_stage or parallel.num_virtual_stages_per_pipeline_rank:

@@ -39,6 +39,7 @@ from safetensors.torch import save_file
 from megalite.config import ModelConfig
 from megalite.errors import UserError
 from megalite.tensor_parallel.layers import tensor_parallel_rank_size
+from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 FORMAT_VERSION = 1
 LATEST_FILE = "latest_checkpointed_iteration.txt"
@@ -126,14 +127,18 @@ def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> 
             for name, tensor in model.state_dict().items()}
 
 
-def optimizer_state(optimizer) -> tuple[dict[str, list[Piece]], dict]:
+def optimizer_state(optimizer, model: torch.nn.Module | None = None, tp_rank: int = 0,
+                    tp_size: int = 1) -> tuple[dict[str, list[Piece]], dict]:
     """(pieces, meta) of `optimizer.state_dict()`.
 
-    A tensor value is the whole tensor, or a `Piece` of it (a ZeRO shard reshaped to a
-    hyper-rectangle); `load_checkpoint` hands back the same structure.
+    A tensor value is the whole local tensor, or a `Piece` of it (a ZeRO shard reshaped
+    to a hyper-rectangle). Tensors named `<param name>.<kind>` of a TP-sharded param of
+    `model` are placed like the param (`tensor_parallel_pieces`).
     """
     state = optimizer.state_dict()
-    pieces = {name: [value if isinstance(value, Piece) else Piece.full(value)]
+    params = dict(model.named_parameters()) if model is not None else {}
+    pieces = {name: [value] if isinstance(value, Piece) else
+              tensor_parallel_pieces(value, params.get(name.rsplit(".", 1)[0]), tp_rank, tp_size)
               for name, value in state["tensors"].items()}
     return pieces, state["meta"]
 
@@ -152,7 +157,8 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     """
     staging = begin_save(save, iteration, rank, barrier)
     tp_rank, tp_size = tensor_parallel_rank_size(parallel)
-    optim_pieces, optim_meta = optimizer_state(optimizer) if optimizer is not None else (None, None)
+    optim_pieces, optim_meta = (optimizer_state(optimizer, model, tp_rank, tp_size) if optimizer is not None
+                                else (None, None))
     write_rank_files(staging, rank, model_pieces(model, tp_rank, tp_size), optim_pieces)
     barrier()
     if rank == 0:
@@ -340,6 +346,8 @@ def _write_rng_state(path: str) -> None:
     if torch.cuda.is_available():
         for device, state in enumerate(torch.cuda.get_rng_state_all()):
             tensors[f"cuda_{device}"] = state
+    for name, state in model_parallel_rng_tracker.get_states().items():
+        tensors[f"tracker/{name}"] = state
     version, internal, gauss_next = random.getstate()
     meta = {"python": [version, list(internal), gauss_next],
             "numpy": {"name": numpy_state[0], "pos": int(numpy_state[2]), "has_gauss": int(numpy_state[3]),
@@ -359,6 +367,9 @@ def _restore_rng_state(path: str) -> None:
     np.random.set_state((numpy["name"], tensors["numpy_keys"].numpy().astype(np.uint32), numpy["pos"],
                          numpy["has_gauss"], numpy["cached_gaussian"]))
     torch.set_rng_state(tensors["torch_cpu"])
+    tracked = {key.split("/", 1)[1]: value for key, value in tensors.items() if key.startswith("tracker/")}
+    if tracked:
+        model_parallel_rng_tracker.set_states(tracked)
     if torch.cuda.is_available():
         # A CPU checkpoint has no CUDA states and a CPU run cannot take them: each is skipped.
         for device in range(torch.cuda.device_count()):
@@ -387,7 +398,7 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
     with CheckpointReader(path, metadata) as reader:
         _load_model(reader, pieces, vocab)
         if optimizer is not None and load_optim:
-            _load_optimizer(reader, optimizer, vocab)
+            _load_optimizer(reader, optimizer, vocab, model, tp_rank, tp_size)
     if load_rng:
         if rank >= metadata["ranks"]:
             raise UserError(f"{path} holds RNG states for {metadata['ranks']} rank(s) but not for rank {rank} "
@@ -583,19 +594,33 @@ def _load_model(reader: CheckpointReader, pieces: dict[str, list[Piece]], vocab:
                 piece.tensor.copy_(_read_piece(reader, "model", name, piece, vocab))
 
 
-def _load_optimizer(reader: CheckpointReader, optimizer, vocab: tuple[int, int]) -> None:
+def _load_optimizer(reader: CheckpointReader, optimizer, vocab: tuple[int, int], model=None,
+                    tp_rank: int = 0, tp_size: int = 1) -> None:
     """Hand the optimizer the tensors its own `state_dict()` names, shaped and typed like them.
 
     A fresh optimizer's state_dict says what this rank holds (a pipeline stage: its
-    layers; ZeRO: `Piece`s of its shard), so only those parts are read.
+    layers; TP: its shards; ZeRO: `Piece`s of its shard), so only those parts are read.
     """
     state = reader.metadata.get("optimizer")
     if state is None:
         raise UserError(f"checkpoint {reader.path} holds no optimizer state (it was saved without one); "
                         f"pass --no-load-optim to load the model only")
-    tensors = {}
-    for name, value in optimizer.state_dict()["tensors"].items():
-        piece = value if isinstance(value, Piece) else Piece.full(value)
-        loaded = _read_piece(reader, "optimizer", name, piece, vocab).to(piece.tensor.dtype)
-        tensors[name] = dataclasses.replace(piece, tensor=loaded) if isinstance(value, Piece) else loaded
-    optimizer.load_state_dict({"tensors": tensors, "meta": state["meta"]})
+    fresh = {name: dataclasses.replace(value, tensor=torch.empty_like(value.tensor))
+             if isinstance(value, Piece) else torch.empty_like(value)
+             for name, value in optimizer.state_dict()["tensors"].items()}
+    pieces, _ = optimizer_state(_FixedState(fresh), model, tp_rank, tp_size)
+    with torch.no_grad():
+        for name, name_pieces in pieces.items():
+            for piece in name_pieces:
+                piece.tensor.copy_(_read_piece(reader, "optimizer", name, piece, vocab))
+    optimizer.load_state_dict({"tensors": fresh, "meta": state["meta"]})
+
+
+class _FixedState:
+    """Stands in for an optimizer whose state_dict tensors are `tensors` (for piece placement)."""
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+    def state_dict(self) -> dict:
+        return {"tensors": self.tensors, "meta": {}}

@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite import checkpointing
+from megalite import checkpointing, parallel_state
 from megalite.arguments import with_tokenizer_vocab
 from megalite.config import RunConfig
 from megalite.data import build_data_loader, build_gpt_datasets
@@ -37,6 +37,9 @@ from megalite.errors import UserError
 from megalite.logging import TrainingLogger
 from megalite.lr_schedule import LRSchedule
 from megalite.model.gpt import build_model
+from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
+from megalite.tensor_parallel.layers import sequence_parallel_enabled
+from megalite.tensor_parallel.random import model_parallel_seed
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -57,9 +60,17 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def device_for_run() -> torch.device:
-    """The one place the device is chosen (parallel_state takes this over with the TP issue)."""
-    return torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+def seed_everything(seed: int, parallel) -> None:
+    """Python, numpy and torch RNGs: the same on every TP rank (dropout outside TP regions must
+    match), offset per pipeline stage as Megatron does; the TP-region RNG differs per TP rank."""
+    import random
+
+    import numpy as np
+
+    stage_seed = seed + 100 * parallel.pp_rank
+    random.seed(stage_seed)
+    np.random.seed(stage_seed)
+    model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
 
 
 def resolve_data(run: RunConfig) -> None:
@@ -98,11 +109,11 @@ def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
                              growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
 
 
-def build_optimizer(model, run: RunConfig) -> MixedPrecisionOptimizer:
+def build_optimizer(model, run: RunConfig, parallel=None) -> MixedPrecisionOptimizer:
     train = run.train
     return MixedPrecisionOptimizer(model, lr=train.lr, weight_decay=train.weight_decay,
                                    betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-                                   clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run))
+                                   clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run), parallel=parallel)
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -178,19 +189,24 @@ class Trainer:
     def __init__(self, run: RunConfig, log=print_flushed):
         self.run, self.log = run, log
         train = run.train
-        torch.manual_seed(train.seed)
+        self.parallel = parallel_state.initialize(run.parallel)
+        seed_everything(train.seed, self.parallel)
+        self._only_logging_rank_prints(log)
+        if self.parallel.rank == 0:
+            resolve_data(run)  # builds the corpus once; the other ranks wait at the barrier
+        self.barrier()
         resolve_data(run)
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
                                          run.parallel.tensor_model_parallel_size)
-        self.device = device_for_run()
-        self.model = build_model(run.model, train.seed, self.device, train.params_dtype)
+        self.device = self.parallel.device
+        self.model = build_model(run.model, train.seed, self.device, train.params_dtype, parallel=self.parallel)
         self.forward_model = torch.compile(self.model) if train.compile else self.model
-        self.optimizer = build_optimizer(self.model, run)
+        self.optimizer = build_optimizer(self.model, run, self.parallel)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.load()
-        self.num_microbatches = train.global_batch_size // train.micro_batch_size
+        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.parallel.dp_size)
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
         self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
@@ -200,6 +216,8 @@ class Trainer:
         self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length,
                                      train.train_iters, run.logging.log_interval, metrics_file,
                                      device=self.device, dtype=train.params_dtype,
+                                     num_devices=self.parallel.world_size,
+                                     is_logging_rank=self.parallel.is_logging_rank,
                                      start_iteration=self.state.iteration,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
@@ -210,7 +228,16 @@ class Trainer:
             return None
         train = self.run.train
         return iter(build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
+                                      self.parallel.dp_rank, self.parallel.dp_size,
                                       num_workers=self.run.data.num_workers))
+
+    def barrier(self) -> None:
+        if self.parallel.world_size > 1:
+            torch.distributed.barrier()
+
+    def _only_logging_rank_prints(self, log) -> None:
+        if not self.parallel.is_logging_rank:
+            self.log = lambda line: None
 
     # -- checkpoints -------------------------------------------------------------------------
 
@@ -225,10 +252,11 @@ class Trainer:
             self.log(f"no checkpoint in {ckpt.load} yet: starting from scratch")
             return
         finetune = ckpt.finetune
+        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(ckpt.load)
         loaded = checkpointing.load_checkpoint(
             ckpt.load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
             model_config=self.run.model, load_optim=not (finetune or ckpt.no_load_optim),
-            load_rng=not (finetune or ckpt.no_load_rng))
+            load_rng=load_rng, rank=self.parallel.rank, parallel=self.parallel)
         if finetune:
             self.log(f"loaded the model weights of {ckpt.load} iteration {loaded['iteration']} (--finetune): "
                      f"starting at iteration 0")
@@ -244,6 +272,22 @@ class Trainer:
         self.log(f"loaded {ckpt.load} at iteration {self.state.iteration} "
                  f"({self.state.consumed_train_samples} samples consumed)")
 
+    def _same_layout_as(self, load: str) -> bool:
+        """Whether the checkpoint was saved by this parallel layout; if not, say that RNG states stay behind.
+
+        RNG states are per rank, and under another layout a rank's dropout masks cover
+        other activations anyway, so they carry over only between equal layouts.
+        """
+        saved = checkpointing.read_metadata(checkpointing.resolve_checkpoint(load))["extra"].get("run", {})
+        saved = saved.get("parallel", {})
+        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        now = dataclasses.asdict(self.run.parallel)
+        if all(saved.get(key) == now[key] for key in keys):
+            return True
+        self.log(f"the checkpoint was saved by another layout ({', '.join(f'{k}={saved.get(k)}' for k in keys)}); "
+                 f"model, optimizer and data position carry over, RNG states are seeded afresh")
+        return False
+
     def save(self) -> None:
         save = self.run.checkpoint.save
         if save is None:
@@ -254,7 +298,8 @@ class Trainer:
         path = checkpointing.save_checkpoint(save, self.state.iteration, self.model, self.optimizer,
                                              consumed_samples=self.state.consumed_train_samples,
                                              consumed_valid_samples=self.state.consumed_valid_samples,
-                                             model_config=self.run.model, extra=extra)
+                                             model_config=self.run.model, extra=extra, rank=self.parallel.rank,
+                                             parallel=self.parallel, barrier=self.barrier)
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
 
     # -- the loop ----------------------------------------------------------------------------
@@ -265,6 +310,9 @@ class Trainer:
         self.optimizer.zero_grad()
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
         loss = forward_backward(self.forward_model, batch, self.optimizer)
+        if sequence_parallel_enabled(self.parallel):
+            # Norm weights and row-parallel biases saw only this rank's s/tp tokens.
+            allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
         diverged = f"at iteration {self.state.iteration + 1}; the run diverged: lower --lr, keep --clip-grad on, " \
                    "or resume from an earlier checkpoint"
         if not math.isfinite(loss) and self.optimizer.loss_scaler is None:
@@ -320,6 +368,7 @@ class Trainer:
             self.logger.close()
             if sigterm is not None:
                 sigterm.restore()
+            parallel_state.destroy(self.parallel)
         return state
 
 

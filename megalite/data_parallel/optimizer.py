@@ -105,9 +105,14 @@ class MixedPrecisionOptimizer:
     """
 
     def __init__(self, model: nn.Module, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
-                 eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None):
+                 eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
+                 parallel=None):
         _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad)
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
+        # The model-parallel group (TP for now) over which found_inf and the grad norm are combined.
+        self.tp_rank = getattr(parallel, "tp_rank", 0)
+        self.model_parallel_group = getattr(parallel, "tp_group", None) if getattr(parallel, "tp_size", 1) > 1 \
+            else None
         named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters to optimise")
@@ -170,10 +175,11 @@ class MixedPrecisionOptimizer:
             return False
         grads = self.grad_buffer.data
         grads.mul_(1.0 / self.loss_scaler.scale)
-        found_inf = not bool(torch.isfinite(grads).all())
-        # TP/PP: all-reduce found_inf (max) over the model-parallel group so every rank skips together.
-        # (DP needs nothing: gradients are reduced across DP before the step.)
-        return found_inf
+        found_inf = torch.tensor(0.0 if bool(torch.isfinite(grads).all()) else 1.0, device=grads.device)
+        # Every model-parallel rank skips together. (DP needs nothing: grads are reduced across DP first.)
+        if self.model_parallel_group is not None:
+            torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX, group=self.model_parallel_group)
+        return bool(found_inf > 0)
 
     def _grads_for_norm(self) -> list[torch.Tensor]:
         """The grads this rank counts in the global norm: each gradient exactly once overall.
@@ -183,15 +189,17 @@ class MixedPrecisionOptimizer:
         counts only on the first stage. ZeRO: only this rank's shard of the buffer.
         One process: every parameter once.
         """
-        return [param.main_grad for param in self.model_params]
+        return [param.main_grad for param in self.model_params
+                if self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False)]
 
     def _grad_norm(self) -> float:
         """Global L2 norm of all main grads (fp32)."""
         grads = self._grads_for_norm()
-        norms = torch._foreach_norm(grads, 2.0)
-        squared_norm = torch.stack(norms).square().sum()
-        # TP/PP (ZeRO: and DP): all-reduce squared_norm (sum) over the model-parallel group
-        # (ZeRO: the data-parallel group too) before the square root.
+        norms = torch._foreach_norm(grads, 2.0) if grads else []
+        squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.grad_buffer.data.device)
+        # PP (ZeRO: and DP) will join this all-reduce: the pipeline / data-parallel groups too.
+        if self.model_parallel_group is not None:
+            torch.distributed.all_reduce(squared_norm, group=self.model_parallel_group)
         return float(squared_norm.sqrt())
 
     def _clip_grads(self, grad_norm: float) -> None:

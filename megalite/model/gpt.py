@@ -17,13 +17,16 @@ checkpoints drop the padding without changing any output.
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.rotary import RotaryEmbedding
-from megalite.model.transformer import TransformerLayer, make_norm
+from megalite.model.transformer import TransformerLayer, hidden_dropout, make_norm
+from megalite.tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
-                                             initialize, mark_parameter)
+                                             initialize, mark_parameter, sequence_parallel_enabled,
+                                             tensor_parallel_group, tensor_parallel_rank_size)
+from megalite.tensor_parallel.random import checkpoint
 
 
 class Embedding(nn.Module):
@@ -31,7 +34,7 @@ class Embedding(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel=None, with_positions: bool = True):
         super().__init__()
-        self.config = config
+        self.config, self.parallel = config, parallel
         self.word_embeddings = VocabParallelEmbedding(
             config.vocab_size, config.hidden_size, init_std=config.init_method_std,
             real_num_embeddings=config.real_vocab_size, parallel=parallel)
@@ -54,8 +57,9 @@ class Embedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
             hidden = hidden + F.embedding(position_ids.t(), self.position_embeddings)
-        # TP+SP: scatter_to_sequence_parallel_region(hidden) before the dropout.
-        return F.dropout(hidden, self.config.hidden_dropout, self.training)
+        if sequence_parallel_enabled(self.parallel):
+            hidden = scatter_to_sequence_parallel_region(hidden, tensor_parallel_group(self.parallel))  # [s/tp, b, h]
+        return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.parallel)
 
 
 class GPTModel(nn.Module):
@@ -71,8 +75,9 @@ class GPTModel(nn.Module):
                  post_process: bool = True, parallel=None):
         super().__init__()
         config.validate()
-        self.config = config
+        self.config, self.parallel = config, parallel
         self.pre_process, self.post_process = pre_process, post_process
+        self.tp_size = tensor_parallel_rank_size(parallel)[1]
         self.tied = not config.untie_embeddings_and_output_weights
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
         if any(not 0 <= i < config.num_layers for i in layer_ids):
@@ -125,12 +130,13 @@ class GPTModel(nn.Module):
         hidden = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
-            rotary = self.rotary(hidden.shape[0], position_ids, device=hidden.device)
+            seq_length = hidden.shape[0] * (self.tp_size if sequence_parallel_enabled(self.parallel) else 1)
+            rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
         full_recompute = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
         for layer in self.layers.values():
             if full_recompute:
-                hidden = checkpoint(layer, hidden, rotary, use_reentrant=False)
+                hidden = checkpoint(layer, hidden, rotary)
             else:
                 hidden = layer(hidden, rotary)
 
@@ -138,18 +144,17 @@ class GPTModel(nn.Module):
             return hidden
         hidden = self.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.tied else None
-        logits = self.output_layer(hidden, weight)  # [s, b, vocab]
-        real_vocab = self.config.real_vocab_size
+        logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
+        group = tensor_parallel_group(self.parallel)
         if labels is None:
-            return logits[..., :real_vocab].transpose(0, 1).contiguous()
-        if real_vocab < self.config.vocab_size:
-            logits[..., real_vocab:] = float("-inf")  # padding never enters the loss
-        # TP: vocab_parallel_cross_entropy(logits, labels) on the vocab-sharded logits.
-        losses = F.cross_entropy(logits.float().flatten(0, 1), labels.t().flatten(),
-                                 reduction="none").view(labels.shape[1], labels.shape[0]).t().contiguous()
+            logits = gather_from_tensor_parallel_region(logits, group)
+            return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
+        vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start,
+                                              self.config.real_vocab_size).t()  # [b, s] fp32
         if loss_mask is not None:
             losses = losses * loss_mask
-        return losses
+        return losses.contiguous()
 
 
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,

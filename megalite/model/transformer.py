@@ -4,17 +4,33 @@ Activations are `[s, b, h]`. Every projection is a tensor-parallel layer, so the
 and feature counts below are per TP partition (the whole model at TP=1).
 """
 
+import contextlib
 import math
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from megalite.config import ModelConfig
 from megalite.model.rotary import apply_rotary_pos_emb
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
-                                             tensor_parallel_rank_size)
+                                             sequence_parallel_enabled, tensor_parallel_rank_size)
+from megalite.tensor_parallel.random import checkpoint, model_parallel_rng_tracker
+
+
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel=None) -> torch.Tensor:
+    """Dropout on the residual stream `[s, b, h]` (`[s/tp, b, h]` under SP).
+
+    Without SP every TP rank holds the same activations and draws the same mask from the
+    default RNG (identical on TP ranks); under SP each rank holds other tokens, so it
+    draws from the tensor-parallel RNG, which differs per rank.
+    """
+    if not training or p == 0.0:
+        return x
+    if sequence_parallel_enabled(parallel):
+        with model_parallel_rng_tracker.fork():
+            return F.dropout(x, p, True)
+    return F.dropout(x, p, True)
 
 
 def output_projection_std(config: ModelConfig) -> float:
@@ -75,6 +91,7 @@ class Attention(nn.Module):
     def __init__(self, config: ModelConfig, parallel=None):
         super().__init__()
         _, tp_size = tensor_parallel_rank_size(parallel)
+        self.tp_size = tp_size
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp_size
         self.num_groups = config.query_groups // tp_size
@@ -93,20 +110,23 @@ class Attention(nn.Module):
         """q [s, b, heads, d], k/v [s, b, groups, d] -> context [s, b, heads * d]."""
         s, b = q.shape[:2]
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
-        context = F.scaled_dot_product_attention(
-            q, k, v, is_causal=True, dropout_p=self.attention_dropout if self.training else 0.0,
-            enable_gqa=self.num_groups != self.num_heads)
+        dropout = self.attention_dropout if self.training else 0.0
+        # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
+        with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                     enable_gqa=self.num_groups != self.num_heads)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
-        s, b = hidden.shape[:2]
-        qkv = self.linear_qkv(hidden).view(s, b, self.num_groups, (self.heads_per_group + 2) * self.head_dim)
+        qkv = self.linear_qkv(hidden)  # [s, b, qkv/tp]: under SP the full sequence, gathered by the layer
+        s, b = qkv.shape[:2]
+        qkv = qkv.view(s, b, self.num_groups, (self.heads_per_group + 2) * self.head_dim)
         q, k, v = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
         if rotary is not None:
             q, k = apply_rotary_pos_emb(q, *rotary), apply_rotary_pos_emb(k, *rotary)
         if self.selective_recompute and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, q, k, v, use_reentrant=False)
+            context = checkpoint(self.core_attention, q, k, v)
         else:
             context = self.core_attention(q, k, v)
         return self.linear_proj(context)
@@ -146,7 +166,7 @@ class TransformerLayer(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel=None):
         super().__init__()
-        self.hidden_dropout = config.hidden_dropout
+        self.hidden_dropout, self.parallel = config.hidden_dropout, parallel
         self.input_layernorm = make_norm(config)
         self.self_attention = Attention(config, parallel)
         self.pre_mlp_layernorm = make_norm(config)
@@ -154,8 +174,7 @@ class TransformerLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor,
                 rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
-        # TP+SP: dropout here acts on sequence-split activations (the RNG of random.py).
         attention = self.self_attention(self.input_layernorm(hidden), rotary)
-        hidden = hidden + F.dropout(attention, self.hidden_dropout, self.training)
+        hidden = hidden + hidden_dropout(attention, self.hidden_dropout, self.training, self.parallel)
         mlp = self.mlp(self.pre_mlp_layernorm(hidden))
-        return hidden + F.dropout(mlp, self.hidden_dropout, self.training)
+        return hidden + hidden_dropout(mlp, self.hidden_dropout, self.training, self.parallel)

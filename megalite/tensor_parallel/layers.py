@@ -1,11 +1,12 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
 Every layer takes `parallel`, the object `megalite/parallel_state.py` builds (or None for
-one process). The layer reads its tensor-parallel rank and size from it through
-`tensor_parallel_rank_size`, the one place that knows the attribute names. With TP=1
-the layers are plain `F.linear` / `F.embedding` on full weights shaped like
-`nn.Linear` / `nn.Embedding`; the comments marked "TP:" say where the collectives of
-`tensor_parallel/comm.py` go.
+one process). The layer reads its tensor-parallel rank and size, group and
+sequence-parallel flag from it through `tensor_parallel_rank_size`,
+`tensor_parallel_group` and `sequence_parallel_enabled`, the one place that knows the
+attribute names. With TP=1 the layers are plain `F.linear` / `F.embedding` on full
+weights shaped like `nn.Linear` / `nn.Embedding` (the collectives of
+`tensor_parallel/comm.py` are then no-ops).
 
 Initialisation is layout-independent: each weight is drawn as the FULL tensor from a
 generator seeded by (global seed, the parameter's global name), then this rank's shard
@@ -19,7 +20,8 @@ Parameter attributes (read by grad clipping, DDP and sequence parallelism):
   of equal blocks it is sharded block by block (see shard_full_tensor); so checkpoint
   code can cut or join any shard from these attributes alone.
 - `sequence_parallel`: the parameter acts on sequence-split activations under SP
-  (norm weights, row-parallel biases), so its grads must be summed across TP then.
+  (norm weights, row-parallel biases), so its grads must be summed across TP then
+  (`allreduce_sequence_parallel_grads`, re-exported here from comm.py).
 """
 
 import hashlib
@@ -27,6 +29,13 @@ import hashlib
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from megalite.tensor_parallel.comm import (allreduce_sequence_parallel_grads,  # noqa: F401 - re-exported
+                                           copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+                                           gather_from_tensor_parallel_region,
+                                           reduce_from_tensor_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region,
+                                           scatter_to_tensor_parallel_region)
 
 
 def init_seed(seed: int, name: str) -> int:
@@ -72,14 +81,24 @@ def mark_parameter(param: nn.Parameter, tensor_model_parallel: bool, partition_d
 
 
 def tensor_parallel_rank_size(parallel) -> tuple[int, int]:
-    """(tp_rank, tp_size) of `parallel`; (0, 1) for None. Raises until the TP issue lands."""
+    """(tp_rank, tp_size) of `parallel`; (0, 1) for None."""
     if parallel is None:
         return 0, 1
-    rank, size = parallel.tp_rank, parallel.tp_size
-    if size != 1:
-        raise NotImplementedError("tensor parallelism (issue 4) is not implemented yet; "
-                                  "use --tensor-model-parallel-size 1")
-    return rank, size
+    return parallel.tp_rank, parallel.tp_size
+
+
+def tensor_parallel_group(parallel):
+    """The TP process group of `parallel`; None (no collectives) for None or TP=1."""
+    if parallel is None or parallel.tp_size == 1:
+        return None
+    if parallel.tp_group is None:
+        raise ValueError(f"tensor-parallel size {parallel.tp_size} needs a process group, got tp_group=None")
+    return parallel.tp_group
+
+
+def sequence_parallel_enabled(parallel) -> bool:
+    """Whether activations outside the TP regions are split along the sequence (SP)."""
+    return parallel is not None and parallel.tp_size > 1 and bool(parallel.sequence_parallel)
 
 
 def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
@@ -103,7 +122,8 @@ class ColumnParallelLinear(nn.Module):
 
     Input `[*, in]` (full; TP+SP: `[s/tp, b, in]`, all-gathered first), output
     `[*, out/tp]`, or `[*, out]` with `gather_output`. `output_chunks` > 1 says the
-    output is that many equal blocks sharded block by block (see shard_full_tensor).
+    output is that many equal blocks sharded block by block (see shard_full_tensor);
+    a gathered output is put back in the full layout `[block 0; block 1; ...]`.
     `skip_weight_param`: the weight is passed to forward (tied output layer).
     `real_output_size`: rows at or above it are vocabulary padding, initialised to zero.
     """
@@ -113,9 +133,13 @@ class ColumnParallelLinear(nn.Module):
                  real_output_size: int | None = None, parallel=None):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
         self.parallel = parallel
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        if output_size % (output_chunks * self.tp_size):
+            raise ValueError(f"output size {output_size} ({output_chunks} equal blocks) is not divisible into "
+                             f"{output_chunks} x tensor-parallel size {self.tp_size} parts")
         self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
         self.real_output_size = real_output_size
         self.weight = None
@@ -139,9 +163,17 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
         weight = self.weight if weight is None else weight
-        # TP: input = copy_to_tensor_parallel_region(input)  (SP: gather_from_sequence_parallel_region)
+        if self.sequence_parallel:
+            input = gather_from_sequence_parallel_region(input, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
+        else:
+            input = copy_to_tensor_parallel_region(input, self.tp_group)
         output = F.linear(input, weight, self.bias)
-        # TP: if self.gather_output: output = gather_from_tensor_parallel_region(output)
+        if self.gather_output and self.tp_size > 1:
+            output = gather_from_tensor_parallel_region(output, self.tp_group)  # [*, tp * out/tp]
+            if self.output_chunks > 1:  # rank-major [r0: b0 b1, r1: b0 b1] -> block-major [b0: r0 r1, b1: r0 r1]
+                per_rank_block = self.output_size // (self.tp_size * self.output_chunks)
+                output = output.unflatten(-1, (self.tp_size, self.output_chunks, per_rank_block))
+                output = output.transpose(-3, -2).flatten(-3)
         return output
 
     def extra_repr(self) -> str:
@@ -154,13 +186,15 @@ class RowParallelLinear(nn.Module):
 
     Input `[*, in/tp]` (`input_is_parallel`) or `[*, in]` (scattered first); output
     `[*, out]`, summed over TP ranks (TP+SP: reduce-scattered to `[s/tp, b, out]`).
-    The bias is replicated and added once, after the reduction.
+    The bias is replicated and added once, after the reduction; under SP each rank's
+    bias grad covers its s/tp tokens only (see allreduce_sequence_parallel_grads).
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  input_is_parallel: bool = True, parallel=None):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
         self.parallel = parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
@@ -181,10 +215,13 @@ class RowParallelLinear(nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        # TP: if not self.input_is_parallel: input = scatter_to_tensor_parallel_region(input)
-        output = F.linear(input, self.weight)
-        # TP: output = reduce_from_tensor_parallel_region(output)
-        #     (SP: reduce_scatter_to_sequence_parallel_region)
+        if not self.input_is_parallel:
+            input = scatter_to_tensor_parallel_region(input, self.tp_group)  # [*, in] -> [*, in/tp]
+        output = F.linear(input, self.weight)  # this rank's partial sum
+        if self.sequence_parallel:
+            output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, out]
+        else:
+            output = reduce_from_tensor_parallel_region(output, self.tp_group)
         if self.bias is not None:
             output = output + self.bias
         return output
@@ -198,7 +235,8 @@ class VocabParallelEmbedding(nn.Module):
     """Embedding table `[num, dim]` with rows (vocabulary) split across TP ranks.
 
     Input ids `[*]`, output `[*, dim]`. Under TP a rank looks up the ids in its row
-    range, zeroes the rest, and the outputs are summed over TP.
+    range, zeroes the rest, and the outputs are summed over TP. The output is full on
+    every rank; under SP the model scatters it to the sequence-parallel region.
     `real_num_embeddings`: rows at or above it are vocabulary padding, initialised to zero.
     """
 
@@ -206,6 +244,7 @@ class VocabParallelEmbedding(nn.Module):
                  real_num_embeddings: int | None = None, parallel=None):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.tp_group = tensor_parallel_group(parallel)
         self.parallel = parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "vocabulary size")
@@ -222,9 +261,13 @@ class VocabParallelEmbedding(nn.Module):
             self.weight.copy_(shard_full_tensor(full, 0, self.tp_rank, self.tp_size))
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        # TP: mask ids outside [vocab_start_index, + per_partition), shift them into the local
-        # range, look up, zero the masked rows, then reduce_from_tensor_parallel_region.
-        return F.embedding(input_ids, self.weight)
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        local_ids = input_ids - self.vocab_start_index
+        elsewhere = (local_ids < 0) | (local_ids >= self.num_embeddings_per_partition)  # another rank's row
+        output = F.embedding(local_ids.masked_fill(elsewhere, 0), self.weight)
+        output = output.masked_fill(elsewhere.unsqueeze(-1), 0.0)
+        return reduce_from_tensor_parallel_region(output, self.tp_group)
 
     def extra_repr(self) -> str:
         return f"num={self.num_embeddings}, dim={self.embedding_dim}, tp={self.tp_size}"

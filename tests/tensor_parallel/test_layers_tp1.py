@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             init_full_tensor, init_seed, initialize, shard_full_tensor,
-                                             tensor_parallel_rank_size)
+                                             init_full_tensor, init_seed, initialize, sequence_parallel_enabled,
+                                             shard_full_tensor, tensor_parallel_group, tensor_parallel_rank_size)
 
 
 def check_against_linear(layer, x):
@@ -91,8 +91,24 @@ def test_shards_reassemble_the_full_tensor():
     assert torch.equal(gate_up[0], full[[0, 1, 4, 5]]) and torch.equal(gate_up[1], full[[2, 3, 6, 7]])
 
 
-def test_tensor_parallel_sizes_above_one_wait_for_their_issue():
+def test_parallel_state_accessors_and_size_checks():
     assert tensor_parallel_rank_size(None) == (0, 1)
     assert tensor_parallel_rank_size(SimpleNamespace(tp_rank=0, tp_size=1)) == (0, 1)
-    with pytest.raises(NotImplementedError, match="--tensor-model-parallel-size 1"):
-        ColumnParallelLinear(8, 8, parallel=SimpleNamespace(tp_rank=0, tp_size=2))
+    assert tensor_parallel_group(None) is None and not sequence_parallel_enabled(None)
+    one = SimpleNamespace(tp_rank=0, tp_size=1, tp_group=None, sequence_parallel=True)
+    assert tensor_parallel_group(one) is None and not sequence_parallel_enabled(one)  # SP needs TP > 1
+    two = SimpleNamespace(tp_rank=1, tp_size=2, tp_group=None, sequence_parallel=True)
+    assert tensor_parallel_rank_size(two) == (1, 2)
+    with pytest.raises(ValueError, match="tensor-parallel size 2 needs a process group"):
+        tensor_parallel_group(two)
+    # Sizes that do not divide are refused when the layer is built (no collective runs then).
+    four = SimpleNamespace(tp_rank=0, tp_size=4, tp_group=object(), sequence_parallel=False)
+    assert sequence_parallel_enabled(SimpleNamespace(**{**vars(four), "sequence_parallel": True}))
+    with pytest.raises(ValueError, match="output size 10 is not divisible by the tensor-parallel size 4"):
+        ColumnParallelLinear(8, 10, parallel=four)
+    with pytest.raises(ValueError, match="output size 12 .2 equal blocks. is not divisible"):
+        ColumnParallelLinear(8, 12, output_chunks=2, parallel=four)
+    with pytest.raises(ValueError, match="input size 6 is not divisible"):
+        RowParallelLinear(6, 8, parallel=four)
+    with pytest.raises(ValueError, match="vocabulary size 10 is not divisible"):
+        VocabParallelEmbedding(10, 8, parallel=four)

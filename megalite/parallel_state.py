@@ -1,0 +1,261 @@
+"""The rank grid, the process groups cut from it, and the device: one object per run.
+
+Ranks are laid out as Megatron lays them out, tensor-parallel ranks adjacent (fastest),
+then data-parallel, then pipeline:
+
+    global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+so `numpy.arange(world).reshape(pp, dp, tp)` is the whole topology, and every kind of
+group is the set of ranks that share the other coordinates (one transpose of the grid).
+That part is pure index arithmetic (`rank_grid`, `group_ranks`, `coordinates`).
+
+`build_parallel_state` turns it into torch.distributed groups and a `ParallelState`;
+`initialize` does the same from torchrun's environment. There is no global singleton:
+builders take the state as an argument, and tests build as many as they like.
+
+Groups of size 1: when torch.distributed is initialised, every group is a real
+ProcessGroup, even one of a single rank (tp 1, dp 1, ...). Only a world of one without
+torch.distributed has None for every group. The reason: torch.distributed reads
+`group=None` as the WHOLE world, so a None standing for "a trivial TP group" would turn
+a forgotten size check into a world-wide all-reduce. Collectives should still skip the
+call when the size (`tp_size`, ...) is 1; a size-1 group is an identity.
+"""
+
+import os
+from dataclasses import dataclass, field
+from datetime import timedelta
+
+import numpy
+import torch
+import torch.distributed as dist
+from torch.distributed import ProcessGroup
+
+from megalite.config import ParallelConfig
+from megalite.errors import UserError
+
+# Every rank creates every group in this order (torch requires the same new_group calls everywhere).
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+
+
+def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
+    """The global ranks as an int array of shape [pp, dp, tp]; UserError if the sizes don't fit."""
+    for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)]:
+        if not isinstance(size, int) or size < 1:
+            raise UserError(f"{flag} must be a positive integer, got {size!r}")
+    if world_size < 1 or world_size % (tp * pp):
+        raise UserError(
+            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
+            f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
+    return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
+
+
+def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of every kind in GROUP_KINDS; each rank is in one per kind.
+
+    "tp": ranks sharing (pp, dp); "dp": sharing (pp, tp); "pp": sharing (dp, tp);
+    "mp" (tp x pp, one model replica): sharing dp; "embedding": per pipeline, its first
+    and last stage ranks (just the first when pp is 1), which hold tied word embeddings.
+    Middle pipeline stages are in no embedding group.
+    """
+    grid = rank_grid(world_size, tp, pp)
+    _, dp, _ = grid.shape
+    pipelines = grid.transpose(1, 2, 0).reshape(-1, pp).tolist()
+    return {
+        "tp": grid.reshape(-1, tp).tolist(),
+        "dp": grid.transpose(0, 2, 1).reshape(-1, dp).tolist(),
+        "pp": pipelines,
+        "mp": grid.transpose(1, 0, 2).reshape(-1, pp * tp).tolist(),
+        "embedding": [[ranks[0], ranks[-1]] if pp > 1 else [ranks[0]] for ranks in pipelines],
+    }
+
+
+def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
+    """(pp_rank, dp_rank, tp_rank) of global `rank`; the inverse of indexing `rank_grid`."""
+    dp = rank_grid(world_size, tp, pp).shape[1]
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is outside a world of {world_size}")
+    return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+@dataclass
+class ParallelState:
+    """This rank's place in the grid, its process groups, and its device.
+
+    Groups are torch.distributed ProcessGroups (even of size 1), or None in a world of
+    one without torch.distributed. `embedding_group` is also None on middle pipeline
+    stages, which hold no embedding: check `in_embedding_group` before using it, since
+    torch reads group=None as the whole world.
+    """
+
+    rank: int
+    world_size: int
+    tp_size: int
+    tp_rank: int
+    tp_group: ProcessGroup | None
+    pp_size: int
+    pp_rank: int
+    pp_group: ProcessGroup | None
+    dp_size: int
+    dp_rank: int
+    dp_group: ProcessGroup | None
+    mp_group: ProcessGroup | None
+    embedding_group: ProcessGroup | None
+    embedding_ranks: list[int]  # this rank's pipeline's embedding ranks, whether or not it is one
+    device: torch.device
+    sequence_parallel: bool = False
+    backend: str = "gloo"
+    owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+    @property
+    def is_logging_rank(self) -> bool:
+        """The last rank of the world: a last pipeline stage, where the loss is (as Megatron logs)."""
+        return self.rank == self.world_size - 1
+
+    @property
+    def in_embedding_group(self) -> bool:
+        return self.rank in self.embedding_ranks
+
+    @property
+    def next_stage_rank(self) -> int:
+        """Global rank of the next pipeline stage of this pipeline (the first after the last)."""
+        return self._stage_rank((self.pp_rank + 1) % self.pp_size)
+
+    @property
+    def prev_stage_rank(self) -> int:
+        """Global rank of the previous pipeline stage of this pipeline (the last before the first)."""
+        return self._stage_rank((self.pp_rank - 1) % self.pp_size)
+
+    def _stage_rank(self, pp_rank: int) -> int:
+        return pp_rank * self.dp_size * self.tp_size + self.dp_rank * self.tp_size + self.tp_rank
+
+
+def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
+                         device: torch.device | None = None, timeout: timedelta | None = None) -> ParallelState:
+    """This rank's ParallelState for tensor size `tp` and pipeline size `pp` (DP is what remains).
+
+    Uses the initialised torch.distributed world, or a world of one (groups None) without
+    it. Every rank must call this together: each one creates every group of every kind.
+    `device`: None picks cuda:current_device() under nccl (or, without torch.distributed,
+    when CUDA is available), else the CPU. `timeout`: for the new groups (None: torch's
+    default for the backend, which is NOT the one init_process_group was given).
+    """
+    distributed = dist.is_available() and dist.is_initialized()
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
+    groups = group_ranks(world_size, tp, pp)
+    pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    own = _create_groups(groups, rank, timeout) if distributed else dict.fromkeys(GROUP_KINDS)
+    backend = dist.get_backend() if distributed else None
+    device = torch.device(device) if device is not None else _default_device(backend)
+    pipeline = next(i for i, ranks in enumerate(groups["pp"]) if rank in ranks)
+    return ParallelState(
+        rank=rank, world_size=world_size,
+        tp_size=tp, tp_rank=tp_rank, tp_group=own["tp"],
+        pp_size=pp, pp_rank=pp_rank, pp_group=own["pp"],
+        dp_size=world_size // (tp * pp), dp_rank=dp_rank, dp_group=own["dp"],
+        mp_group=own["mp"], embedding_group=own["embedding"], embedding_ranks=groups["embedding"][pipeline],
+        device=device, sequence_parallel=sequence_parallel,
+        backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
+
+
+def _create_groups(groups: dict[str, list[list[int]]], rank: int, timeout: timedelta | None) -> dict:
+    """Create every group (torch needs the same new_group calls on every rank); keep this rank's."""
+    own = dict.fromkeys(GROUP_KINDS)
+    for kind in GROUP_KINDS:
+        for ranks in groups[kind]:
+            group = dist.new_group(ranks, timeout=timeout)
+            if rank in ranks:
+                own[kind] = group
+    return own
+
+
+def _default_device(backend: str | None) -> torch.device:
+    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def world_size_from_env() -> int:
+    """The world size torchrun launched (WORLD_SIZE), 1 for a plain `python` run."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def initialize(parallel_config: ParallelConfig) -> ParallelState:
+    """Join torchrun's world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and build the state.
+
+    Without WORLD_SIZE (plain `python pretrain_gpt.py`) it is a world of one and
+    torch.distributed stays uninitialised. An already initialised world is used as is
+    (and `destroy` leaves it alone). Backend: --distributed-backend, else nccl with CUDA
+    and gloo without; nccl runs on cuda:LOCAL_RANK, gloo on the CPU.
+    """
+    world_size = world_size_from_env()
+    if parallel_config.world_size != world_size:
+        raise ValueError(f"the ParallelConfig was made for a world of {parallel_config.world_size} but "
+                         f"WORLD_SIZE is {world_size}; pass world_size_from_env() to parse_args")
+    tp, pp = parallel_config.tensor_model_parallel_size, parallel_config.pipeline_model_parallel_size
+    rank_grid(world_size, tp, pp)  # the size check, before any process group exists
+    already = dist.is_available() and dist.is_initialized()
+    backend = dist.get_backend() if already else choose_backend(parallel_config.distributed_backend)
+    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+    device = _bind_device(backend, local_rank)
+    if device.type == "cpu":
+        _limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    timeout = timedelta(minutes=parallel_config.distributed_timeout_minutes)
+    owns = "WORLD_SIZE" in os.environ and not already
+    if owns:
+        _check_rendezvous_env()
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+    state = build_parallel_state(tp, pp, sequence_parallel=parallel_config.sequence_parallel,
+                                 device=device, timeout=timeout)
+    state.owns_process_group = owns
+    return state
+
+
+def destroy(state: ParallelState) -> None:
+    """Tear down the process groups if `initialize` created them; otherwise do nothing."""
+    if state.owns_process_group and dist.is_initialized():
+        dist.destroy_process_group()
+        state.owns_process_group = False
+
+
+def choose_backend(requested: str | None) -> str:
+    """`requested` (--distributed-backend), else nccl with CUDA and gloo without."""
+    if requested is None:
+        return "nccl" if torch.cuda.is_available() else "gloo"
+    if requested == "nccl" and not torch.cuda.is_available():
+        raise UserError("--distributed-backend nccl needs CUDA, but no GPU is available; "
+                        "use --distributed-backend gloo (or drop the flag) to train on CPUs")
+    return requested
+
+
+def _bind_device(backend: str, local_rank: int) -> torch.device:
+    """cuda:LOCAL_RANK (made current) under nccl; the CPU under gloo, even when a GPU is present."""
+    if backend != "nccl":
+        return torch.device("cpu")
+    count = torch.cuda.device_count()
+    if local_rank >= count:
+        raise UserError(f"LOCAL_RANK {local_rank} has no GPU: only {count} are visible; launch at most "
+                        f"{count} processes per node (torchrun --nproc_per_node {count})")
+    torch.cuda.set_device(local_rank)
+    return torch.device("cuda", local_rank)
+
+
+def _limit_cpu_threads(local_world_size: int) -> None:
+    """Share the cores among this node's ranks, unless OMP_NUM_THREADS already says how."""
+    if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
+        cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
+        torch.set_num_threads(max(1, cores // local_world_size))
+
+
+def _check_rendezvous_env() -> None:
+    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+    if missing:
+        raise UserError(f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with "
+                        f"`torchrun --nproc_per_node N pretrain_gpt.py ...`, or unset WORLD_SIZE for one process")

@@ -1,0 +1,82 @@
+"""Run a function in a gloo world of N CPU processes, one thread each, and collect the results.
+
+    from tests.distributed import run_world
+
+    def body(rank, world_size, scale):          # runs in every process, after init_process_group
+        x = torch.full((2,), float(rank)) * scale
+        torch.distributed.all_reduce(x)
+        return x                                # must pickle; comes back in rank order
+
+    results = run_world(4, body, 2.0)           # [tensor, tensor, tensor, tensor]
+
+A failure on any rank fails the caller with that rank's traceback; a hang fails after
+`timeout` seconds instead of stalling the suite. `body` must be a module-level function
+(it is pickled into a fresh `spawn` process).
+"""
+
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> None:
+    torch.set_num_threads(1)
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
+        try:
+            results.put((rank, "ok", body(rank, world_size, *args)))
+        finally:
+            dist.destroy_process_group()
+    except BaseException:  # noqa: BLE001 - every failure must reach the parent
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_world(world_size: int, body, *args, timeout: float = 240.0) -> list:
+    """`body(rank, world_size, *args)` on each of `world_size` gloo ranks; its results by rank."""
+    context = mp.get_context("spawn")
+    results = context.SimpleQueue()
+    with tempfile.TemporaryDirectory() as folder:
+        init_file = os.path.join(folder, "init")
+        processes = [context.Process(target=_worker, args=(rank, world_size, init_file, body, args, results),
+                                     daemon=True) for rank in range(world_size)]
+        for process in processes:
+            process.start()
+        try:
+            outputs = _collect(results, processes, timeout)
+        finally:
+            for process in processes:
+                process.join(timeout=5)
+                if process.is_alive():
+                    process.kill()
+    return [outputs[rank] for rank in range(world_size)]
+
+
+def _collect(results, processes, timeout: float) -> dict:
+    """Results by rank; AssertionError on the first failure, a dead rank, or the timeout."""
+    outputs = {}
+    start = time.monotonic()
+    while len(outputs) < len(processes):
+        if not results.empty():
+            rank, status, value = results.get()
+            if status == "error":
+                raise AssertionError(f"rank {rank} failed:\n{value}")
+            outputs[rank] = value
+            continue
+        dead = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0) and rank not in outputs]
+        if dead and results.empty():
+            time.sleep(0.5)  # its error report may still be in flight
+            if results.empty():
+                raise AssertionError(f"ranks {dead} died with exit codes "
+                                     f"{[processes[r].exitcode for r in dead]} and no report")
+        if time.monotonic() - start > timeout:
+            missing = sorted(set(range(len(processes))) - set(outputs))
+            raise AssertionError(f"ranks {missing} gave no result within {timeout:.0f} s: a hang")
+        time.sleep(0.01)
+    return outputs

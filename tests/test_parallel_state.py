@@ -1,0 +1,184 @@
+"""The rank grid (pure arithmetic), the process groups a gloo world builds from it, and a world of one."""
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from megalite import parallel_state
+from megalite.config import ParallelConfig
+from megalite.errors import UserError
+from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, group_ranks, initialize,
+                                     rank_grid)
+from tests.distributed import run_world
+
+LAYOUTS = [(8, 2, 2), (8, 4, 1), (8, 1, 8), (4, 1, 1), (1, 1, 1)]  # (world, tp, pp)
+
+
+def test_megatron_layout_for_world_8_tp_2_pp_2():
+    groups = group_ranks(8, tp=2, pp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert groups["dp"] == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
+    assert groups["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert rank_grid(8, 2, 2).tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+def test_other_layouts():
+    assert group_ranks(8, 4, 1)["tp"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert group_ranks(8, 4, 1)["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert group_ranks(8, 4, 1)["embedding"] == [[r] for r in range(8)]
+    assert group_ranks(8, 1, 8)["pp"] == [list(range(8))]
+    assert group_ranks(8, 1, 8)["embedding"] == [[0, 7]]
+    assert group_ranks(4, 1, 1)["dp"] == [[0, 1, 2, 3]]
+    assert group_ranks(1, 1, 1) == {kind: [[0]] for kind in GROUP_KINDS}
+
+
+@pytest.mark.parametrize("world, tp, pp", LAYOUTS)
+def test_every_rank_once_per_kind_and_groups_share_the_other_coordinates(world, tp, pp):
+    groups = group_ranks(world, tp, pp)
+    dp = world // (tp * pp)
+    sizes = {"tp": tp, "dp": dp, "pp": pp, "mp": tp * pp}
+    for kind, size in sizes.items():
+        assert sorted(r for ranks in groups[kind] for r in ranks) == list(range(world)), kind
+        assert all(len(ranks) == size for ranks in groups[kind]), kind
+    # Which coordinates a group of each kind holds fixed (pp, dp, tp).
+    shared = {"tp": (0, 1), "dp": (0, 2), "pp": (1, 2), "mp": (1,)}
+    for kind, fixed in shared.items():
+        for ranks in groups[kind]:
+            coords = [coordinates(r, world, tp, pp) for r in ranks]
+            assert len({tuple(c[i] for i in fixed) for c in coords}) == 1, (kind, ranks)
+    embedding = [r for ranks in groups["embedding"] for r in ranks]
+    assert len(embedding) == len(set(embedding))
+    assert all(coordinates(r, world, tp, pp)[0] in (0, pp - 1) for r in embedding)
+
+
+@pytest.mark.parametrize("world, tp, pp", LAYOUTS)
+def test_coordinates_round_trip(world, tp, pp):
+    grid = rank_grid(world, tp, pp)
+    for rank in range(world):
+        pp_rank, dp_rank, tp_rank = coordinates(rank, world, tp, pp)
+        assert grid[pp_rank, dp_rank, tp_rank] == rank
+        assert rank == pp_rank * (world // pp) + dp_rank * tp + tp_rank
+
+
+def test_sizes_that_do_not_fit_name_the_flags_and_numbers():
+    with pytest.raises(UserError, match=r"--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 3 "
+                                        r"= 6 does not divide the world size 8"):
+        rank_grid(8, 2, 3)
+    with pytest.raises(UserError, match="--tensor-model-parallel-size must be a positive integer, got 0"):
+        group_ranks(8, 0, 1)
+    with pytest.raises(UserError, match="--pipeline-model-parallel-size must be a positive integer, got -2"):
+        coordinates(0, 8, 1, -2)
+    with pytest.raises(ValueError, match="rank 8 is outside a world of 8"):
+        coordinates(8, 8, 2, 2)
+
+
+def test_world_of_one_without_torch_distributed():
+    assert not dist.is_initialized()
+    state = build_parallel_state()
+    assert (state.rank, state.world_size) == (0, 1)
+    assert (state.tp_size, state.pp_size, state.dp_size) == (1, 1, 1)
+    assert (state.tp_rank, state.pp_rank, state.dp_rank) == (0, 0, 0)
+    assert all(group is None for group in (state.tp_group, state.pp_group, state.dp_group,
+                                           state.mp_group, state.embedding_group))
+    assert state.embedding_ranks == [0] and state.in_embedding_group
+    assert state.is_first_stage and state.is_last_stage and state.is_logging_rank
+    if not torch.cuda.is_available():
+        assert state.device == torch.device("cpu") and state.backend == "gloo"
+    with pytest.raises(UserError, match="does not divide the world size 1"):
+        build_parallel_state(tp=2)
+
+
+def test_initialize_world_of_one(monkeypatch):
+    for name in ("WORLD_SIZE", "RANK", "LOCAL_RANK", "LOCAL_WORLD_SIZE"):
+        monkeypatch.delenv(name, raising=False)
+    state = initialize(ParallelConfig(distributed_backend="gloo"))
+    assert state.device == torch.device("cpu") and state.world_size == 1 and state.tp_group is None
+    assert not dist.is_initialized()
+    parallel_state.destroy(state)  # nothing to tear down
+    with pytest.raises(UserError, match="--pipeline-model-parallel-size 2 = 2 does not divide the world size 1"):
+        initialize(ParallelConfig(pipeline_model_parallel_size=2))
+    with pytest.raises(ValueError, match="WORLD_SIZE is 1"):
+        initialize(ParallelConfig(world_size=4))
+
+
+def test_nccl_without_cuda_names_the_flag(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(UserError, match="--distributed-backend nccl needs CUDA"):
+        parallel_state.choose_backend("nccl")
+    assert parallel_state.choose_backend(None) == "gloo"
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    threads = torch.get_num_threads()
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(parallel_state.os, "sched_getaffinity", lambda pid: set(range(8)), raising=False)
+    try:
+        parallel_state._limit_cpu_threads(4)
+        assert torch.get_num_threads() == 2
+        parallel_state._limit_cpu_threads(16)
+        assert torch.get_num_threads() == 1
+        monkeypatch.setenv("OMP_NUM_THREADS", "3")
+        torch.set_num_threads(5)
+        parallel_state._limit_cpu_threads(4)
+        assert torch.get_num_threads() == 5
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _groups_seen(state) -> dict:
+    """Per kind: (the group's ranks, the ranks an all-reduce of one-hot vectors over it finds)."""
+    seen = {}
+    for kind in GROUP_KINDS:
+        group = getattr(state, f"{kind}_group")
+        if group is None:
+            seen[kind] = None
+            continue
+        one_hot = torch.zeros(state.world_size)
+        one_hot[state.rank] = 1.0
+        dist.all_reduce(one_hot, group=group)
+        seen[kind] = (dist.get_process_group_ranks(group), one_hot.nonzero().flatten().tolist())
+    return seen
+
+
+def _state_summary(state) -> dict:
+    return dict(coords=(state.pp_rank, state.dp_rank, state.tp_rank),
+                sizes=(state.pp_size, state.dp_size, state.tp_size), groups=_groups_seen(state),
+                first=state.is_first_stage, last=state.is_last_stage, logging=state.is_logging_rank,
+                embedding_ranks=state.embedding_ranks, next=state.next_stage_rank, prev=state.prev_stage_rank,
+                device=str(state.device), backend=state.backend)
+
+
+def _two_topologies(rank, world_size):
+    """Two states in one process: tp 2 x pp 2 built directly, then pp 4 through initialize."""
+    grid = _state_summary(build_parallel_state(tp=2, pp=2))
+    state = initialize(ParallelConfig(pipeline_model_parallel_size=4, distributed_backend="gloo",
+                                      world_size=world_size))
+    pipeline = _state_summary(state)
+    parallel_state.destroy(state)  # run_world owns the process group: this must leave it alone
+    assert dist.is_initialized()
+    return grid, pipeline
+
+
+def test_groups_in_a_gloo_world_of_4():
+    results = run_world(4, _two_topologies)
+    for layout, (tp, pp) in enumerate([(2, 2), (1, 4)]):
+        expected = group_ranks(4, tp, pp)
+        for rank, summary in enumerate(r[layout] for r in results):
+            pp_rank = coordinates(rank, 4, tp, pp)[0]
+            assert summary["coords"] == coordinates(rank, 4, tp, pp)
+            assert summary["sizes"] == (pp, 4 // (tp * pp), tp)
+            for kind in GROUP_KINDS:
+                mine = [ranks for ranks in expected[kind] if rank in ranks]
+                if not mine:  # a middle pipeline stage: no embedding group
+                    assert kind == "embedding" and summary["groups"][kind] is None
+                    continue
+                assert summary["groups"][kind] == (mine[0], mine[0]), (layout, rank, kind)
+            assert summary["first"] == (pp_rank == 0) and summary["last"] == (pp_rank == pp - 1)
+            assert summary["logging"] == (rank == 3)
+            stride = 4 // pp
+            assert summary["next"] == (rank + stride) % 4 and summary["prev"] == (rank - stride) % 4
+            assert summary["device"] == "cpu" and summary["backend"] == "gloo"
+    assert [r[1]["embedding_ranks"] for r in results] == [[0, 3]] * 4
+    assert [r[1]["groups"]["embedding"] is None for r in results] == [False, True, True, False]

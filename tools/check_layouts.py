@@ -1,0 +1,83 @@
+"""Train the same model under several parallel layouts and compare each loss curve with one process.
+
+    python tools/check_layouts.py                      # every layout below, both model families
+    python tools/check_layouts.py --layouts tp2 tp2-sp --models llama
+
+Each layout runs `pretrain_gpt.py --mock-data` for --train-iters iterations (fp32,
+dropout 0) through torchrun on CPU (gloo, one thread per rank) and writes a metrics
+file; tools/loss_compare.py's comparison against the single-process run gives the
+largest relative difference per layout. Exits 1 when any exceeds --rtol.
+"""
+
+import argparse
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from tools.loss_compare import compare, read_losses  # noqa: E402
+
+COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "2",
+          "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",
+          "--global-batch-size", "4", "--log-interval", "1", "--eval-interval", "5", "--eval-iters", "1",
+          "--hidden-dropout", "0", "--attention-dropout", "0"]
+MODELS = {
+    # GQA, rope, RMSNorm, SwiGLU, untied output, no biases
+    "llama": ["--group-query-attention", "--num-query-groups", "4", "--ffn-hidden-size", "128"],
+    # LayerNorm, GELU, biases, learned positions, tied output
+    "gpt": ["--model", "gpt2-124m", "--max-position-embeddings", "64"],
+}
+LAYOUTS = {  # name -> (processes, flags)
+    "tp2": (2, ["--tensor-model-parallel-size", "2"]),
+    "tp4": (4, ["--tensor-model-parallel-size", "4"]),
+    "tp2-sp": (2, ["--tensor-model-parallel-size", "2", "--sequence-parallel"]),
+    "tp4-sp": (4, ["--tensor-model-parallel-size", "4", "--sequence-parallel"]),
+}
+
+
+def run(processes: int, flags: list[str], metrics: str) -> None:
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
+    command = (launcher if processes > 1 else [sys.executable]) + [os.path.join(REPO_ROOT, "pretrain_gpt.py"),
+                                                                  *flags, "--metrics-file", metrics]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
+    if result.returncode != 0:
+        raise SystemExit(f"failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+
+
+def largest_difference(model: str, layout: str, train_iters: int, folder: str) -> float:
+    """Relative loss difference of `layout` against one process, for `model` (runs both)."""
+    flags = [*COMMON, *MODELS[model], "--train-iters", str(train_iters)]
+    reference = os.path.join(folder, f"{model}-single.jsonl")
+    if not os.path.exists(reference):
+        run(1, flags, reference)
+    processes, layout_flags = LAYOUTS[layout]
+    other = os.path.join(folder, f"{model}-{layout}.jsonl")
+    run(processes, [*flags, *layout_flags], other)
+    return compare(read_losses(reference), read_losses(other))[1]
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="+", default=list(LAYOUTS), choices=list(LAYOUTS))
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=list(MODELS))
+    parser.add_argument("--train-iters", type=int, default=10)
+    parser.add_argument("--rtol", type=float, default=1e-5)
+    args = parser.parse_args(argv)
+    worst = 0.0
+    with tempfile.TemporaryDirectory() as folder:
+        for model in args.models:
+            for layout in args.layouts:
+                difference = largest_difference(model, layout, args.train_iters, folder)
+                worst = max(worst, difference)
+                print(f"{model:<6} {layout:<8} largest relative loss difference vs 1 process: {difference:.2e}",
+                      flush=True)
+    print(f"all layouts {'within' if worst <= args.rtol else 'ABOVE'} --rtol {args.rtol:g} (worst {worst:.2e})")
+    return 0 if worst <= args.rtol else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
