@@ -127,20 +127,18 @@ def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> 
             for name, tensor in model.state_dict().items()}
 
 
-def optimizer_state(optimizer, model: torch.nn.Module | None = None, tp_rank: int = 0,
-                    tp_size: int = 1) -> tuple[dict[str, list[Piece]], dict]:
-    """(pieces, meta) of `optimizer.state_dict()`.
+def optimizer_pieces(tensors: dict, model: torch.nn.Module | None = None, tp_rank: int = 0,
+                     tp_size: int = 1) -> dict[str, list[Piece]]:
+    """The tensors of an optimizer's `state_dict()` as pieces of global tensors.
 
-    A tensor value is the whole local tensor, or a `Piece` of it (a ZeRO shard reshaped
-    to a hyper-rectangle). Tensors named `<param name>.<kind>` of a TP-sharded param of
+    A value is the whole local tensor, or a `Piece` of it (a ZeRO shard reshaped to a
+    hyper-rectangle). Tensors named `<param name>.<kind>` of a TP-sharded param of
     `model` are placed like the param (`tensor_parallel_pieces`).
     """
-    state = optimizer.state_dict()
     params = dict(model.named_parameters()) if model is not None else {}
-    pieces = {name: [value] if isinstance(value, Piece) else
-              tensor_parallel_pieces(value, params.get(name.rsplit(".", 1)[0]), tp_rank, tp_size)
-              for name, value in state["tensors"].items()}
-    return pieces, state["meta"]
+    return {name: [value] if isinstance(value, Piece) else
+            tensor_parallel_pieces(value, params.get(name.rsplit(".", 1)[0]), tp_rank, tp_size)
+            for name, value in tensors.items()}
 
 
 # -- saving ------------------------------------------------------------------------------------
@@ -157,8 +155,11 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     """
     staging = begin_save(save, iteration, rank, barrier)
     tp_rank, tp_size = tensor_parallel_rank_size(parallel)
-    optim_pieces, optim_meta = (optimizer_state(optimizer, model, tp_rank, tp_size) if optimizer is not None
-                                else (None, None))
+    optim_pieces = optim_meta = None
+    if optimizer is not None:
+        optim_state = optimizer.state_dict()
+        optim_pieces = optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size)
+        optim_meta = optim_state["meta"]
     write_rank_files(staging, rank, model_pieces(model, tp_rank, tp_size), optim_pieces)
     barrier()
     if rank == 0:
@@ -608,19 +609,9 @@ def _load_optimizer(reader: CheckpointReader, optimizer, vocab: tuple[int, int],
     fresh = {name: dataclasses.replace(value, tensor=torch.empty_like(value.tensor))
              if isinstance(value, Piece) else torch.empty_like(value)
              for name, value in optimizer.state_dict()["tensors"].items()}
-    pieces, _ = optimizer_state(_FixedState(fresh), model, tp_rank, tp_size)
+    pieces = optimizer_pieces(fresh, model, tp_rank, tp_size)
     with torch.no_grad():
         for name, name_pieces in pieces.items():
             for piece in name_pieces:
                 piece.tensor.copy_(_read_piece(reader, "optimizer", name, piece, vocab))
     optimizer.load_state_dict({"tensors": fresh, "meta": state["meta"]})
-
-
-class _FixedState:
-    """Stands in for an optimizer whose state_dict tensors are `tensors` (for piece placement)."""
-
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
-
-    def state_dict(self) -> dict:
-        return {"tensors": self.tensors, "meta": {}}

@@ -134,14 +134,14 @@ def forward_backward(model, micro_batches, optimizer=None) -> float:
         raise UserError("a global batch has no tokens that count towards the loss (every loss_mask "
                         "is zero); check --eod-mask-loss and the data")
     device = next(model.parameters()).device
-    total_loss = torch.zeros((), dtype=torch.float64)
+    total_loss = torch.zeros((), dtype=torch.float64, device=device)  # one device sync, at the end
     for mb in micro_batches:
         mb = {key: value.to(device, non_blocking=True) for key, value in mb.items()}
         losses = model(mb["tokens"], mb["position_ids"], mb["labels"], mb["loss_mask"])  # [b, s] fp32
         loss = losses.sum() / total_tokens
         if optimizer is not None:
             optimizer.scale_loss(loss).backward()
-        total_loss += loss.detach().double().cpu()
+        total_loss += loss.detach().double()
     return float(total_loss)
 
 
@@ -187,15 +187,12 @@ class Trainer:
     """One run's objects, built in the order the checkpoint and the data need them."""
 
     def __init__(self, run: RunConfig, log=print_flushed):
-        self.run, self.log = run, log
+        self.run = run
         train = run.train
         self.parallel = parallel_state.initialize(run.parallel)
+        self.log = log if self.parallel.is_logging_rank else lambda line: None
         seed_everything(train.seed, self.parallel)
-        self._only_logging_rank_prints(log)
-        if self.parallel.rank == 0:
-            resolve_data(run)  # builds the corpus once; the other ranks wait at the barrier
-        self.barrier()
-        resolve_data(run)
+        resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
                                          run.parallel.tensor_model_parallel_size)
@@ -234,10 +231,6 @@ class Trainer:
     def barrier(self) -> None:
         if self.parallel.world_size > 1:
             torch.distributed.barrier()
-
-    def _only_logging_rank_prints(self, log) -> None:
-        if not self.parallel.is_logging_rank:
-            self.log = lambda line: None
 
     # -- checkpoints -------------------------------------------------------------------------
 

@@ -41,9 +41,11 @@ def all_reduce(tensor: torch.Tensor, group, op=dist.ReduceOp.SUM) -> torch.Tenso
     return tensor
 
 
+# The helpers below run inside the Functions, which only the wrappers at the end call, and
+# those only for groups of two or more ranks.
+
+
 def _all_reduce_copy(x: torch.Tensor, group) -> torch.Tensor:
-    if group_size(group) == 1:
-        return x
     return all_reduce(x.clone(memory_format=torch.contiguous_format), group)
 
 
@@ -55,32 +57,24 @@ def _chunk_size(length: int, size: int, what: str) -> int:
 
 def _split_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if size == 1:
-        return x
     width = _chunk_size(x.shape[-1], size, "last dimension")
     return x.narrow(-1, group_rank(group) * width, width).contiguous()
 
 
 def _gather_last_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if size == 1:
-        return x
     # Gathered along the first dim (the one form gloo accepts), then laid side by side.
     return torch.cat(_gather_first_dim(x, group).chunk(size, dim=0), dim=-1)
 
 
 def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if size == 1:
-        return x
     length = _chunk_size(x.shape[0], size, "sequence length")
     return x.narrow(0, group_rank(group) * length, length).contiguous()
 
 
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if size == 1:
-        return x
     output = x.new_empty((size * x.shape[0], *x.shape[1:]))
     _all_gather_single(output, x.contiguous(), group=group)
     return output
@@ -88,8 +82,6 @@ def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 
 def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
-    if size == 1:
-        return x
     length = _chunk_size(x.shape[0], size, "sequence length")
     output = x.new_empty((length, *x.shape[1:]))
     _reduce_scatter_single(output, x.contiguous(), group=group)
@@ -210,39 +202,44 @@ class _ReduceScatterToSequenceParallelRegion(torch.autograd.Function):
         return _gather_first_dim(grad, ctx.group), None
 
 
+def _unless_single_rank(function, x: torch.Tensor, group) -> torch.Tensor:
+    """`function.apply(x, group)`, or `x` itself when the group has one rank (TP=1)."""
+    return x if group_size(group) == 1 else function.apply(x, group)
+
+
 def copy_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """Identity forward, all-reduced grad backward (f in Megatron's paper)."""
-    return x if group_size(group) == 1 else _CopyToTensorParallelRegion.apply(x, group)
+    return _unless_single_rank(_CopyToTensorParallelRegion, x, group)
 
 
 def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """All-reduce forward, identity backward (g in Megatron's paper)."""
-    return x if group_size(group) == 1 else _ReduceFromTensorParallelRegion.apply(x, group)
+    return _unless_single_rank(_ReduceFromTensorParallelRegion, x, group)
 
 
 def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[*, h] -> [*, h/tp]` (this rank's slice); grads all-gathered."""
-    return x if group_size(group) == 1 else _ScatterToTensorParallelRegion.apply(x, group)
+    return _unless_single_rank(_ScatterToTensorParallelRegion, x, group)
 
 
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[*, h/tp] -> [*, h]` (all-gather, rank order); grads sliced."""
-    return x if group_size(group) == 1 else _GatherFromTensorParallelRegion.apply(x, group)
+    return _unless_single_rank(_GatherFromTensorParallelRegion, x, group)
 
 
 def scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[s, b, h] -> [s/tp, b, h]` (this rank's chunk); grads all-gathered."""
-    return x if group_size(group) == 1 else _ScatterToSequenceParallelRegion.apply(x, group)
+    return _unless_single_rank(_ScatterToSequenceParallelRegion, x, group)
 
 
 def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[s/tp, b, h] -> [s, b, h]` (all-gather); grads reduce-scattered."""
-    return x if group_size(group) == 1 else _GatherFromSequenceParallelRegion.apply(x, group)
+    return _unless_single_rank(_GatherFromSequenceParallelRegion, x, group)
 
 
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[s, b, h] -> [s/tp, b, h]` summed over ranks (reduce-scatter); grads all-gathered."""
-    return x if group_size(group) == 1 else _ReduceScatterToSequenceParallelRegion.apply(x, group)
+    return _unless_single_rank(_ReduceScatterToSequenceParallelRegion, x, group)
 
 
 def allreduce_sequence_parallel_grads(params, group) -> None:

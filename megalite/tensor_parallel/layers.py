@@ -134,7 +134,6 @@ class ColumnParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
-        self.parallel = parallel
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
         if output_size % (output_chunks * self.tp_size):
@@ -195,7 +194,6 @@ class RowParallelLinear(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
-        self.parallel = parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.init_std, self.input_is_parallel = init_std, input_is_parallel
@@ -245,7 +243,6 @@ class VocabParallelEmbedding(nn.Module):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
         self.tp_group = tensor_parallel_group(parallel)
-        self.parallel = parallel
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "vocabulary size")
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
