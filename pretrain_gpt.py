@@ -37,7 +37,7 @@ def main(argv) -> None:
           f"(ln vocab = {math.log(vocab):.3f})")
     if state.exit_reason == "finished" and run.data.tokenizer_type != "NullTokenizer" and run.parallel.world_size == 1:
         tokenizer = trainer.tokenizer
-        sample = generate(trainer.model, tokenizer.tokenize(SAMPLE_PROMPT), 60, temperature=0.8, top_k=40,
+        sample = generate(trainer.model[0], tokenizer.tokenize(SAMPLE_PROMPT), 60, temperature=0.8, top_k=40,
                           generator=torch.Generator().manual_seed(run.train.seed))
         print("sample:\n" + tokenizer.detokenize(sample))
 

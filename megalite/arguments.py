@@ -143,6 +143,8 @@ def _add_logging_args(group) -> None:
     group.add_argument("--eval-interval", type=int, default=100, help="0: only at the end")
     group.add_argument("--eval-iters", type=int, default=5)
     group.add_argument("--metrics-file", help="JSONL metrics; default <save>/metrics.jsonl")
+    group.add_argument("--debug-pipeline-schedule", action="store_true",
+                       help="print each rank's sends, receives, forwards and backwards as they happen")
 
 
 def _add_parallel_args(group) -> None:
@@ -150,6 +152,10 @@ def _add_parallel_args(group) -> None:
     group.add_argument("--pipeline-model-parallel-size", type=int, default=1)
     group.add_argument("--num-layers-per-virtual-pipeline-stage", type=int)
     group.add_argument("--num-virtual-stages-per-pipeline-rank", type=int)
+    group.add_argument("--decoder-first-pipeline-num-layers", type=int,
+                       help="layers on the first pipeline stage (the rest split evenly)")
+    group.add_argument("--decoder-last-pipeline-num-layers", type=int,
+                       help="layers on the last pipeline stage (the rest split evenly)")
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
     group.add_argument("--overlap-grad-reduce", action="store_true")
@@ -170,10 +176,12 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     parallel = _parallel_config(args, world_size)
     model = _model_config(args, parallel.tensor_model_parallel_size)
     _check_tensor_parallel(model, parallel)
+    _check_pipeline_parallel(model, parallel)
     data = _data_config(args)
     train = _train_config(args, parallel)
     checkpoint = _checkpoint_config(args, data)
-    logging = LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file)
+    logging = LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,
+                            debug_pipeline_schedule=args.debug_pipeline_schedule)
     if logging.log_interval < 1:
         raise UserError(f"--log-interval must be at least 1, got {logging.log_interval}")
     # The schedule and the loss scaler check their own flags; build them once to do it now,
@@ -223,6 +231,35 @@ def _check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
                         f"which --sequence-parallel needs; use a multiple of {tp}")
 
 
+def _check_pipeline_parallel(model: ModelConfig, parallel: ParallelConfig) -> None:
+    """Virtual stages need a pipeline; the layers must split over every virtual stage."""
+    from megalite.pipeline_parallel.stages import virtual_stage_layers
+
+    pp, per_stage = parallel.pipeline_model_parallel_size, parallel.num_layers_per_virtual_pipeline_stage
+    chunks = parallel.num_virtual_stages_per_pipeline_rank
+    if per_stage is not None and chunks is not None:
+        raise UserError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
+                        "both given; pick one")
+    if per_stage is not None:
+        if per_stage < 1 or model.num_layers % (per_stage * pp):
+            raise UserError(f"--num-layers {model.num_layers} is not divisible by --num-layers-per-virtual-"
+                            f"pipeline-stage {per_stage} x --pipeline-model-parallel-size {pp}; pick values whose "
+                            f"product divides the layer count")
+        chunks = model.num_layers // (per_stage * pp)
+    chunks = 1 if chunks is None else chunks
+    if chunks < 1:
+        raise UserError(f"--num-virtual-stages-per-pipeline-rank must be at least 1, got {chunks}")
+    if chunks > 1 and pp == 1:
+        raise UserError("virtual pipeline stages interleave model chunks across pipeline ranks, so they need "
+                        "--pipeline-model-parallel-size 2 or more; drop the virtual-stage flag")
+    if chunks > 1 and (parallel.decoder_first_pipeline_num_layers or parallel.decoder_last_pipeline_num_layers):
+        raise UserError("--decoder-first/last-pipeline-num-layers work without virtual stages only; drop "
+                        "one or the other")
+    parallel.virtual_pipeline_model_parallel_size = chunks
+    virtual_stage_layers(model.num_layers, pp, chunks, parallel.decoder_first_pipeline_num_layers,
+                         parallel.decoder_last_pipeline_num_layers)
+
+
 def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int,
                          tensor_model_parallel_size: int = 1) -> ModelConfig:
     """`model` with the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP."""
@@ -236,6 +273,8 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         pipeline_model_parallel_size=args.pipeline_model_parallel_size,
         num_layers_per_virtual_pipeline_stage=args.num_layers_per_virtual_pipeline_stage,
         num_virtual_stages_per_pipeline_rank=args.num_virtual_stages_per_pipeline_rank,
+        decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
+        decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
         overlap_grad_reduce=args.overlap_grad_reduce, distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, world_size=world_size)
@@ -256,10 +295,6 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
 def _refuse_unimplemented(parallel: ParallelConfig) -> None:
     """Parallel features whose issues have not landed stop here rather than run wrong."""
     pending = []
-    if parallel.pipeline_model_parallel_size > 1:
-        pending.append(f"--pipeline-model-parallel-size {parallel.pipeline_model_parallel_size}")
-    if parallel.num_layers_per_virtual_pipeline_stage or parallel.num_virtual_stages_per_pipeline_rank:
-        pending.append("virtual pipeline stages")
     if parallel.data_parallel_size > 1:
         pending.append(f"data parallelism over {parallel.data_parallel_size} processes")
     if parallel.use_distributed_optimizer:
@@ -330,6 +365,10 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
     from megalite.data.loader import check_batch_sizes
 
     check_batch_sizes(args.global_batch_size, args.micro_batch_size, parallel.data_parallel_size)
+    from megalite.pipeline_parallel.schedules import check_microbatches
+
+    check_microbatches(args.global_batch_size // (args.micro_batch_size * parallel.data_parallel_size),
+                       parallel.pipeline_model_parallel_size, parallel.virtual_pipeline_model_parallel_size)
     return TrainConfig(
         micro_batch_size=args.micro_batch_size, global_batch_size=args.global_batch_size,
         train_iters=train_iters, lr=args.lr, min_lr=args.min_lr, lr_decay_style=args.lr_decay_style,

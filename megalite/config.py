@@ -243,6 +243,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     num_layers_per_virtual_pipeline_stage: int | None = None
     num_virtual_stages_per_pipeline_rank: int | None = None
+    virtual_pipeline_model_parallel_size: int = 1  # V: model chunks per pipeline rank, from the two flags above
+    decoder_first_pipeline_num_layers: int | None = None
+    decoder_last_pipeline_num_layers: int | None = None
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
@@ -331,6 +334,7 @@ class CheckpointConfig:
 class LoggingConfig:
     log_interval: int = 10
     metrics_file: str | None = None  # None: <save>/metrics.jsonl when --save is set
+    debug_pipeline_schedule: bool = False  # print every rank's sends, receives, forwards and backwards
 
 
 @dataclass

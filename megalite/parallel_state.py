@@ -126,14 +126,15 @@ class ParallelState:
     @property
     def next_stage_rank(self) -> int:
         """Global rank of the next pipeline stage of this pipeline (the first after the last)."""
-        return self._stage_rank((self.pp_rank + 1) % self.pp_size)
+        return self.stage_rank((self.pp_rank + 1) % self.pp_size)
 
     @property
     def prev_stage_rank(self) -> int:
         """Global rank of the previous pipeline stage of this pipeline (the last before the first)."""
-        return self._stage_rank((self.pp_rank - 1) % self.pp_size)
+        return self.stage_rank((self.pp_rank - 1) % self.pp_size)
 
-    def _stage_rank(self, pp_rank: int) -> int:
+    def stage_rank(self, pp_rank: int) -> int:
+        """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same dp and tp rank)."""
         return pp_rank * self.dp_size * self.tp_size + self.dp_rank * self.tp_size + self.tp_rank
 
 

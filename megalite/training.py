@@ -36,7 +36,9 @@ from megalite.data_parallel.optimizer import DynamicLossScaler, MixedPrecisionOp
 from megalite.errors import UserError
 from megalite.logging import TrainingLogger
 from megalite.lr_schedule import LRSchedule
-from megalite.model.gpt import build_model
+from megalite.pipeline_parallel.comm import PipelineComm
+from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
+from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import sequence_parallel_enabled
 from megalite.tensor_parallel.random import model_parallel_seed
@@ -122,37 +124,55 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
                       train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
 
 
-def forward_backward(model, micro_batches, optimizer=None) -> float:
+def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=None, log=None) -> float:
     """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
 
-    micro_batches: dicts of [b, s] tensors. The loss of each micro-batch is divided by
-    the token count of the whole global batch, so the accumulated gradient is the
-    gradient of the global mean.
+    model: a GPTModel, or ModelChunks (this pipeline rank's chunks). micro_batches: dicts
+    of [b, s] tensors. The loss of each micro-batch is divided by the token count of the
+    whole global batch, so the accumulated gradient is the gradient of the global mean.
+    Runs the pipeline schedule for `parallel` (one stage without it), exchanging
+    activations through `comm`; the loss is computed on the last stage and returned on
+    every pipeline rank. `log`: prints the schedule's every step (--debug-pipeline-schedule).
     """
     total_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
     if total_tokens == 0:
         raise UserError("a global batch has no tokens that count towards the loss (every loss_mask "
                         "is zero); check --eod-mask-loss and the data")
-    device = next(model.parameters()).device
-    total_loss = torch.zeros((), dtype=torch.float64, device=device)  # one device sync, at the end
-    for mb in micro_batches:
-        mb = {key: value.to(device, non_blocking=True) for key, value in mb.items()}
-        losses = model(mb["tokens"], mb["position_ids"], mb["labels"], mb["loss_mask"])  # [b, s] fp32
-        loss = losses.sum() / total_tokens
-        if optimizer is not None:
-            optimizer.scale_loss(loss).backward()
-        total_loss += loss.detach().double()
-    return float(total_loss)
+    chunks = list(model) if isinstance(model, ModelChunks) else [model]
+    device = next(chunks[0].parameters()).device
+    micro_batches = [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in micro_batches]
+    pp, pp_rank = getattr(parallel, "pp_size", 1), getattr(parallel, "pp_rank", 0)
+    steps = schedule_steps(pp, len(chunks), len(micro_batches), pp_rank, forward_only=optimizer is None)
+    runner = ScheduleRunner(chunks, micro_batches, total_tokens, comm,
+                            optimizer.scale_loss if optimizer is not None else None, log,
+                            getattr(parallel, "rank", 0))
+    loss = runner.run(steps)
+    total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
+    if pp > 1:  # the last stage's loss, to every stage: all ranks take the same decisions on it
+        torch.distributed.all_reduce(total_loss, group=parallel.pp_group)
+    return float(total_loss)  # one device sync per global batch
 
 
 @torch.no_grad()
-def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int) -> float:
+def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int, parallel=None,
+             comm=None) -> float:
     """Mean over `eval_iters` global batches of their mean token loss (dropout off)."""
     model.eval()
-    losses = [forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches))
+    losses = [forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches),
+                               parallel=parallel, comm=comm)
               for _ in range(eval_iters)]
     model.train()
     return sum(losses) / len(losses)
+
+
+def allreduce_embedding_grads(model, parallel) -> None:
+    """Sum the grads of the tied word embeddings the first and last pipeline stages each hold,
+    so both copies take the same step and stay identical."""
+    if parallel is None or parallel.pp_size == 1 or not parallel.in_embedding_group:
+        return
+    for param in model.parameters():
+        if getattr(param, "shared_embedding", False):
+            torch.distributed.all_reduce(param.main_grad, group=parallel.embedding_group)
 
 
 class SigtermFlag:
@@ -197,8 +217,19 @@ class Trainer:
         run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
                                          run.parallel.tensor_model_parallel_size)
         self.device = self.parallel.device
-        self.model = build_model(run.model, train.seed, self.device, train.params_dtype, parallel=self.parallel)
-        self.forward_model = torch.compile(self.model) if train.compile else self.model
+        parallel = run.parallel
+        self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
+                                        parallel.virtual_pipeline_model_parallel_size,
+                                        parallel.decoder_first_pipeline_num_layers,
+                                        parallel.decoder_last_pipeline_num_layers)
+        self.forward_model = ModelChunks([torch.compile(chunk) for chunk in self.model]) if train.compile \
+            else self.model
+        self.comm = None
+        if self.parallel.pp_size > 1:
+            tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)
+            self.comm = PipelineComm(self.parallel, (tokens, train.micro_batch_size, run.model.hidden_size),
+                                     train.params_dtype)
+        self.schedule_log = self._log_everywhere if run.logging.debug_pipeline_schedule else None
         self.optimizer = build_optimizer(self.model, run, self.parallel)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
@@ -227,6 +258,10 @@ class Trainer:
         return iter(build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
                                       self.parallel.dp_rank, self.parallel.dp_size,
                                       num_workers=self.run.data.num_workers))
+
+    @staticmethod
+    def _log_everywhere(line: str) -> None:
+        print(line, flush=True)
 
     def barrier(self) -> None:
         if self.parallel.world_size > 1:
@@ -273,8 +308,10 @@ class Trainer:
         """
         saved = checkpointing.read_metadata(checkpointing.resolve_checkpoint(load))["extra"].get("run", {})
         saved = saved.get("parallel", {})
-        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size")
+        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size")
         now = dataclasses.asdict(self.run.parallel)
+        saved.setdefault("virtual_pipeline_model_parallel_size", 1)  # checkpoints from before pipelining
         if all(saved.get(key) == now[key] for key in keys):
             return True
         self.log(f"the checkpoint was saved by another layout ({', '.join(f'{k}={saved.get(k)}' for k in keys)}); "
@@ -302,10 +339,13 @@ class Trainer:
         lr = self.schedule.lr_at(self.state.iteration)
         self.optimizer.zero_grad()
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
-        loss = forward_backward(self.forward_model, batch, self.optimizer)
+        loss = forward_backward(self.forward_model, batch, self.optimizer, self.parallel, self.comm,
+                                self.schedule_log)
+        # Once per iteration, after the last backward:
         if sequence_parallel_enabled(self.parallel):
             # Norm weights and row-parallel biases saw only this rank's s/tp tokens.
             allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
+        allreduce_embedding_grads(self.model, self.parallel)
         diverged = f"at iteration {self.state.iteration + 1}; the run diverged: lower --lr, keep --clip-grad on, " \
                    "or resume from an earlier checkpoint"
         if not math.isfinite(loss) and self.optimizer.loss_scaler is None:
@@ -319,7 +359,8 @@ class Trainer:
     def evaluate_split(self, split: str, iterator) -> None:
         if iterator is None or self.run.train.eval_iters == 0:
             return
-        loss = evaluate(self.forward_model, iterator, self.num_microbatches, self.run.train.eval_iters)
+        loss = evaluate(self.forward_model, iterator, self.num_microbatches, self.run.train.eval_iters,
+                        self.parallel, self.comm)
         if split == "valid":
             self.state.consumed_valid_samples += self.run.train.eval_iters * self.run.train.global_batch_size
         self.logger.log_evaluation(self.state.iteration, split, loss)

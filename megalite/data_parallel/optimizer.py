@@ -109,10 +109,10 @@ class MixedPrecisionOptimizer:
                  parallel=None):
         _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad)
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
-        # The model-parallel group (TP for now) over which found_inf and the grad norm are combined.
-        self.tp_rank = getattr(parallel, "tp_rank", 0)
-        self.model_parallel_group = getattr(parallel, "tp_group", None) if getattr(parallel, "tp_size", 1) > 1 \
-            else None
+        # The model-parallel group (TP x PP) over which found_inf and the grad norm are combined.
+        self.tp_rank, self.pp_rank = getattr(parallel, "tp_rank", 0), getattr(parallel, "pp_rank", 0)
+        model_parallel = getattr(parallel, "tp_size", 1) * getattr(parallel, "pp_size", 1)
+        self.model_parallel_group = parallel.mp_group if model_parallel > 1 else None
         named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters to optimise")
@@ -190,14 +190,15 @@ class MixedPrecisionOptimizer:
         One process: every parameter once.
         """
         return [param.main_grad for param in self.model_params
-                if self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False)]
+                if (self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
+                and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False))]
 
     def _grad_norm(self) -> float:
         """Global L2 norm of all main grads (fp32)."""
         grads = self._grads_for_norm()
         norms = torch._foreach_norm(grads, 2.0) if grads else []
         squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.grad_buffer.data.device)
-        # PP (ZeRO: and DP) will join this all-reduce: the pipeline / data-parallel groups too.
+        # ZeRO: the data-parallel group will join this all-reduce.
         if self.model_parallel_group is not None:
             torch.distributed.all_reduce(squared_norm, group=self.model_parallel_group)
         return float(squared_norm.sqrt())

@@ -1,0 +1,134 @@
+"""Pipeline schedules on gloo worlds against one process: loss and every gradient.
+
+Each world builds its pipeline ranks' model chunks from the same seed as a one-process
+model, runs one global batch through the real schedule (1F1B, interleaved, with TP and
+SP) and returns its parameters' grads by global name; the test compares them with the
+one-process grads. One world per layout runs every check.
+"""
+
+import pytest
+import torch
+
+from megalite.config import ModelConfig
+from megalite.checkpointing import tensor_parallel_pieces
+from megalite.parallel_state import build_parallel_state
+from megalite.pipeline_parallel.comm import PipelineComm
+from megalite.pipeline_parallel.schedules import ScheduleRunner
+from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
+from megalite.training import allreduce_embedding_grads, forward_backward
+from tests.distributed import run_world
+
+SEQ, MICRO, MICRO_BATCHES = 8, 2, 4
+
+
+def config(tied: bool) -> ModelConfig:
+    return ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                       ffn_hidden_size=64, seq_length=SEQ, vocab_size=128, tokenizer_vocab_size=100,
+                       untie_embeddings_and_output_weights=not tied, swiglu=True, normalization="RMSNorm",
+                       position_embedding_type="rope", add_bias_linear=False, hidden_dropout=0.0,
+                       attention_dropout=0.0)
+
+
+def micro_batches() -> list[dict]:
+    generator = torch.Generator().manual_seed(3)
+    batches = []
+    for _ in range(MICRO_BATCHES):
+        tokens = torch.randint(0, 100, (MICRO, SEQ + 1), generator=generator)
+        mask = (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()
+        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
+                        "position_ids": torch.arange(SEQ).expand(MICRO, SEQ)})
+    return batches
+
+
+class Unscaled:
+    """The one optimizer method the schedule calls."""
+
+    @staticmethod
+    def scale_loss(loss):
+        return loss
+
+
+def full_grads(model, parallel) -> dict[str, torch.Tensor]:
+    """Each parameter's grad by global name; TP shards gathered back into the full tensor."""
+    grads = {}
+    for name, param in model.named_parameters():
+        grad = param.grad if param.grad is not None else torch.zeros_like(param)
+        if parallel.tp_size > 1 and getattr(param, "tensor_model_parallel", False):
+            parts = [torch.empty_like(grad) for _ in range(parallel.tp_size)]
+            torch.distributed.all_gather(parts, grad.contiguous(), group=parallel.tp_group)
+            full = None
+            for rank, part in enumerate(parts):
+                for piece in tensor_parallel_pieces(part, param, rank, parallel.tp_size):
+                    full = torch.zeros(piece.global_shape) if full is None else full
+                    full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))] = piece.tensor
+            grad = full
+        grads[name] = grad.clone()
+    return grads
+
+
+def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
+    """One global batch through the schedule: (loss, grads by global name, the storage bytes of
+    each sent output at the time of its backward)."""
+    parallel = build_parallel_state(tp, pp, sequence_parallel=sequence_parallel)
+    model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
+    tokens = SEQ // tp if sequence_parallel else SEQ
+    comm = PipelineComm(parallel, (tokens, MICRO, 32), torch.float32)
+    released = []
+
+    class Watching(ScheduleRunner):
+        def _backward(self, op):
+            output = self.saved[(op.chunk, op.microbatch)][1]
+            released.append(output.untyped_storage().nbytes() if not self.chunks[op.chunk].post_process else None)
+            super()._backward(op)
+
+    import megalite.training as training
+
+    original = training.ScheduleRunner
+    training.ScheduleRunner = Watching
+    try:
+        loss = forward_backward(model, micro_batches(), Unscaled(), parallel, comm)
+    finally:
+        training.ScheduleRunner = original
+    if sequence_parallel:
+        allreduce_sequence_parallel_grads(model.parameters(), parallel.tp_group)
+    for param in model.parameters():
+        param.main_grad = param.grad  # allreduce_embedding_grads reduces main_grad (the grad buffer's view)
+    allreduce_embedding_grads(model, parallel)
+    return loss, full_grads(model, parallel), [size for size in released if size is not None]
+
+
+@pytest.fixture(scope="module")
+def single():
+    """The one-process loss and grads, tied and untied."""
+    references = {}
+    for tied in (False, True):
+        model = build_model_chunks(config(tied), seed=11)
+        loss = forward_backward(model, micro_batches(), Unscaled())
+        references[tied] = (loss, {name: param.grad.clone() for name, param in model.named_parameters()})
+    return references
+
+
+LAYOUTS = {  # name -> (tp, pp, vp, sequence parallel, tied, tolerance)
+    "pp2-1f1b-untied": (1, 2, 1, False, False, 1e-6),
+    "pp2-interleaved-tied": (1, 2, 2, False, True, 1e-6),
+    "pp4-1f1b-tied": (1, 4, 1, False, True, 1e-6),
+    "pp2-vp2-tp2-sp-untied": (2, 2, 2, True, False, 1e-5),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_pipeline_matches_one_process_loss_and_grads(layout, single, one_thread):
+    tp, pp, vp, sequence_parallel, tied, tolerance = LAYOUTS[layout]
+    results = run_world(tp * pp, pipeline_world, tp, pp, vp, sequence_parallel, tied)
+    loss, grads = single[tied]
+    seen, released = set(), []
+    for rank, (rank_loss, rank_grads, rank_released) in enumerate(results):
+        assert abs(rank_loss - loss) <= tolerance * abs(loss), (rank, rank_loss, loss)  # every rank gets it
+        for name, grad in rank_grads.items():
+            torch.testing.assert_close(grad, grads[name], rtol=tolerance, atol=tolerance, msg=name)
+            seen.add(name)
+        released += rank_released
+    assert seen == set(grads)  # every parameter lives on some rank
+    # Every output sent to the next stage was freed before its backward (a 1-element placeholder).
+    assert released and max(released) <= 4
