@@ -158,7 +158,10 @@ def _add_parallel_args(group) -> None:
                        help="layers on the last pipeline stage (the rest split evenly)")
     group.add_argument("--sequence-parallel", action="store_true")
     group.add_argument("--use-distributed-optimizer", action="store_true")
-    group.add_argument("--overlap-grad-reduce", action="store_true")
+    group.add_argument("--overlap-grad-reduce", action="store_true",
+                       help="start each bucket's data-parallel reduction during the last backward")
+    group.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
+                       help="gradient elements per data-parallel bucket")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"))
     group.add_argument("--distributed-timeout-minutes", type=int, default=10)
 
@@ -276,7 +279,8 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         decoder_first_pipeline_num_layers=args.decoder_first_pipeline_num_layers,
         decoder_last_pipeline_num_layers=args.decoder_last_pipeline_num_layers,
         sequence_parallel=args.sequence_parallel, use_distributed_optimizer=args.use_distributed_optimizer,
-        overlap_grad_reduce=args.overlap_grad_reduce, distributed_backend=args.distributed_backend,
+        overlap_grad_reduce=args.overlap_grad_reduce, ddp_bucket_size=args.ddp_bucket_size,
+        distributed_backend=args.distributed_backend,
         distributed_timeout_minutes=args.distributed_timeout_minutes, world_size=world_size)
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)]:
@@ -288,22 +292,9 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
             f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
     if parallel.distributed_timeout_minutes < 1:
         raise UserError("--distributed-timeout-minutes must be at least 1")
-    _refuse_unimplemented(parallel)
+    if parallel.ddp_bucket_size < 1:
+        raise UserError(f"--ddp-bucket-size must be at least 1 (gradient elements), got {parallel.ddp_bucket_size}")
     return parallel
-
-
-def _refuse_unimplemented(parallel: ParallelConfig) -> None:
-    """Parallel features whose issues have not landed stop here rather than run wrong."""
-    pending = []
-    if parallel.data_parallel_size > 1:
-        pending.append(f"data parallelism over {parallel.data_parallel_size} processes")
-    if parallel.use_distributed_optimizer:
-        pending.append("--use-distributed-optimizer")
-    if parallel.overlap_grad_reduce:
-        pending.append("--overlap-grad-reduce")
-    if pending:
-        raise UserError(f"{', '.join(pending)}: not supported yet by this version of megalite; "
-                        "run on one process without these flags")
 
 
 def _data_config(args) -> DataConfig:

@@ -96,27 +96,62 @@ def read_latest_iteration(load: str) -> int | None:
 # -- which pieces a process holds ------------------------------------------------------------
 
 
-def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: int) -> list[Piece]:
+def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: int,
+                           local_offsets: tuple[int, ...] | None = None) -> list[Piece]:
     """Where this TP rank's local `tensor` sits in the global tensor, as pieces.
 
     The one place that maps a TP shard to global coordinates, from the parameter
     attributes of megalite/tensor_parallel/layers.py. A replicated parameter (or TP=1) is
     one full piece. A sharded one holds, for each of its `partition_chunks` equal blocks
     along `partition_dim`, this rank's `1/tp_size` of that block (`shard_full_tensor`).
+    local_offsets: `tensor` is only the region of the local shard starting there (a
+    distributed-optimizer range); None: the whole local shard.
     """
-    if tp_size == 1 or param is None or not getattr(param, "tensor_model_parallel", False):
-        return [Piece.full(tensor)]
+    local_shape = tuple(param.shape) if param is not None and local_offsets is not None else tuple(tensor.shape)
+    local_offsets = tuple(local_offsets) if local_offsets is not None else (0,) * tensor.dim()
+    sharded = tp_size > 1 and param is not None and getattr(param, "tensor_model_parallel", False)
+    if not sharded:
+        return [Piece(tensor, local_shape, local_offsets)]
     dim = param.partition_dim % tensor.dim()
-    chunks = param.partition_chunks
-    global_shape = list(tensor.shape)
+    global_shape = list(local_shape)
     global_shape[dim] *= tp_size
-    global_block = global_shape[dim] // chunks
-    local_block = tensor.shape[dim] // chunks
-    pieces = []
-    for chunk, local in enumerate(tensor.split(local_block, dim)):
-        offsets = [0] * tensor.dim()
-        offsets[dim] = chunk * global_block + tp_rank * local_block
-        pieces.append(Piece(local, tuple(global_shape), tuple(offsets)))
+    global_block = global_shape[dim] // param.partition_chunks
+    local_block = local_shape[dim] // param.partition_chunks
+    pieces, low, high = [], local_offsets[dim], local_offsets[dim] + tensor.shape[dim]
+    for chunk in range(param.partition_chunks):
+        start, stop = max(low, chunk * local_block), min(high, (chunk + 1) * local_block)
+        if start >= stop:
+            continue
+        offsets = list(local_offsets)
+        offsets[dim] = chunk * global_block + tp_rank * local_block + start - chunk * local_block
+        pieces.append(Piece(tensor.narrow(dim, start - low, stop - start), tuple(global_shape), tuple(offsets)))
+    return pieces
+
+
+def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_size: int) -> list[Piece]:
+    """`values` = `param`'s local flat elements `[start, start + len)` as pieces of the global tensor.
+
+    A distributed-optimizer shard owns a contiguous range of a parameter's flattened
+    local shard; split into at most three rectangles (a partial first row, whole rows,
+    a partial last row), each is a view of `values` that `tensor_parallel_pieces` places.
+    """
+    shape = tuple(param.shape)
+    if len(shape) == 1:
+        return tensor_parallel_pieces(values, param, tp_rank, tp_size, (start,))
+    if len(shape) != 2:
+        raise ValueError(f"flat ranges of {len(shape)}-D parameters are not supported (shape {list(shape)})")
+    row = shape[1]
+    end, pieces, cursor = start + values.numel(), [], start
+    while cursor < end:
+        first_row, column = divmod(cursor, row)
+        if column or end - cursor < row:  # a partial row
+            stop = min(end, (first_row + 1) * row)
+            region, offsets = values[cursor - start:stop - start].view(1, stop - cursor), (first_row, column)
+        else:  # whole rows
+            stop = (end // row) * row
+            region, offsets = values[cursor - start:stop - start].view(-1, row), (first_row, 0)
+        pieces += tensor_parallel_pieces(region, param, tp_rank, tp_size, offsets)
+        cursor = stop
     return pieces
 
 
@@ -131,12 +166,12 @@ def optimizer_pieces(tensors: dict, model: torch.nn.Module | None = None, tp_ran
                      tp_size: int = 1) -> dict[str, list[Piece]]:
     """The tensors of an optimizer's `state_dict()` as pieces of global tensors.
 
-    A value is the whole local tensor, or a `Piece` of it (a ZeRO shard reshaped to a
-    hyper-rectangle). Tensors named `<param name>.<kind>` of a TP-sharded param of
+    A value is the whole local tensor, or a `Piece` or a list of `Piece`s already placed
+    in the global tensor (a distributed-optimizer range, `flat_range_pieces`). Tensors named `<param name>.<kind>` of a TP-sharded param of
     `model` are placed like the param (`tensor_parallel_pieces`).
     """
     params = dict(model.named_parameters()) if model is not None else {}
-    return {name: [value] if isinstance(value, Piece) else
+    return {name: [value] if isinstance(value, Piece) else list(value) if isinstance(value, list) else
             tensor_parallel_pieces(value, params.get(name.rsplit(".", 1)[0]), tp_rank, tp_size)
             for name, value in tensors.items()}
 
@@ -155,12 +190,16 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     """
     staging = begin_save(save, iteration, rank, barrier)
     tp_rank, tp_size = tensor_parallel_rank_size(parallel)
+    # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
+    # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shard.
+    replica = getattr(parallel, "dp_rank", 0) > 0
     optim_pieces = optim_meta = None
     if optimizer is not None:
         optim_state = optimizer.state_dict()
-        optim_pieces = optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size)
         optim_meta = optim_state["meta"]
-    write_rank_files(staging, rank, model_pieces(model, tp_rank, tp_size), optim_pieces)
+        optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
+            optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size)
+    write_rank_files(staging, rank, {} if replica else model_pieces(model, tp_rank, tp_size), optim_pieces)
     barrier()
     if rank == 0:
         header = {"iteration": iteration, "consumed_samples": consumed_samples,
@@ -606,9 +645,14 @@ def _load_optimizer(reader: CheckpointReader, optimizer, vocab: tuple[int, int],
     if state is None:
         raise UserError(f"checkpoint {reader.path} holds no optimizer state (it was saved without one); "
                         f"pass --no-load-optim to load the model only")
-    fresh = {name: dataclasses.replace(value, tensor=torch.empty_like(value.tensor))
-             if isinstance(value, Piece) else torch.empty_like(value)
-             for name, value in optimizer.state_dict()["tensors"].items()}
+    def empty(value):
+        if isinstance(value, list):
+            return [empty(piece) for piece in value]
+        if isinstance(value, Piece):
+            return dataclasses.replace(value, tensor=torch.empty_like(value.tensor))
+        return torch.empty_like(value)
+
+    fresh = {name: empty(value) for name, value in optimizer.state_dict()["tensors"].items()}
     pieces = optimizer_pieces(fresh, model, tp_rank, tp_size)
     with torch.no_grad():
         for name, name_pieces in pieces.items():

@@ -249,6 +249,7 @@ class ParallelConfig:
     sequence_parallel: bool = False
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False
+    ddp_bucket_size: int | None = 40_000_000  # grad elements per data-parallel bucket (None: one per chunk)
     distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
     distributed_timeout_minutes: int = 10
     world_size: int = 1

@@ -32,7 +32,9 @@ from megalite.config import RunConfig
 from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import next_global_batch
 from megalite.data.tokenizer import build_tokenizer
-from megalite.data_parallel.optimizer import DynamicLossScaler, MixedPrecisionOptimizer, NonFiniteGradError
+from megalite.data_parallel.ddp import global_token_count
+from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
+                                              NonFiniteGradError)
 from megalite.errors import UserError
 from megalite.logging import TrainingLogger
 from megalite.lr_schedule import LRSchedule
@@ -112,10 +114,12 @@ def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
 
 
 def build_optimizer(model, run: RunConfig, parallel=None) -> MixedPrecisionOptimizer:
-    train = run.train
-    return MixedPrecisionOptimizer(model, lr=train.lr, weight_decay=train.weight_decay,
-                                   betas=(train.adam_beta1, train.adam_beta2), eps=train.adam_eps,
-                                   clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run), parallel=parallel)
+    """The mixed-precision optimizer, or the distributed one with --use-distributed-optimizer."""
+    train, layout = run.train, run.parallel
+    kind = DistributedOptimizer if layout.use_distributed_optimizer else MixedPrecisionOptimizer
+    return kind(model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run), parallel=parallel,
+                bucket_size=layout.ddp_bucket_size, overlap_grad_reduce=layout.overlap_grad_reduce)
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -128,18 +132,20 @@ def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=N
     """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
 
     model: a GPTModel, or ModelChunks (this pipeline rank's chunks). micro_batches: dicts
-    of [b, s] tensors. The loss of each micro-batch is divided by the token count of the
-    whole global batch, so the accumulated gradient is the gradient of the global mean.
+    of [b, s] tensors (this DP rank's part of the global batch). The loss of each
+    micro-batch is divided by the token count of the whole global batch (all DP ranks),
+    so the accumulated gradients, summed over DP, are the gradient of the global mean.
     Runs the pipeline schedule for `parallel` (one stage without it), exchanging
     activations through `comm`; the loss is computed on the last stage and returned on
     every pipeline rank. `log`: prints the schedule's every step (--debug-pipeline-schedule).
     """
-    total_tokens = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
+    chunks = list(model) if isinstance(model, ModelChunks) else [model]
+    device = next(chunks[0].parameters()).device
+    dp_group, dp_size = getattr(parallel, "dp_group", None), getattr(parallel, "dp_size", 1)
+    total_tokens = global_token_count(micro_batches, dp_group, dp_size, device)
     if total_tokens == 0:
         raise UserError("a global batch has no tokens that count towards the loss (every loss_mask "
                         "is zero); check --eod-mask-loss and the data")
-    chunks = list(model) if isinstance(model, ModelChunks) else [model]
-    device = next(chunks[0].parameters()).device
     micro_batches = [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in micro_batches]
     pp, pp_rank = getattr(parallel, "pp_size", 1), getattr(parallel, "pp_rank", 0)
     steps = schedule_steps(pp, len(chunks), len(micro_batches), pp_rank, forward_only=optimizer is None)
@@ -148,8 +154,11 @@ def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=N
                             getattr(parallel, "rank", 0))
     loss = runner.run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
-    if pp > 1:  # the last stage's loss, to every stage: all ranks take the same decisions on it
-        torch.distributed.all_reduce(total_loss, group=parallel.pp_group)
+    # The last stage's loss to every stage, summed over data-parallel ranks (each already
+    # divided by the global token count): every rank gets the global mean and decides alike.
+    for group, size in ((getattr(parallel, "pp_group", None), pp), (dp_group, dp_size)):
+        if size > 1:
+            torch.distributed.all_reduce(total_loss, group=group)
     return float(total_loss)  # one device sync per global batch
 
 
@@ -338,14 +347,18 @@ class Trainer:
         """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
         lr = self.schedule.lr_at(self.state.iteration)
         self.optimizer.zero_grad()
+        self.optimizer.start_iteration(self.num_microbatches)
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
         loss = forward_backward(self.forward_model, batch, self.optimizer, self.parallel, self.comm,
                                 self.schedule_log)
-        # Once per iteration, after the last backward:
+        # Once per iteration, after the last backward: the tied embedding's two pipeline copies
+        # are summed on local grads, then grads are reduced across DP...
+        self.optimizer.finish_grad_sync(before_reduce=lambda: allreduce_embedding_grads(self.model, self.parallel))
         if sequence_parallel_enabled(self.parallel):
-            # Norm weights and row-parallel biases saw only this rank's s/tp tokens.
+            # ...and norm weights and row-parallel biases, which saw only this rank's s/tp tokens,
+            # are summed across TP (TP peers lay out their grad buffers alike, so this also holds
+            # for the distributed optimizer's reduce-scattered shard).
             allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
-        allreduce_embedding_grads(self.model, self.parallel)
         diverged = f"at iteration {self.state.iteration + 1}; the run diverged: lower --lr, keep --clip-grad on, " \
                    "or resume from an earlier checkpoint"
         if not math.isfinite(loss) and self.optimizer.loss_scaler is None:

@@ -127,9 +127,8 @@ REJECTED = [
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1, ["virtual pipeline stages",
                                                            "--pipeline-model-parallel-size 2 or more"]),
     (["--num-virtual-stages-per-pipeline-rank", "2"], 1, ["--pipeline-model-parallel-size 2 or more"]),
-    ([], 2, ["data parallelism over 2 processes", "not supported yet"]),
-    (["--use-distributed-optimizer"], 1, ["--use-distributed-optimizer", "not supported yet"]),
-    (["--overlap-grad-reduce"], 1, ["--overlap-grad-reduce", "not supported yet"]),
+    (["--ddp-bucket-size", "0"], 1, ["--ddp-bucket-size must be at least 1"]),
+    (["--global-batch-size", "16", "--micro-batch-size", "3"], 2, ["--global-batch-size 16"]),
     (["--distributed-timeout-minutes", "0"], 1, ["--distributed-timeout-minutes"]),
 ]
 

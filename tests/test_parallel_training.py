@@ -79,3 +79,43 @@ def test_tied_gpt_over_pipeline_tensor_and_sequence_parallelism_matches_one_proc
     reference = train(tmp_path / "single", 1, base=gpt)
     layout = train(tmp_path / "pp2-tp2-sp", 4, *LAYOUTS["pp2-tp2-sp"][1], base=gpt)
     assert_matches(reference, layout, 6)  # 4 iterations, validation and test
+
+
+# -- data parallelism and the distributed optimizer ---------------------------------------------
+
+DISTOPT = ["--use-distributed-optimizer"]
+OVERLAP = LAYOUTS["dp2-overlap"][1]
+
+
+def test_data_parallel_with_overlap_and_distributed_optimizer_match_one_process_and_resume_bitwise(single, tmp_path):
+    assert_matches(single, train(tmp_path / "dp2", 2, *OVERLAP), 9)
+    whole = train(tmp_path / "dp4", 4, *DISTOPT)
+    assert_matches(single, whole, 9)
+    # Same layout, stopped and resumed: bitwise the uninterrupted losses.
+    train(tmp_path / "dp4-stopped", 4, *DISTOPT, "--exit-interval", "3")
+    assert train(tmp_path / "dp4-stopped", 4, *DISTOPT, load=True) == whole
+
+
+def test_gradient_accumulation_over_data_parallel_ranks_is_exact(single, tmp_path):
+    # Global batch 8 = 2 DP ranks x 4 micro-batches of 1, or x 1 micro-batch of 4.
+    many = train(tmp_path / "4x1", 2, "--micro-batch-size", "1")
+    one = train(tmp_path / "1x4", 2, "--micro-batch-size", "4")
+    assert_matches(single, many, 9)
+    assert_matches(one, many, 9)
+
+
+def test_eight_ranks_with_every_parallelism_match_and_reshard_to_one_process_and_pp4_dp2(single, tmp_path):
+    """TP=2 x PP=2 (V=2) x DP=2 with SP, the distributed optimizer and overlapped reduction
+    saves at iteration 3; one process and PP=4 x DP=2 without the distributed optimizer finish."""
+    first_half = train(tmp_path / "all", 8, *LAYOUTS["tp2-pp2-dp2-sp-vp2-distopt-overlap"][1], "--exit-interval", "3")
+    assert_matches(single, first_half, 4)
+    assert_matches(single, resume_elsewhere(tmp_path / "all", tmp_path / "one", 1), 9)
+    assert_matches(single, resume_elsewhere(tmp_path / "all", tmp_path / "pp4-dp2", 8,
+                                            "--pipeline-model-parallel-size", "4"), 9)
+
+
+def test_bf16_on_eight_ranks_stays_within_a_percent_of_one_process(tmp_path):
+    bf16 = ["--bf16", "--train-iters", "4"]
+    reference = train(tmp_path / "single", 1, *bf16)
+    layout = train(tmp_path / "all", 8, *bf16, *LAYOUTS["tp2-pp2-dp2-sp-vp2-distopt-overlap"][1])
+    assert_matches(reference, layout, 7, tolerance=1e-2)  # 4 iterations, 2 validations, test

@@ -1,5 +1,8 @@
 """Train the same model under several parallel layouts and compare each loss curve with one process.
 
+Layouts: TP, TP+SP, PP (1F1B and interleaved), DP (plain and with the distributed
+optimizer, with and without --overlap-grad-reduce) and their mixes, up to 8 processes.
+
     python tools/check_layouts.py                      # every layout below, both model families
     python tools/check_layouts.py --layouts tp2 pp2-vp2 --models llama
 
@@ -33,6 +36,8 @@ MODELS = {
 }
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 V2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
+DISTOPT = "--use-distributed-optimizer"
+OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]  # small buckets: several per chunk
 LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes no arithmetic
     "tp2": (2, TP2, 1e-5),
     "tp4": (4, ["--tensor-model-parallel-size", "4"], 1e-5),
@@ -43,6 +48,11 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
     "pp2-vp2": (2, [*PP2, *V2], 1e-6),
     "pp2-tp2-sp": (4, [*PP2, *TP2, "--sequence-parallel"], 1e-5),
     "pp2-vp2-tp2-sp": (4, [*PP2, *V2, *TP2, "--sequence-parallel"], 1e-5),
+    "dp2": (2, [], 1e-5),
+    "dp2-overlap": (2, [*OVERLAP], 1e-5),
+    "dp4-distopt": (4, [DISTOPT], 1e-5),
+    "dp2-tp2-sp-distopt-overlap": (4, [*TP2, "--sequence-parallel", DISTOPT, *OVERLAP], 1e-5),
+    "tp2-pp2-dp2-sp-vp2-distopt-overlap": (8, [*TP2, *PP2, *V2, "--sequence-parallel", DISTOPT, *OVERLAP], 1e-5),
 }
 
 

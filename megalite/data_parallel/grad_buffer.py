@@ -1,54 +1,105 @@
-"""A contiguous fp32 gradient buffer: every trainable parameter's `main_grad` is a view of it.
+"""A contiguous fp32 gradient buffer in buckets: every trainable parameter's `main_grad` is a view of it.
 
 Why one buffer: gradients accumulate over micro-batches in fp32 whatever the model's
-dtype, no per-parameter `.grad` outlives its micro-batch, and gradient reduction and
-the optimizer's elementwise work (unscale, clip) run on one flat tensor. A later issue
-cuts the buffer into buckets (reduced while backward still runs) and, for ZeRO, into
-equal data-parallel shards; `pad_to` makes the total size divisible for that.
+dtype, no per-parameter `.grad` outlives its micro-batch, and data-parallel reduction
+and the optimizer's elementwise work (unscale, clip) run on a few large flat tensors.
 
-Layout: parameters in reverse registration order (the order backward produces their
-gradients, so the first bucket fills first), each one contiguous, then zero padding.
+Layout, for the parameters of each model chunk in turn (a chunk's grads are one
+contiguous range):
+
+- parameters in reverse registration order, the order backward produces their
+  gradients, so the first bucket fills first;
+- cut into buckets at parameter boundaries once a bucket holds `bucket_size` elements
+  (Megatron's --ddp-bucket-size); a bucket is the unit one collective reduces;
+- each bucket zero-padded to a multiple of `shard_count` (the data-parallel size), so
+  it splits into equal contiguous shards: DP rank d owns shard d of every bucket (the
+  distributed optimizer's ownership, and the reduce-scatter's output).
 """
+
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
 
+@dataclass
+class Bucket:
+    """`data[start:end]` of the buffer (padding included) and the parameters in it."""
+
+    start: int
+    end: int
+    params: list[nn.Parameter] = field(default_factory=list)
+
+    def shard(self, rank: int, count: int) -> tuple[int, int]:
+        """Buffer range `[start, end)` of shard `rank` of `count` equal shards."""
+        size = (self.end - self.start) // count
+        return self.start + rank * size, self.start + (rank + 1) * size
+
+
 class GradBuffer:
-    """One contiguous buffer holding every trainable parameter's gradient (`param.main_grad`).
+    """The fp32 buffer holding every trainable parameter's gradient (`param.main_grad`).
 
-    params: the parameters, in registration order; duplicates (tied weights) count once.
-    dtype: of the buffer (fp32: gradients accumulate in fp32 for bf16/fp16 models too).
-    pad_to: the buffer's length is rounded up to a multiple of this (zeros at the end).
+    chunks: lists of parameters, one per model chunk, in registration order; duplicates
+    (tied weights) count once. dtype: of the buffer (fp32: gradients accumulate in fp32
+    for bf16/fp16 models too). bucket_size: elements per bucket before it is closed
+    (None: one bucket per chunk). shard_count: each bucket's length is rounded up to a
+    multiple of this.
 
-    Attributes: `data` (the flat buffer, 1-D, `[padded numel]`), `params` (buffer order),
-    `offsets` (param -> (start, numel) in `data`), `numel` (unpadded length).
+    Attributes: `data` (the flat buffer, 1-D), `params` (buffer order), `offsets`
+    (param -> (start, numel) in `data`), `buckets`, `numel` (unpadded parameter count).
     After each backward, `param.main_grad` (shaped like the param) holds the sum of its
-    gradients since the last `zero()`, and `param.grad` is None.
+    gradients since the last `zero()`, and `param.grad` is None; `on_grad_ready(param)`,
+    if set, runs after each such accumulation (the DDP bucket hook).
     """
 
-    def __init__(self, params: list[nn.Parameter], dtype: torch.dtype = torch.float32, pad_to: int = 1):
-        self.params = _unique_in_backward_order(params)
-        if pad_to < 1:
-            raise ValueError(f"pad_to must be >= 1, got {pad_to}")
+    def __init__(self, chunks: list[list[nn.Parameter]], dtype: torch.dtype = torch.float32,
+                 bucket_size: int | None = None, shard_count: int = 1):
+        if shard_count < 1:
+            raise ValueError(f"shard_count must be >= 1, got {shard_count}")
+        if bucket_size is not None and bucket_size < 1:
+            raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
+        seen: set[int] = set()
+        per_chunk = [_unique_in_backward_order(params, seen) for params in chunks]
+        self.params = [param for params in per_chunk for param in params]
         devices = {param.device for param in self.params}
         if len(devices) > 1:
             raise ValueError(f"the parameters of one grad buffer must share a device, got {devices}")
         device = devices.pop() if devices else torch.device("cpu")
 
         self.offsets: dict[nn.Parameter, tuple[int, int]] = {}
+        self.buckets: list[Bucket] = []
         start = 0
-        for param in self.params:
-            self.offsets[param] = (start, param.numel())
-            start += param.numel()
-        self.numel = start
-        padded = -(-start // pad_to) * pad_to
-        self.data = torch.zeros(padded, dtype=dtype, device=device)
+        for params in per_chunk:
+            start = self._lay_out_chunk(params, start, bucket_size, shard_count)
+        self.numel = sum(param.numel() for param in self.params)
+        self.data = torch.zeros(start, dtype=dtype, device=device)
+        self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
 
+        self.on_grad_ready = None
         self._hooks = []
         for param in self.params:
             param.main_grad = self.view(param)
-            self._hooks.append(param.register_post_accumulate_grad_hook(_accumulate_into_main_grad))
+            self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
+
+    def _lay_out_chunk(self, params: list[nn.Parameter], start: int, bucket_size: int | None,
+                       shard_count: int) -> int:
+        """Place `params` from `start` in buckets; returns the end of the chunk's range."""
+        bucket = Bucket(start, start)
+        for param in params:
+            self.offsets[param] = (bucket.end, param.numel())
+            bucket.end += param.numel()
+            bucket.params.append(param)
+            if bucket_size is not None and bucket.end - bucket.start >= bucket_size:
+                start = self._close(bucket, shard_count)
+                bucket = Bucket(start, start)
+        if bucket.params:
+            start = self._close(bucket, shard_count)
+        return start
+
+    def _close(self, bucket: Bucket, shard_count: int) -> int:
+        bucket.end = bucket.start + -(-(bucket.end - bucket.start) // shard_count) * shard_count
+        self.buckets.append(bucket)
+        return bucket.end
 
     def view(self, param: nn.Parameter) -> torch.Tensor:
         """The slice of `data` that holds `param`'s gradient, shaped like `param`."""
@@ -65,10 +116,21 @@ class GradBuffer:
             hook.remove()
         self._hooks = []
 
+    def _accumulate(self, param: nn.Parameter) -> None:
+        """Add this backward's `param.grad` (any dtype) into the fp32 `main_grad`; free `.grad`.
 
-def _unique_in_backward_order(params: list[nn.Parameter]) -> list[nn.Parameter]:
+        Runs once per backward per parameter, after autograd has summed every use of it
+        (a tied weight's two uses arrive as one gradient).
+        """
+        param.main_grad.add_(param.grad)
+        param.grad = None
+        if self.on_grad_ready is not None:
+            self.on_grad_ready(param)
+
+
+def _unique_in_backward_order(params: list[nn.Parameter], seen: set[int]) -> list[nn.Parameter]:
     """Reverse of `params`, keeping each parameter once (at its first registration)."""
-    unique, seen = [], set()
+    unique = []
     for param in params:
         if id(param) in seen:
             continue
@@ -77,13 +139,3 @@ def _unique_in_backward_order(params: list[nn.Parameter]) -> list[nn.Parameter]:
         seen.add(id(param))
         unique.append(param)
     return unique[::-1]
-
-
-def _accumulate_into_main_grad(param: nn.Parameter) -> None:
-    """Add this backward's `param.grad` (any dtype) into the fp32 `main_grad`; free `.grad`.
-
-    Runs once per backward per parameter, after autograd has summed every use of it
-    (a tied weight's two uses arrive as one gradient).
-    """
-    param.main_grad.add_(param.grad)
-    param.grad = None

@@ -9,8 +9,11 @@ One step, in the order Megatron's MixedPrecisionOptimizer takes it:
 3. AdamW on the fp32 main params (decoupled weight decay, none on 1-D params);
 4. copy the main params into the model params (cast to the model's dtype).
 
-The comments marked "TP:", "PP:", "DP:" and "ZeRO:" say where the collectives of a
-parallel run go; at one process none are needed.
+Before step 1, `finish_grad_sync` reduces the grads across data-parallel ranks
+(ddp.py). In a parallel run, found_inf is combined over every rank and the grad norm
+over TP x PP (x DP for the distributed optimizer), each gradient element counted once.
+`DistributedOptimizer` (ZeRO-1) keeps main params and moments for this DP rank's shard
+only and all-gathers the updated params in step 4.
 
 Main params: for an fp32 model they are the model's own parameters (no copy); for a
 bf16/fp16 model, fp32 clones. The optimizer state is keyed by full parameter names,
@@ -23,8 +26,10 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.errors import UserError
+from megalite.tensor_parallel.comm import _all_gather_single
 
 STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 
@@ -95,39 +100,69 @@ class StepResult(NamedTuple):
 class MixedPrecisionOptimizer:
     """AdamW on fp32 main params for a model in fp32, bf16 or fp16.
 
-    model: its trainable parameters (`named_parameters()`, tied ones once) are optimised.
-    lr: the initial lr (each `step` takes its own). weight_decay: decoupled, on params
-    with ndim >= 2 only. clip_grad: max global grad norm, 0 disables clipping.
-    loss_scaler: dynamic loss scaling (fp16); None means a scale of 1 and no skipping.
+    model: a module, or ModelChunks (one grad-buffer range per chunk); its trainable
+    parameters (`named_parameters()`, tied ones once) are optimised. lr: the initial lr
+    (each `step` takes its own). weight_decay: decoupled, on params with ndim >= 2 only.
+    clip_grad: max global grad norm, 0 disables clipping. loss_scaler: dynamic loss
+    scaling (fp16); None means a scale of 1 and no skipping. parallel: the ParallelState
+    (None: one process). bucket_size / overlap_grad_reduce: data-parallel buckets
+    (--ddp-bucket-size, --overlap-grad-reduce).
 
-    Usage per iteration: `zero_grad()`, then for each micro-batch
-    `optimizer.scale_loss(loss).backward()`, then `step(lr)`.
+    Usage per iteration: `zero_grad()` and `start_iteration(num_microbatches)`, then for
+    each micro-batch `optimizer.scale_loss(loss).backward()`, then `finish_grad_sync()`
+    and `step(lr)`.
     """
+
+    distributed = False
 
     def __init__(self, model: nn.Module, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
                  eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
-                 parallel=None):
+                 parallel=None, bucket_size: int | None = None, overlap_grad_reduce: bool = False):
         _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad)
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
-        # The model-parallel group (TP x PP) over which found_inf and the grad norm are combined.
         self.tp_rank, self.pp_rank = getattr(parallel, "tp_rank", 0), getattr(parallel, "pp_rank", 0)
+        self.tp_size = getattr(parallel, "tp_size", 1)
+        self.dp_size, self.dp_rank = getattr(parallel, "dp_size", 1), getattr(parallel, "dp_rank", 0)
+        # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
+        # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         model_parallel = getattr(parallel, "tp_size", 1) * getattr(parallel, "pp_size", 1)
         self.model_parallel_group = parallel.mp_group if model_parallel > 1 else None
+        self.world = parallel is not None and parallel.world_size > 1
         named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters to optimise")
-        self.grad_buffer = GradBuffer([param for _, param in named])
-        name_of = {id(param): name for name, param in named}
-        # Three aligned lists, in grad-buffer order.
-        self.model_params = self.grad_buffer.params
-        self.names = [name_of[id(param)] for param in self.model_params]
-        self.main_params = [_main_param(param) for param in self.model_params]
-
-        decay = [main for main in self.main_params if main.ndim >= 2]
-        no_decay = [main for main in self.main_params if main.ndim < 2]
+        chunks = list(model) if hasattr(model, "chunks") else [model]
+        self.grad_buffer = GradBuffer([[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks],
+                                      bucket_size=bucket_size, shard_count=self.dp_size if self.distributed else 1)
+        self.ddp = DataParallelGrads(self.grad_buffer, getattr(parallel, "dp_group", None), self.dp_size,
+                                     self.dp_rank, shard=self.distributed, overlap=overlap_grad_reduce,
+                                     defer_shared_embedding=getattr(parallel, "pp_size", 1) > 1)
+        self.name_of = {id(param): name for name, param in named}
+        self._build_main_params()
+        decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim >= 2]
+        no_decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         self.adam = torch.optim.AdamW([group for group in groups if group["params"]], lr=lr, betas=betas,
                                       eps=eps, foreach=True)
+
+    def _build_main_params(self) -> None:
+        """Aligned lists in grad-buffer order: model params, names, fp32 main params, their grads."""
+        self.model_params = self.grad_buffer.params
+        self.names = [self.name_of[id(param)] for param in self.model_params]
+        self.main_params = [_main_param(param) for param in self.model_params]
+        self.main_grads = [param.main_grad for param in self.model_params]
+
+    def start_iteration(self, num_microbatches: int) -> None:
+        """Before an iteration's first backward: each parameter gets `num_microbatches` grads."""
+        self.ddp.start_iteration(num_microbatches)
+
+    def finish_grad_sync(self, before_reduce=None) -> None:
+        """After the last backward: reduce the grads across data-parallel ranks.
+
+        before_reduce: runs on the local grads before any bucket not yet reduced is
+        (the tied-embedding sum across pipeline stages, whose buckets never start early).
+        """
+        self.ddp.finish(before_reduce)
 
     @property
     def loss_scale(self) -> float:
@@ -167,39 +202,41 @@ class MixedPrecisionOptimizer:
         return StepResult(True, grad_norm)
 
     def _unscale_and_check_grads(self) -> bool:
-        """Divide the grad buffer by the loss scale; True when it holds an inf or nan.
+        """Divide the grad buffer by the loss scale; True when any rank's grads hold an inf or nan.
 
         Checked only with a scaler (without one the grad norm catches non-finite grads).
+        An overflow on any rank skips the step on every rank.
         """
         if self.loss_scaler is None:
             return False
-        grads = self.grad_buffer.data
-        grads.mul_(1.0 / self.loss_scaler.scale)
-        found_inf = torch.tensor(0.0 if bool(torch.isfinite(grads).all()) else 1.0, device=grads.device)
-        # Every model-parallel rank skips together. (DP needs nothing: grads are reduced across DP first.)
-        if self.model_parallel_group is not None:
-            torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX, group=self.model_parallel_group)
+        self.grad_buffer.data.mul_(1.0 / self.loss_scaler.scale)
+        finite = all(bool(torch.isfinite(grad).all()) for grad in self.main_grads)
+        found_inf = torch.tensor(0.0 if finite else 1.0, device=self.grad_buffer.data.device)
+        if self.world:
+            torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX)
         return bool(found_inf > 0)
 
-    def _grads_for_norm(self) -> list[torch.Tensor]:
-        """The grads this rank counts in the global norm: each gradient exactly once overall.
+    def _counted(self, param) -> bool:
+        """Whether this rank counts `param`'s grad in the global norm, so each counts once overall.
 
         TP: a param replicated on TP ranks (`tensor_model_parallel` False) counts only on
         TP rank 0. PP: the last stage's copy of a tied embedding (`shared_embedding`)
-        counts only on the first stage. ZeRO: only this rank's shard of the buffer.
-        One process: every parameter once.
+        counts only on the first stage. DP: replicas count once because the norm is
+        combined over TP x PP only; under the distributed optimizer each DP rank counts
+        its own shard and the norm is combined over every rank.
         """
-        return [param.main_grad for param in self.model_params
-                if (self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
-                and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False))]
+        return ((self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
+                and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False)))
 
     def _grad_norm(self) -> float:
         """Global L2 norm of all main grads (fp32)."""
-        grads = self._grads_for_norm()
+        grads = [grad for grad, param in zip(self.main_grads, self.model_params) if self._counted(param)]
         norms = torch._foreach_norm(grads, 2.0) if grads else []
-        squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=self.grad_buffer.data.device)
-        # ZeRO: the data-parallel group will join this all-reduce.
-        if self.model_parallel_group is not None:
+        device = self.grad_buffer.data.device
+        squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+        if self.distributed and self.world:
+            torch.distributed.all_reduce(squared_norm)
+        elif self.model_parallel_group is not None:
             torch.distributed.all_reduce(squared_norm, group=self.model_parallel_group)
         return float(squared_norm.sqrt())
 
@@ -217,8 +254,8 @@ class MixedPrecisionOptimizer:
             group["lr"] = lr
         # Grads are lent only for the step: on an fp32 model the main params are the model
         # params, whose `.grad` must be None again before the next backward.
-        for main, param in zip(self.main_params, self.model_params):
-            main.grad = param.main_grad
+        for main, grad in zip(self.main_params, self.main_grads):
+            main.grad = grad
         self.adam.step()
         for main in self.main_params:
             main.grad = None
@@ -228,7 +265,6 @@ class MixedPrecisionOptimizer:
         for main, param in zip(self.main_params, self.model_params):
             if main is not param:
                 param.copy_(main)
-        # ZeRO: all-gather the updated shards into every DP rank's model params.
 
     def state_dict(self) -> dict:
         """`{"tensors": {name: Tensor}, "meta": JSON-able}`; layout-free.
@@ -244,11 +280,13 @@ class MixedPrecisionOptimizer:
             tensors[f"{name}.main_param"] = main.detach()
             for kind in ("exp_avg", "exp_avg_sq"):
                 tensors[f"{name}.{kind}"] = state[kind] if kind in state else torch.zeros_like(main.detach())
+        return {"tensors": tensors, "meta": self._meta()}
+
+    def _meta(self) -> dict:
         group = self.adam.param_groups[0]
-        meta = {"step": self._adam_steps(), "betas": list(group["betas"]), "eps": group["eps"],
+        return {"step": self._adam_steps(), "betas": list(group["betas"]), "eps": group["eps"],
                 "weight_decay": self.weight_decay, "clip_grad": self.clip_grad,
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
-        return {"tensors": tensors, "meta": meta}
 
     def _adam_steps(self) -> int:
         steps = {int(self.adam.state[main]["step"]) for main in self.main_params if main in self.adam.state}
@@ -276,6 +314,118 @@ class MixedPrecisionOptimizer:
                     "step": torch.tensor(float(steps), dtype=torch.float32),
                     "exp_avg": tensors[f"{name}.exp_avg"].to(main.device, torch.float32, copy=True),
                     "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(main.device, torch.float32, copy=True)}
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self._copy_main_params_to_model_params()
+
+
+class DistributedOptimizer(MixedPrecisionOptimizer):
+    """ZeRO-1: each data-parallel rank keeps fp32 main params and Adam moments for its shard only.
+
+    The grad buffer's buckets are cut into `dp_size` equal shards; DP rank d owns shard d
+    of every bucket (grad_buffer.py). Its grads arrive there by reduce-scatter (ddp.py);
+    AdamW runs on the owned ranges; each bucket is then all-gathered so every rank's
+    model params are whole again. A parameter's owned part is one contiguous range of
+    its flattened values (buckets close at parameter boundaries).
+
+    Checkpoints: `state_dict()` gives each owned range as pieces of the global tensors
+    (checkpointing.flat_range_pieces), so any other layout, sharded or not, reads them.
+    """
+
+    distributed = True
+
+    def _build_main_params(self) -> None:
+        """One entry per parameter that intersects this rank's shards: model param, name,
+        fp32 main values (1-D), grad view (1-D) and `ranges` (local flat start, end)."""
+        self.model_params, self.names, self.main_params, self.main_grads, self.ranges = [], [], [], [], []
+        buffer = self.grad_buffer
+        for bucket in buffer.buckets:
+            shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
+            for param in bucket.params:
+                start, numel = buffer.offsets[param]
+                low, high = max(start, shard_start), min(start + numel, shard_end)
+                if low >= high:
+                    continue
+                local = (low - start, high - start)
+                values = param.detach().view(-1)[local[0]:local[1]]
+                # fp32 models: the main values are a view of the param, updated in place.
+                main = values if param.dtype == torch.float32 else values.to(torch.float32, copy=True)
+                self.model_params.append(param)
+                self.names.append(self.name_of[id(param)])
+                self.main_params.append(main)
+                self.main_grads.append(param.main_grad.view(-1)[local[0]:local[1]])
+                self.ranges.append(local)
+
+    @torch.no_grad()
+    def _copy_main_params_to_model_params(self) -> None:
+        """Write the owned ranges into the model params, then all-gather every bucket across DP."""
+        for main, param, (start, end) in zip(self.main_params, self.model_params, self.ranges):
+            if param.dtype != torch.float32:
+                param.view(-1)[start:end].copy_(main)
+        if self.dp_size == 1:
+            return
+        for bucket in self.grad_buffer.buckets:
+            self._all_gather_bucket(bucket)
+
+    def _all_gather_bucket(self, bucket) -> None:
+        """Every DP rank's shard of `bucket`'s params, gathered into the params of all ranks."""
+        buffer, dtype = self.grad_buffer, bucket.params[0].dtype
+        device = buffer.data.device
+        full = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+        for param in bucket.params:
+            start, numel = buffer.offsets[param]
+            full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))
+        shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
+        mine = full[shard_start - bucket.start:shard_end - bucket.start].clone()
+        _all_gather_single(full, mine, group=self.ddp.group)
+        for param in bucket.params:
+            start, numel = buffer.offsets[param]
+            param.detach().view(-1).copy_(full[start - bucket.start:start - bucket.start + numel])
+
+    def _live_state(self) -> list[dict]:
+        """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
+        so the checkpoint pieces can always be views of the live tensors."""
+        states = []
+        for main in self.main_params:
+            if main not in self.adam.state:
+                self.adam.state[main] = {"step": torch.tensor(0.0, dtype=torch.float32),
+                                         "exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main)}
+            states.append(self.adam.state[main])
+        return states
+
+    def state_dict(self) -> dict:
+        """`{"tensors": {"<name>.<kind>": [Piece, ...]}, "meta"}`: each owned range as global pieces
+        (views of the live tensors); `meta` as MixedPrecisionOptimizer's."""
+        from megalite.checkpointing import flat_range_pieces
+
+        tensors = {}
+        for name, main, state, param, (start, _) in zip(self.names, self.main_params, self._live_state(),
+                                                         self.model_params, self.ranges):
+            for kind, values in (("main_param", main), ("exp_avg", state["exp_avg"]),
+                                 ("exp_avg_sq", state["exp_avg_sq"])):
+                tensors[f"{name}.{kind}"] = flat_range_pieces(values, param, start, self.tp_rank, self.tp_size)
+        return {"tensors": tensors, "meta": self._meta()}
+
+    def _adam_steps(self) -> int:
+        steps = {int(state["step"]) for state in self._live_state()}
+        if len(steps) > 1:
+            raise RuntimeError(f"the parameters have taken different numbers of Adam steps: {sorted(steps)}")
+        return steps.pop() if steps else 0
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Restore `state_dict()`-shaped tensors (the same pieces, filled) and refresh the model."""
+        live = self.state_dict()["tensors"]
+        tensors, meta = state["tensors"], state["meta"]
+        if set(tensors) != set(live):
+            raise UserError(f"the optimizer state does not fit this model's shard (e.g. "
+                            f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start "
+                            f"the optimizer afresh")
+        for key, pieces in live.items():
+            for target, source in zip(pieces, tensors[key]):
+                target.tensor.copy_(source.tensor)
+        for adam_state in self._live_state():
+            adam_state["step"].fill_(float(meta["step"]))
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self._copy_main_params_to_model_params()

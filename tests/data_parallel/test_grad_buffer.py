@@ -29,9 +29,9 @@ def loss_of(model, seed: int) -> torch.Tensor:
     return model(tokens, labels=labels).mean()
 
 
-def test_layout_is_reverse_registration_order_contiguous_and_padded():
+def test_layout_is_reverse_registration_order_contiguous_and_padded_to_the_shard_count():
     a, b, c = (nn.Parameter(torch.randn(shape)) for shape in ((3, 2), (5,), (1, 4)))
-    buffer = GradBuffer([a, b, c], pad_to=8)
+    buffer = GradBuffer([[a, b, c]], shard_count=8)
     assert buffer.params == [c, b, a]
     assert buffer.offsets[c] == (0, 4) and buffer.offsets[b] == (4, 5) and buffer.offsets[a] == (9, 6)
     assert buffer.numel == 15 and buffer.data.shape == (16,) and buffer.data.dtype == torch.float32
@@ -48,7 +48,7 @@ def test_layout_is_reverse_registration_order_contiguous_and_padded():
 def test_two_micro_batches_accumulate_to_the_summed_grads_and_free_param_grads():
     model = tiny_gpt2()
     reference = copy.deepcopy(model)
-    buffer = GradBuffer(list(model.parameters()))
+    buffer = GradBuffer([list(model.parameters())])
     for seed in (1, 2):
         loss_of(model, seed).backward()
         loss_of(reference, seed).backward()  # plain autograd: .grad sums the micro-batches
@@ -62,12 +62,12 @@ def test_two_micro_batches_accumulate_to_the_summed_grads_and_free_param_grads()
 def test_a_tied_parameter_appears_once_and_gets_both_uses():
     model = tiny_gpt2()
     tied = model.embedding.word_embeddings.weight
-    buffer = GradBuffer(list(model.parameters()) + [tied])  # even listed twice
+    buffer = GradBuffer([list(model.parameters()) + [tied]])  # even listed twice
     assert sum(param is tied for param in buffer.params) == 1
     assert buffer.numel == sum(param.numel() for param in model.parameters())
 
     embedding = nn.Embedding(5, 3)
-    GradBuffer(list(embedding.parameters()))
+    GradBuffer([list(embedding.parameters())])
     ids = torch.tensor([0, 2, 2, 4])
     weight = embedding.weight
 
@@ -84,7 +84,7 @@ def test_a_tied_parameter_appears_once_and_gets_both_uses():
 
 def test_bf16_grads_accumulate_in_fp32():
     weight = nn.Parameter(torch.ones(2, dtype=torch.bfloat16))
-    buffer = GradBuffer([weight])
+    buffer = GradBuffer([[weight]])
     # bf16 keeps 8 significant bits: 1 + 2**-10 rounds to 1 in bf16 but not in fp32.
     for coefficients in ([1.0, 1.0], [2.0 ** -10, 3.0]):
         (weight * torch.tensor(coefficients, dtype=torch.bfloat16)).sum().backward()
@@ -97,7 +97,7 @@ def test_bf16_grads_accumulate_in_fp32():
 
 def test_remove_hooks_leaves_later_grads_in_param_grad():
     weight = nn.Parameter(torch.ones(3))
-    buffer = GradBuffer([weight])
+    buffer = GradBuffer([[weight]])
     (weight * 2).sum().backward()
     buffer.remove_hooks()
     (weight * 5).sum().backward()
@@ -107,6 +107,18 @@ def test_remove_hooks_leaves_later_grads_in_param_grad():
 
 def test_frozen_parameters_and_bad_padding_are_refused():
     with pytest.raises(ValueError, match="trainable"):
-        GradBuffer([nn.Parameter(torch.ones(2), requires_grad=False)])
-    with pytest.raises(ValueError, match="pad_to"):
-        GradBuffer([nn.Parameter(torch.ones(2))], pad_to=0)
+        GradBuffer([[nn.Parameter(torch.ones(2), requires_grad=False)]])
+    with pytest.raises(ValueError, match="shard_count"):
+        GradBuffer([[nn.Parameter(torch.ones(2))]], shard_count=0)
+
+
+def test_buckets_close_at_parameter_boundaries_per_chunk_and_pad_to_equal_shards():
+    first = [nn.Parameter(torch.randn(shape)) for shape in ((3, 2), (5,), (1, 4))]  # 6, 5, 4 elements
+    second = [nn.Parameter(torch.randn(7))]
+    buffer = GradBuffer([first, second], bucket_size=8, shard_count=4)
+    # chunk 1 in backward order: [4 + 5] closes a bucket at 9 -> padded to 12; [6] -> 8; chunk 2: [7] -> 8
+    assert [(b.start, b.end) for b in buffer.buckets] == [(0, 12), (12, 20), (20, 28)]
+    assert [b.params for b in buffer.buckets] == [[first[2], first[1]], [first[0]], [second[0]]]
+    assert buffer.offsets[second[0]] == (20, 7) and buffer.data.numel() == 28
+    assert buffer.buckets[0].shard(1, 4) == (3, 6) and buffer.buckets[2].shard(3, 4) == (26, 28)
+    assert buffer.bucket_of[first[0]] is buffer.buckets[1]
