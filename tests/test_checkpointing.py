@@ -605,3 +605,24 @@ def test_damaged_tensor_files_are_user_errors_naming_the_file(tmp_path, damage):
     expected = "is missing" if damage.startswith("delete") else "is not a valid safetensors file"
     with pytest.raises(UserError, match=rf"{path.name} {expected}"):
         load_checkpoint(str(tmp_path), model, model_config=config)
+
+
+@pytest.mark.parametrize("shape, dim, chunks", [((8, 6), 0, 2), ((8, 6), 1, 1), ((8, 6), 0, 1), ((12,), 0, 1)])
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_flat_range_pieces_place_every_distributed_optimizer_range_in_the_global_tensor(shape, dim, chunks, tp_size):
+    """Any contiguous range of a TP shard's flattened values maps to pieces holding exactly
+    those values at the right global offsets (partial rows, whole rows, chunked dims)."""
+    full = torch.arange(float(torch.Size(shape).numel())).view(shape)
+    for tp_rank in range(tp_size):
+        local = shard_full_tensor(full, dim, tp_rank, tp_size, chunks)
+        param = mark_parameter(torch.nn.Parameter(local.clone()), tp_size > 1, dim, partition_chunks=chunks)
+        flat = local.reshape(-1)
+        for start, end in [(0, flat.numel()), (1, 5), (3, flat.numel() - 2), (2, 3), (local.shape[-1], flat.numel())]:
+            values = flat[start:end].clone()
+            pieces = checkpointing.flat_range_pieces(values, param, start, tp_rank, tp_size)
+            assert sum(piece.tensor.numel() for piece in pieces) == end - start
+            for piece in pieces:  # views of `values`: loading into them fills the optimizer's state
+                assert piece.tensor.untyped_storage().data_ptr() == values.untyped_storage().data_ptr()
+                assert piece.global_shape == shape
+                region = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))]
+                assert torch.equal(region, piece.tensor), (start, end, piece.offsets)
