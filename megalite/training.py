@@ -294,6 +294,8 @@ class Trainer:
             ckpt.load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
             model_config=self.run.model, load_optim=not (finetune or ckpt.no_load_optim),
             load_rng=load_rng, rank=self.parallel.rank, parallel=self.parallel)
+        if finetune or ckpt.no_load_optim:
+            self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         if finetune:
             self.log(f"loaded the model weights of {ckpt.load} iteration {loaded['iteration']} (--finetune): "
                      f"starting at iteration 0")

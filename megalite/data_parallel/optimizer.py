@@ -266,6 +266,18 @@ class MixedPrecisionOptimizer:
             if main is not param:
                 param.copy_(main)
 
+    @torch.no_grad()
+    def reload_model_params(self) -> None:
+        """Copy the model params into the fp32 main params: after model weights were loaded
+        without optimizer state (--finetune, --no-load-optim), so the next step starts from them."""
+        for main, param in zip(self.main_params, self._model_values()):
+            if main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
+                main.copy_(param)
+
+    def _model_values(self) -> list[torch.Tensor]:
+        """The model values each main param stands for."""
+        return self.model_params
+
     def state_dict(self) -> dict:
         """`{"tensors": {name: Tensor}, "meta": JSON-able}`; layout-free.
 
@@ -355,6 +367,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 self.main_params.append(main)
                 self.main_grads.append(param.main_grad.view(-1)[local[0]:local[1]])
                 self.ranges.append(local)
+
+    def _model_values(self) -> list[torch.Tensor]:
+        return [param.detach().view(-1)[start:end] for param, (start, end) in zip(self.model_params, self.ranges)]
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:

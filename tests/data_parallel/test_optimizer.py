@@ -328,3 +328,18 @@ def test_load_errors_name_the_missing_unexpected_and_misshaped_entries():
 def test_invalid_hyperparameters_name_the_flag(kwargs, flag):
     with pytest.raises(UserError, match=flag):
         MixedPrecisionOptimizer(TinyMLP(torch.float32), **{"lr": 1e-3, **kwargs})
+
+
+@pytest.mark.parametrize("kind", ["MixedPrecisionOptimizer", "DistributedOptimizer"])
+def test_reload_model_params_restarts_bf16_main_params_from_newly_loaded_weights(kind):
+    """--finetune / --no-load-optim load weights after the optimizer copied the old ones."""
+    from megalite.data_parallel import optimizer as module
+
+    model = tiny_llama(dtype=torch.bfloat16)
+    optimizer = getattr(module, kind)(model, lr=1e-3)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.add_(1.0)  # what loading other weights does
+    optimizer.reload_model_params()
+    for main, param in zip(optimizer.main_params, optimizer.model_params):
+        assert torch.equal(main, param.detach().float().view(main.shape))
