@@ -95,7 +95,7 @@ def main(argv=None) -> int:
                 verdict = "ok" if difference <= rtol else "ABOVE"
                 if difference > rtol:
                     failed.append(f"{model} {layout}")
-                print(f"{model:<6} {layout:<15} largest relative loss difference vs 1 process: {difference:.2e} "
+                print(f"{model:<6} {layout:<34} largest relative loss difference vs 1 process: {difference:.2e} "
                       f"(rtol {rtol:g}: {verdict})", flush=True)
     print(f"{'all layouts within tolerance' if not failed else 'ABOVE tolerance: ' + ', '.join(failed)}")
     return 0 if not failed else 1
