@@ -105,6 +105,8 @@ def _add_training_args(group) -> None:
     group.add_argument("--loss-scale-window", type=int, default=1000, help="fp16: clean steps before the scale grows")
     group.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows tolerated before backing off")
     group.add_argument("--compile", action="store_true", help="torch.compile the model")
+    group.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
+                       help="fused Triton kernels: auto = on CUDA GPUs; triton on a CPU needs TRITON_INTERPRET=1")
     group.add_argument("--exit-interval", type=int, help="stop (and save) when the iteration is a multiple")
     group.add_argument("--exit-duration-in-mins", type=float, help="stop (and save) after this many minutes")
     group.add_argument("--exit-signal-handler", action="store_true",
@@ -354,6 +356,9 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
     if args.compile and (args.recompute_activations or args.recompute_granularity):
         raise UserError("--compile with --recompute-* is not supported; drop one of them")
     from megalite.data.loader import check_batch_sizes
+    from megalite.kernels import check_kernels
+
+    check_kernels(args.kernels)
 
     check_batch_sizes(args.global_batch_size, args.micro_batch_size, parallel.data_parallel_size)
     from megalite.pipeline_parallel.schedules import check_microbatches
@@ -371,6 +376,7 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
         adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
         initial_loss_scale=args.initial_loss_scale or 2.0 ** 32, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, compile=args.compile,
+        kernels=args.kernels,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
         exit_duration_in_mins=args.exit_duration_in_mins, exit_signal_handler=args.exit_signal_handler)
 

@@ -288,6 +288,7 @@ class TrainConfig:
     loss_scale_window: int = 1000
     hysteresis: int = 2
     compile: bool = False
+    kernels: str = "auto"  # --kernels: auto (Triton on CUDA), triton, torch
     eval_interval: int = 100  # 0: no evaluation during training
     eval_iters: int = 5
     exit_interval: int | None = None

@@ -36,6 +36,7 @@ from megalite.data_parallel.ddp import global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
                                               NonFiniteGradError)
 from megalite.errors import UserError
+from megalite.kernels import set_kernels
 from megalite.logging import TrainingLogger
 from megalite.lr_schedule import LRSchedule
 from megalite.pipeline_parallel.comm import PipelineComm
@@ -221,6 +222,7 @@ class Trainer:
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
         seed_everything(train.seed, self.parallel)
+        set_kernels(train.kernels)
         resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
         run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,

@@ -1,1 +1,62 @@
-"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point."""
+"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point.
+
+`--kernels {auto,triton,torch}` sets the mode once per process (`set_kernels`):
+- auto: Triton on CUDA tensors, PyTorch elsewhere (the default);
+- triton: Triton everywhere; on a CPU this needs TRITON_INTERPRET=1 (Triton's
+  interpreter, slow, for tests);
+- torch: the PyTorch reference everywhere.
+
+Each kernel module exposes one function the model calls (e.g. `rms_norm`), which asks
+`use_triton(x)` and runs either the Triton autograd Function or the reference.
+"""
+
+import importlib.util
+import os
+
+import torch
+
+from megalite.errors import UserError
+
+MODES = ("auto", "triton", "torch")
+_mode = "auto"
+
+
+def triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def interpreting() -> bool:
+    """Whether Triton runs kernels in its CPU interpreter (TRITON_INTERPRET=1)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def check_kernels(mode: str) -> None:
+    """UserError when `--kernels mode` cannot run on this machine."""
+    if mode not in MODES:
+        raise UserError(f"--kernels {mode} is not one of {', '.join(MODES)}")
+    if mode == "triton" and not triton_available():
+        raise UserError("--kernels triton needs the triton package; pip install -r requirements.txt, "
+                        "or use --kernels torch")
+    if mode == "triton" and not torch.cuda.is_available() and not interpreting():
+        raise UserError("--kernels triton needs a CUDA GPU, or TRITON_INTERPRET=1 to run the kernels in "
+                        "Triton's (slow) CPU interpreter; use --kernels auto or torch on this machine")
+
+
+def set_kernels(mode: str) -> None:
+    """Choose the kernels for this process (see the module docstring)."""
+    global _mode
+    check_kernels(mode)
+    _mode = mode
+
+
+def kernels_mode() -> str:
+    return _mode
+
+
+def use_triton(x: torch.Tensor) -> bool:
+    """Whether the op on `x` runs the Triton kernel under the current mode."""
+    if _mode == "torch":
+        return False
+    if _mode == "triton":
+        return True
+    return x.is_cuda and triton_available()

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.kernels.rmsnorm import rms_norm
 from megalite.model.rotary import apply_rotary_pos_emb
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
                                              sequence_parallel_enabled, tensor_parallel_rank_size)
@@ -69,9 +70,7 @@ class RMSNorm(nn.Module):
             self.weight.fill_(1.0)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        normed = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * normed.to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)  # Triton or PyTorch per --kernels
 
 
 def make_norm(config: ModelConfig) -> nn.Module:
