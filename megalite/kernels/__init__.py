@@ -60,3 +60,10 @@ def use_triton(x: torch.Tensor) -> bool:
     if _mode == "triton":
         return True
     return x.is_cuda and triton_available()
+
+
+def backward_programs(rows: int, device: torch.device) -> int:
+    """Programs for a row-reduction backward (norms): enough to fill a GPU, few in the interpreter."""
+    if device.type == "cuda":
+        return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
+    return min(rows, 4)

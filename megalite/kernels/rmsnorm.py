@@ -17,7 +17,7 @@ Row offsets are int64, so tensors past 2^31 elements are addressed correctly.
 
 import torch
 
-from megalite.kernels import use_triton
+from megalite.kernels import backward_programs, use_triton
 
 try:
     import triton
@@ -76,13 +76,6 @@ if triton is not None:
         tl.store(dweight_ptr + program.to(tl.int64) * n_cols + cols, dweight, mask=mask)
 
 
-def _programs(rows: int, device: torch.device) -> int:
-    """Programs for the backward: enough to fill a GPU, few on the CPU interpreter."""
-    if device.type == "cuda":
-        return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(rows, 4)
-
-
 class _RMSNorm(torch.autograd.Function):
     """The Triton RMSNorm; see the module docstring."""
 
@@ -105,7 +98,7 @@ class _RMSNorm(torch.autograd.Function):
         rows, hidden = x2.shape
         dy2 = dy.reshape(rows, hidden).contiguous()
         dx = torch.empty_like(x2)
-        programs = _programs(rows, x2.device)
+        programs = backward_programs(rows, x2.device)
         partial = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)
         _backward_kernel[(programs,)](dy2, x2, weight.contiguous(), rstd, dx, partial, rows, hidden,
                                       triton.cdiv(rows, programs), BLOCK=triton.next_power_of_2(hidden))

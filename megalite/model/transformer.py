@@ -12,7 +12,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.kernels.layernorm import layer_norm
 from megalite.kernels.rmsnorm import rms_norm
+from megalite.kernels.swiglu import swiglu
 from megalite.model.rotary import apply_rotary_pos_emb
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
                                              sequence_parallel_enabled, tensor_parallel_rank_size)
@@ -54,7 +56,7 @@ class LayerNorm(nn.Module):
             self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.layer_norm(x, x.shape[-1:], self.weight, self.bias, self.eps)
+        return layer_norm(x, self.weight, self.bias, self.eps)  # Triton or PyTorch per --kernels
 
 
 class RMSNorm(nn.Module):
@@ -153,8 +155,7 @@ class MLP(nn.Module):
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.linear_fc1(hidden)
         if self.swiglu:
-            gate, up = x.chunk(2, dim=-1)
-            x = F.silu(gate) * up
+            x = swiglu(x)  # silu(gate) * up of the [gate; up] halves; Triton or PyTorch per --kernels
         else:
             x = F.gelu(x, approximate=self.gelu_approximate)
         return self.linear_fc2(x)

@@ -9,8 +9,9 @@ from tools.loss_compare import compare, read_losses
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
 
-def test_three_iterations_with_triton_kernels_match_torch_kernels(tmp_path):
-    flags = [*COMMON, *MODELS["llama"], "--train-iters", "3", "--num-layers", "2"]
+@pytest.mark.parametrize("model", ["llama", "gpt"])  # RMSNorm; LayerNorm
+def test_three_iterations_with_triton_kernels_match_torch_kernels(model, tmp_path):
+    flags = [*COMMON, *MODELS[model], "--train-iters", "3", "--num-layers", "2"]
     losses = {}
     for mode in ("torch", "triton"):
         metrics = str(tmp_path / f"{mode}.jsonl")

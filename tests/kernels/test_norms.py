@@ -1,0 +1,66 @@
+"""The Triton RMSNorm and LayerNorm (through the interpreter on CPU) against a float64 reference.
+
+Output, input grad, weight grad (and bias grad), in fp32 and with bf16 inputs, at odd sizes: the
+kernel's error must stay within twice the PyTorch reference's own error in the same
+dtype (relative L2 error, with a floor at the dtype's rounding for exact cases).
+"""
+
+import pytest
+import torch
+
+from megalite import kernels
+from megalite.kernels.layernorm import _LayerNorm, layer_norm_reference
+from megalite.kernels.rmsnorm import _RMSNorm, rms_norm, rms_norm_reference
+
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
+
+FLOOR = {torch.float32: 1e-7, torch.bfloat16: 4e-3}
+
+
+NORMS = {  # name -> (PyTorch reference, Triton Function, has bias)
+    "rmsnorm": (rms_norm_reference, _RMSNorm.apply, False),
+    "layernorm": (layer_norm_reference, _LayerNorm.apply, True),
+}
+
+
+def run(function, with_bias, x, weight, bias, grad, dtype):
+    """(y, dx, dweight[, dbias]) in float64 of `function` on copies of the inputs cast to `dtype`."""
+    leaves = [t.detach().clone().to(dtype).requires_grad_() for t in ((x, weight, bias) if with_bias else (x, weight))]
+    y = function(*leaves, 1e-5)
+    y.backward(grad.to(y.dtype))
+    return (y.detach().double(), *(leaf.grad.double() for leaf in leaves))
+
+
+def relative_error(actual, expected):
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("norm", list(NORMS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(3, 5, 37), (7, 64), (2, 1, 130)])
+def test_triton_norm_matches_float64_within_twice_torch_error(norm, shape, dtype, one_thread):
+    reference_function, triton_function, with_bias = NORMS[norm]
+    generator = torch.Generator().manual_seed(sum(shape))
+    x = torch.randn(shape, generator=generator, dtype=torch.float64) * 3 + 1
+    weight = torch.randn(shape[-1], generator=generator, dtype=torch.float64)
+    bias = torch.randn(shape[-1], generator=generator, dtype=torch.float64)
+    grad = torch.randn(shape, generator=generator, dtype=torch.float64)
+    inputs = (x, weight, bias, grad)
+    reference = run(reference_function, with_bias, *inputs, torch.float64)
+    torch_path = run(reference_function, with_bias, *inputs, dtype)
+    triton_path = run(triton_function, with_bias, *inputs, dtype)
+    for name, expected, ours, theirs in zip(("y", "dx", "dweight", "dbias"), reference, triton_path, torch_path):
+        bound = 2 * max(relative_error(theirs, expected), FLOOR[dtype])
+        assert relative_error(ours, expected) <= bound, name
+
+
+def test_non_contiguous_input_and_dispatch(one_thread):
+    x = torch.randn(6, 4, 24).transpose(0, 1)  # not contiguous
+    weight = torch.randn(24)
+    kernels.set_kernels("triton")
+    try:
+        fused = rms_norm(x, weight, 1e-6)
+    finally:
+        kernels.set_kernels("auto")
+    assert kernels.use_triton(x) is False  # auto on a CPU tensor: PyTorch
+    torch.testing.assert_close(fused, rms_norm_reference(x, weight, 1e-6), rtol=1e-6, atol=1e-6)
