@@ -14,8 +14,8 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.kernels.layernorm import layer_norm
 from megalite.kernels.rmsnorm import rms_norm
+from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
-from megalite.model.rotary import apply_rotary_pos_emb
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
                                              sequence_parallel_enabled, tensor_parallel_rank_size)
 from megalite.tensor_parallel.random import checkpoint, model_parallel_rng_tracker
@@ -125,7 +125,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
         if rotary is not None:
-            q, k = apply_rotary_pos_emb(q, *rotary), apply_rotary_pos_emb(k, *rotary)
+            q, k = apply_rotary(q, k, *rotary)  # Triton or PyTorch per --kernels
         if self.selective_recompute and torch.is_grad_enabled():
             context = checkpoint(self.core_attention, q, k, v)
         else:

@@ -1,0 +1,46 @@
+"""The Triton rotary embedding (interpreter on CPU) for q and k together, against float64."""
+
+import pytest
+import torch
+
+from megalite import kernels
+from megalite.kernels.rotary import _Rotary, apply_rotary_reference
+from megalite.model.rotary import RotaryEmbedding
+
+pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
+
+FLOOR = {torch.float32: 1e-7, torch.bfloat16: 4e-3}
+
+
+def run(function, q, k, cos, sin, grads, dtype):
+    leaves = [t.detach().clone().to(dtype).requires_grad_() for t in (q, k)]
+    # A strided view, as attention hands over q and k split from the fused QKV output.
+    views = [torch.cat([leaf, leaf], dim=-1)[..., :leaf.shape[-1]] for leaf in leaves]
+    outputs = function(*views, cos, sin)
+    torch.autograd.backward(outputs, [g.to(o.dtype) for g, o in zip(grads, outputs)])
+    return (*(o.detach().double() for o in outputs), *(leaf.grad.double() for leaf in leaves))
+
+
+def relative_error(actual, expected):
+    return float((actual - expected).norm() / expected.norm())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("positions", ["offset", "per-sample"])
+def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype, one_thread):
+    s, b, heads, groups, d = 5, 3, 6, 2, 10  # grouped-query: 6 query heads, 2 key heads; d/2 odd
+    generator = torch.Generator().manual_seed(7)
+    q = torch.randn(s, b, heads, d, generator=generator, dtype=torch.float64)
+    k = torch.randn(s, b, groups, d, generator=generator, dtype=torch.float64)
+    grads = (torch.randn(q.shape, generator=generator, dtype=torch.float64),
+             torch.randn(k.shape, generator=generator, dtype=torch.float64))
+    rotary = RotaryEmbedding(d, base=500.0)
+    if positions == "offset":
+        cos, sin = rotary(s, offset=11)  # [s, 1, 1, d]
+    else:
+        cos, sin = rotary(s, torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]))  # [s, b, 1, d]
+    reference = run(apply_rotary_reference, q, k, cos.double(), sin.double(), grads, torch.float64)
+    torch_path = run(apply_rotary_reference, q, k, cos, sin, grads, dtype)
+    triton_path = run(_Rotary.apply, q, k, cos, sin, grads, dtype)
+    for name, expected, ours, theirs in zip(("q", "k", "dq", "dk"), reference, triton_path, torch_path):
+        assert relative_error(ours, expected) <= 2 * max(relative_error(theirs, expected), FLOOR[dtype]), name
