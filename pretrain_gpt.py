@@ -5,6 +5,9 @@
         --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizers/my.model
     python pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
     python pretrain_gpt.py --list-models
+    python pretrain_gpt.py --model llama2-7b --tensor-model-parallel-size 8 --sequence-parallel --bf16 \\
+        --data-path data/llama2_text_document --tokenizer-type Llama2Tokenizer \\
+        --tokenizer-model tokenizers/llama2/tokenizer.model --dry-run --world-size 64   # plan only
 
 The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The default run
 saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
@@ -28,6 +31,11 @@ SAMPLE_PROMPT = "def "
 def main(argv) -> None:
     start = time.perf_counter()
     run = parse_args(argv, world_size_from_env())
+    if run.dry_run:
+        from megalite.dry_run import dry_run
+
+        dry_run(run)
+        return
     trainer, state = pretrain(run)
     if not state.losses or not trainer.parallel.is_logging_rank:
         return

@@ -12,7 +12,9 @@ carries the preset's vocabulary until `with_tokenizer_vocab` replaces it.
 
 import argparse
 import dataclasses
+import importlib.util
 import math
+import os
 
 from megalite.config import (
     MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, RunConfig,
@@ -20,6 +22,7 @@ from megalite.config import (
 )
 from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.errors import UserError
+from megalite.tracking import WANDB_MODES, default_wandb_mode
 
 DEFAULT_TRAIN_ITERS = 200
 LR_DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
@@ -31,7 +34,7 @@ MODEL_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_he
                "rotary_base", "normalization", "norm_epsilon", "swiglu", "hidden_dropout",
                "attention_dropout", "init_method_std", "make_vocab_size_divisible_by",
                "untie_embeddings_and_output_weights", "openai_gelu", "use_rope_scaling",
-               "rope_scaling_factor")
+               "rope_scaling_factor", "z_loss_weight", "fused_output_cross_entropy")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -43,7 +46,9 @@ def build_parser() -> argparse.ArgumentParser:
     _add_data_args(parser.add_argument_group("data"))
     _add_checkpoint_args(parser.add_argument_group("checkpoints"))
     _add_logging_args(parser.add_argument_group("logging and evaluation"))
+    _add_tracking_args(parser.add_argument_group("experiment tracking (wandb, TensorBoard)"))
     _add_parallel_args(parser.add_argument_group("parallelism"))
+    _add_dry_run_args(parser.add_argument_group("planning"))
     parser.add_argument("--debug", action="store_true", help="show tracebacks of user errors")
     return parser
 
@@ -57,7 +62,7 @@ def _add_model_args(group) -> None:
                        ("--seq-length", int), ("--max-position-embeddings", int), ("--rotary-base", float),
                        ("--norm-epsilon", float), ("--hidden-dropout", float), ("--attention-dropout", float),
                        ("--init-method-std", float), ("--make-vocab-size-divisible-by", int),
-                       ("--rope-scaling-factor", float)]:
+                       ("--rope-scaling-factor", float), ("--z-loss-weight", float)]:
         group.add_argument(flag, type=kind)
     group.add_argument("--group-query-attention", action="store_true",
                        help="use --num-query-groups key/value heads")
@@ -71,6 +76,9 @@ def _add_model_args(group) -> None:
     group.add_argument("--recompute-activations", action="store_true",
                        help="selective recomputation (attention core); same as --recompute-granularity selective")
     group.add_argument("--recompute-granularity", choices=("full", "selective"))
+    group.add_argument("--fused-output-cross-entropy", action="store_true", default=None,
+                       help="output layer + loss in token chunks, never the full logits (TP = 1); "
+                            "costs one more output-layer matmul")
 
 
 def _add_training_args(group) -> None:
@@ -104,13 +112,25 @@ def _add_training_args(group) -> None:
     group.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below")
     group.add_argument("--loss-scale-window", type=int, default=1000, help="fp16: clean steps before the scale grows")
     group.add_argument("--hysteresis", type=int, default=2, help="fp16: overflows tolerated before backing off")
-    group.add_argument("--compile", action="store_true", help="torch.compile the model")
+    group.add_argument("--compile", action="store_true",
+                       help="torch.compile each transformer layer (regional; off by default: no faster on CPUs)")
     group.add_argument("--kernels", choices=("auto", "triton", "torch"), default="auto",
                        help="fused Triton kernels: auto = on CUDA GPUs; triton on a CPU needs TRITON_INTERPRET=1")
     group.add_argument("--exit-interval", type=int, help="stop (and save) when the iteration is a multiple")
     group.add_argument("--exit-duration-in-mins", type=float, help="stop (and save) after this many minutes")
-    group.add_argument("--exit-signal-handler", action="store_true",
-                       help="on SIGTERM, save at the next iteration boundary and exit 0")
+    group.add_argument("--exit-signal-handler", action="store_true", default=None,
+                       help="on SIGTERM or SIGINT (any rank), all ranks save at the next iteration boundary and "
+                            "exit 0; on by default whenever --save is set")
+    group.add_argument("--no-exit-signal-handler", dest="exit_signal_handler", action="store_false",
+                       help="let SIGTERM and SIGINT stop the run at once, without saving")
+    group.add_argument("--check-for-nan-in-loss-and-grad", action="store_true", default=True,
+                       help="stop at a NaN/Inf loss or grad norm (bf16, fp32), naming the last good checkpoint "
+                            "(the default)")
+    group.add_argument("--no-check-for-nan-in-loss-and-grad", dest="check_for_nan_in_loss_and_grad",
+                       action="store_false", help="skip such steps instead of stopping")
+    group.add_argument("--loss-spike-threshold", type=float, default=1.5,
+                       help="warn when an iteration's loss exceeds this multiple of the median of the "
+                            "previous 20; 0 turns it off")
 
 
 def _add_data_args(group) -> None:
@@ -132,8 +152,14 @@ def _add_data_args(group) -> None:
 
 def _add_checkpoint_args(group) -> None:
     group.add_argument("--save", help="checkpoint folder; the default run uses runs/default")
-    group.add_argument("--load", help="resume from the latest checkpoint in this folder")
+    group.add_argument("--load", help="resume from the latest checkpoint in this folder; default: --save when "
+                       "it holds one")
     group.add_argument("--save-interval", type=int, help="default: save only at the end")
+    group.add_argument("--keep-last-n-checkpoints", type=int,
+                       help="after each save, delete all but the newest N checkpoints (never the one resumed "
+                            "from); default: keep all")
+    group.add_argument("--save-retain-interval", type=int,
+                       help="with --keep-last-n-checkpoints: also keep checkpoints at multiples of this iteration")
     group.add_argument("--no-load-optim", action="store_true")
     group.add_argument("--no-load-rng", action="store_true")
     group.add_argument("--finetune", action="store_true",
@@ -147,6 +173,17 @@ def _add_logging_args(group) -> None:
     group.add_argument("--metrics-file", help="JSONL metrics; default <save>/metrics.jsonl")
     group.add_argument("--debug-pipeline-schedule", action="store_true",
                        help="print each rank's sends, receives, forwards and backwards as they happen")
+
+
+def _add_tracking_args(group) -> None:
+    group.add_argument("--wandb-project", help="track the run in this wandb project (wandb is off without it)")
+    group.add_argument("--wandb-exp-name", help="the wandb run name; default: model, layout and start time")
+    group.add_argument("--wandb-entity", help="wandb team or user; default: the account's default entity")
+    group.add_argument("--wandb-save-dir", help="where wandb writes its files; default <save>/wandb")
+    group.add_argument("--wandb-mode", choices=WANDB_MODES,
+                       help="default: WANDB_MODE, else online when an API key is configured, else offline")
+    group.add_argument("--tensorboard-dir", help="also write the scalars as TensorBoard events here "
+                       "(needs the tensorboard package)")
 
 
 def _add_parallel_args(group) -> None:
@@ -165,7 +202,16 @@ def _add_parallel_args(group) -> None:
     group.add_argument("--ddp-bucket-size", type=int, default=40_000_000,
                        help="gradient elements per data-parallel bucket")
     group.add_argument("--distributed-backend", choices=("nccl", "gloo"))
-    group.add_argument("--distributed-timeout-minutes", type=int, default=10)
+    group.add_argument("--distributed-timeout-minutes", type=float, default=10,
+                       help="a collective that waits longer (a dead or hung rank) fails the run")
+
+
+def _add_dry_run_args(group) -> None:
+    group.add_argument("--dry-run", action="store_true",
+                       help="validate the flags and print each rank's parameters, memory and FLOPs for the "
+                            "layout, then exit: no processes, GPUs or data (megalite/dry_run.py)")
+    group.add_argument("--world-size", type=int,
+                       help="with --dry-run: the number of ranks to plan for; default TP x PP (DP 1)")
 
 
 def parse_args(argv, world_size: int = 1) -> RunConfig:
@@ -174,7 +220,26 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     if args.list_models:
         print(list_models())
         raise SystemExit(0)
-    return run_config_from_args(args, world_size)
+    if args.dry_run:
+        world_size = _dry_run_world_size(args)
+    elif args.world_size is not None:
+        raise UserError("--world-size only applies to --dry-run; a real run's world size is what torchrun "
+                        "launches, so drop it (or add --dry-run)")
+    run = run_config_from_args(args, world_size)
+    run.dry_run = args.dry_run
+    return run
+
+
+def _dry_run_world_size(args) -> int:
+    """--world-size, or TP x PP; it must be a positive multiple of TP x PP."""
+    # Sizes below 1 are reported by _parallel_config, with the flag named.
+    tp, pp = max(args.tensor_model_parallel_size, 1), max(args.pipeline_model_parallel_size, 1)
+    if args.world_size is None:
+        return tp * pp
+    if args.world_size < 1 or args.world_size % (tp * pp):
+        raise UserError(f"--world-size {args.world_size} is not a positive multiple of --tensor-model-parallel-size "
+                        f"{tp} x --pipeline-model-parallel-size {pp} = {tp * pp}; use e.g. {tp * pp * 2}")
+    return args.world_size
 
 
 def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
@@ -185,10 +250,9 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     data = _data_config(args)
     train = _train_config(args, parallel)
     checkpoint = _checkpoint_config(args, data)
-    logging = LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,
-                            debug_pipeline_schedule=args.debug_pipeline_schedule)
-    if logging.log_interval < 1:
-        raise UserError(f"--log-interval must be at least 1, got {logging.log_interval}")
+    if args.exit_signal_handler is None:  # on by default, where there is a --save to save to
+        train.exit_signal_handler = checkpoint.save is not None
+    logging = _logging_config(args, checkpoint)
     # The schedule and the loss scaler check their own flags; build them once to do it now,
     # before any data is built.
     from megalite.training import build_lr_schedule, build_loss_scaler
@@ -217,6 +281,17 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
         overrides["recompute_granularity"] = args.recompute_granularity or "selective"
     if args.vocab_size is not None and args.tokenizer_type == "NullTokenizer":
         overrides["vocab_size"] = args.vocab_size + 1  # NullTokenizer adds EOD as id V
+    preset = MODEL_PRESETS[args.model]
+    rope = overrides.get("position_embedding_type", preset.get("position_embedding_type")) == "rope"
+    seq_length = args.seq_length or preset.get("seq_length") or 0
+    if rope and args.max_position_embeddings is not None and seq_length > args.max_position_embeddings:
+        raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
+                        f"{args.max_position_embeddings}, the model's stated context length; raise "
+                        f"--max-position-embeddings or lower --seq-length")
+    if rope and args.seq_length is not None and args.max_position_embeddings is None \
+            and args.seq_length > (preset.get("max_position_embeddings") or 0):
+        # Rotary positions have no table: a longer --seq-length moves the preset's stated limit along.
+        overrides["max_position_embeddings"] = args.seq_length
     return model_config_from_preset(args.model, tensor_model_parallel_size, **overrides)
 
 
@@ -228,6 +303,10 @@ def _check_tensor_parallel(model: ModelConfig, parallel: ParallelConfig) -> None
         if value % tp:
             raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
                             f"use a tensor-parallel size that divides it")
+    if model.fused_output_cross_entropy and tp > 1:
+        raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); under "
+                        f"TP the vocab-parallel cross-entropy already keeps only a 1/TP slice of the logits, "
+                        f"so drop the flag")
     if parallel.sequence_parallel and tp == 1:
         raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks, so it needs "
                         "--tensor-model-parallel-size 2 or more; drop --sequence-parallel")
@@ -292,8 +371,8 @@ def _parallel_config(args, world_size: int) -> ParallelConfig:
         raise UserError(
             f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
             f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
-    if parallel.distributed_timeout_minutes < 1:
-        raise UserError("--distributed-timeout-minutes must be at least 1")
+    if not parallel.distributed_timeout_minutes > 0:
+        raise UserError(f"--distributed-timeout-minutes must be positive, got {parallel.distributed_timeout_minutes}")
     if parallel.ddp_bucket_size < 1:
         raise UserError(f"--ddp-bucket-size must be at least 1 (gradient elements), got {parallel.ddp_bucket_size}")
     return parallel
@@ -349,6 +428,9 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
                         ("--eval-iters", args.eval_iters)]:
         if value < 0:
             raise UserError(f"{flag} must be 0 or more, got {value}")
+    if args.loss_spike_threshold != 0 and not args.loss_spike_threshold > 1:
+        raise UserError(f"--loss-spike-threshold must be above 1 (a multiple of the recent median loss) or 0 to turn "
+                        f"the warning off, got {args.loss_spike_threshold}")
     if args.exit_interval is not None and args.exit_interval < 1:
         raise UserError(f"--exit-interval must be at least 1, got {args.exit_interval}")
     if args.exit_duration_in_mins is not None and args.exit_duration_in_mins <= 0:
@@ -378,7 +460,9 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, compile=args.compile,
         kernels=args.kernels,
         eval_interval=args.eval_interval, eval_iters=args.eval_iters, exit_interval=args.exit_interval,
-        exit_duration_in_mins=args.exit_duration_in_mins, exit_signal_handler=args.exit_signal_handler)
+        exit_duration_in_mins=args.exit_duration_in_mins, exit_signal_handler=bool(args.exit_signal_handler),
+        check_for_nan_in_loss_and_grad=args.check_for_nan_in_loss_and_grad,
+        loss_spike_threshold=args.loss_spike_threshold)
 
 
 def _train_iters(args) -> int:
@@ -419,12 +503,50 @@ def _checkpoint_config(args, data: DataConfig) -> CheckpointConfig:
             raise UserError(f"--save-interval must be at least 1, got {args.save_interval}")
     if args.exit_signal_handler and save is None:
         raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
+    for flag, value in [("--keep-last-n-checkpoints", args.keep_last_n_checkpoints),
+                        ("--save-retain-interval", args.save_retain_interval)]:
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    if args.keep_last_n_checkpoints is not None and save is None:
+        raise UserError("--keep-last-n-checkpoints needs --save DIR (the folder whose old checkpoints it deletes)")
+    if args.save_retain_interval is not None and args.keep_last_n_checkpoints is None:
+        raise UserError("--save-retain-interval only matters with --keep-last-n-checkpoints N (every checkpoint "
+                        "is kept otherwise); add it or drop --save-retain-interval")
     if (args.finetune or args.no_load_optim or args.no_load_rng) and args.load is None:
         flag = "--finetune" if args.finetune else "--no-load-optim" if args.no_load_optim else "--no-load-rng"
         raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
     return CheckpointConfig(save=save, load=args.load, save_interval=args.save_interval,
+                            keep_last_n_checkpoints=args.keep_last_n_checkpoints,
+                            save_retain_interval=args.save_retain_interval,
                             no_load_optim=args.no_load_optim, no_load_rng=args.no_load_rng,
                             finetune=args.finetune)
+
+
+def _logging_config(args, checkpoint: CheckpointConfig) -> LoggingConfig:
+    if args.log_interval < 1:
+        raise UserError(f"--log-interval must be at least 1, got {args.log_interval}")
+    if args.wandb_project is None:
+        for flag in ("--wandb-exp-name", "--wandb-entity", "--wandb-save-dir", "--wandb-mode"):
+            if getattr(args, flag[2:].replace("-", "_")) is not None:
+                raise UserError(f"{flag} needs --wandb-project NAME (wandb tracks a run only when a project "
+                                f"is given); add it or drop {flag}")
+    elif not args.wandb_project.strip():
+        raise UserError("--wandb-project is empty; give a project name (or drop the flag)")
+    mode = args.wandb_mode or default_wandb_mode()
+    if args.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise UserError("--wandb-project needs the wandb package, which is not installed; "
+                        "pip install -r requirements.txt (or use --wandb-mode disabled)")
+    if args.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+        raise UserError("--tensorboard-dir needs the tensorboard package, which is not installed; "
+                        "pip install tensorboard (or drop --tensorboard-dir)")
+    save_dir = args.wandb_save_dir
+    if save_dir is None and checkpoint.save is not None:
+        save_dir = os.path.join(checkpoint.save, "wandb")
+    return LoggingConfig(log_interval=args.log_interval, metrics_file=args.metrics_file,
+                         debug_pipeline_schedule=args.debug_pipeline_schedule,
+                         wandb_project=args.wandb_project, wandb_exp_name=args.wandb_exp_name,
+                         wandb_entity=args.wandb_entity, wandb_save_dir=save_dir, wandb_mode=mode,
+                         tensorboard_dir=args.tensorboard_dir)
 
 
 def _check_positive(*flags_values) -> None:

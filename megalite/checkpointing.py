@@ -22,6 +22,14 @@ the latest file. A crash at any point leaves the latest file naming a complete
 checkpoint; `*.tmp-*` leftovers are ignored by the loader and cleaned by the next save.
 The steps are public (`begin_save`, `write_rank_files`, `finalize_save`) so a
 distributed caller can pass `torch.distributed.barrier` as `barrier`.
+
+A save that fails (disk full, permission denied, ...) raises `CheckpointSaveError`
+naming the folder and the error, on every rank (the ranks agree through `failed_ranks`),
+after rank 0 removed the partial folder: the previous checkpoint stays the latest.
+metadata.json records every file's size, so a truncated or altered file is refused at
+load, and `choose_checkpoint` skips incomplete folders. `remove_old_checkpoints` keeps
+the newest N (`--keep-last-n-checkpoints`), deleting by rename first so that a killed
+deletion never leaves a half-deleted `iter_*` folder.
 """
 
 import dataclasses
@@ -33,7 +41,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import torch
-from safetensors import safe_open
+from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from megalite.config import ModelConfig
@@ -46,11 +54,17 @@ LATEST_FILE = "latest_checkpointed_iteration.txt"
 METADATA_FILE = "metadata.json"
 STAGING_SUFFIX = ".tmp-new"  # a save in progress (or killed mid-way)
 REPLACED_SUFFIX = ".tmp-old"  # the previous copy of an iteration being saved again
+DELETING_SUFFIX = ".tmp-del"  # an old checkpoint being removed (--keep-last-n-checkpoints)
 SECTIONS = ("model", "optimizer")  # the tensor index's parts; files model_*, optim_*
 
 
 def _no_barrier() -> None:
     pass
+
+
+class CheckpointSaveError(UserError):
+    """A save failed (disk full, permission denied, ...): its partial folder is gone and the
+    previous checkpoint is still the latest."""
 
 
 @dataclass
@@ -181,14 +195,33 @@ def optimizer_pieces(tensors: dict, model: torch.nn.Module | None = None, tp_ran
 
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
-                    extra: dict | None = None, rank: int = 0, parallel=None, barrier=_no_barrier) -> str:
+                    extra: dict | None = None, rank: int = 0, parallel=None, barrier=_no_barrier,
+                    failed_ranks=None) -> str:
     """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder.
 
     Every rank calls this; each writes its own files, rank 0 finalizes. `extra` is any
     JSON-able dict (run args, LR schedule, ...) handed back by `load_checkpoint`.
     `barrier` synchronises the ranks (e.g. torch.distributed.barrier); one process needs none.
+    `failed_ranks(ok)`, called by every rank after each step with whether the step worked
+    here, returns the ranks where it failed (an all-reduce across ranks); without it the
+    barrier stands in and each rank sees its own failure only. Any failure raises
+    CheckpointSaveError on every rank once rank 0 has removed the partial folder.
     """
-    staging = begin_save(save, iteration, rank, barrier)
+    failed_ranks = failed_ranks or _own_failures(barrier, rank)
+    final = checkpoint_dir(save, iteration)
+    staging = final + STAGING_SUFFIX
+
+    def step(what: str, action) -> None:
+        error = None
+        try:
+            action()
+        except (OSError, SafetensorError) as caught:  # disk full, permission denied, I/O error
+            error = caught
+        failed = failed_ranks(error is None)
+        if failed:
+            raise CheckpointSaveError(_save_failure(save, iteration, what, error, failed, rank)) from error
+
+    step("create its folder", lambda: _create_staging(save, staging) if rank == 0 else None)
     tp_rank, tp_size = tensor_parallel_rank_size(parallel)
     # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
     # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shard.
@@ -199,28 +232,64 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
         optim_meta = optim_state["meta"]
         optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
             optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size)
-    write_rank_files(staging, rank, {} if replica else model_pieces(model, tp_rank, tp_size), optim_pieces)
-    barrier()
+    model_part = {} if replica else model_pieces(model, tp_rank, tp_size)
+    step("write its files", lambda: write_rank_files(staging, rank, model_part, optim_pieces))
+    header = {"iteration": iteration, "consumed_samples": consumed_samples,
+              "consumed_valid_samples": consumed_valid_samples,
+              "model_config": dataclasses.asdict(model_config),
+              "optimizer": None if optimizer is None else {"meta": optim_meta},
+              "extra": extra or {}}
+    step("publish it", lambda: finalize_save(save, iteration, header) if rank == 0 else None)
+    return final
+
+
+def _own_failures(barrier, rank: int):
+    """`failed_ranks` for callers that only have a barrier: this rank's own failure, after the barrier."""
+    def failed_ranks(ok: bool) -> list[int]:
+        if ok:  # a failed rank raises at once; the others must not wait for it at a barrier
+            barrier()
+        return [] if ok else [rank]
+    return failed_ranks
+
+
+def _save_failure(save: str, iteration: int, what: str, error, failed: list[int], rank: int) -> str:
+    """The one sentence a failed save reports; rank 0 removes the partial folder first."""
+    final = checkpoint_dir(save, iteration)
+    cause = f"could not {what} ({error})" if error is not None else \
+        f"rank(s) {', '.join(map(str, failed))} could not {what} (see their error)"
+    try:
+        latest = read_latest_iteration(save)
+    except UserError:
+        latest = None
+    removed = ""
     if rank == 0:
-        header = {"iteration": iteration, "consumed_samples": consumed_samples,
-                  "consumed_valid_samples": consumed_valid_samples,
-                  "model_config": dataclasses.asdict(model_config),
-                  "optimizer": None if optimizer is None else {"meta": optim_meta},
-                  "extra": extra or {}}
-        finalize_save(save, iteration, header)
-    barrier()
-    return checkpoint_dir(save, iteration)
+        partial = [final + STAGING_SUFFIX]
+        if what == "publish it" and latest != iteration:
+            partial.append(final)  # moved into place, but the latest file never named it
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        left = [path for path in partial if os.path.exists(path)]
+        removed = f"; could not remove the partial folder {left[0]}, delete it by hand" if left else \
+            "; removed the partial folder"
+    kept = f"{os.path.join(save, LATEST_FILE)} still names iteration {latest}, so nothing saved before is lost" \
+        if latest is not None else "no earlier checkpoint exists in this folder"
+    return (f"saving checkpoint {final} failed: {cause}{removed}; {kept}; free disk space or fix the folder's "
+            f"permissions, then rerun the same command to resume")
 
 
 def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) -> str:
     """Rank 0 clears crash leftovers and creates the empty staging folder; all ranks get its path."""
     staging = checkpoint_dir(save, iteration) + STAGING_SUFFIX
     if rank == 0:
-        os.makedirs(save, exist_ok=True)
-        _clean_leftovers(save)
-        os.makedirs(staging)
+        _create_staging(save, staging)
     barrier()
     return staging
+
+
+def _create_staging(save: str, staging: str) -> None:
+    os.makedirs(save, exist_ok=True)
+    _clean_leftovers(save)
+    os.makedirs(staging)
 
 
 def write_rank_files(staging: str, rank: int, model: dict[str, list[Piece]],
@@ -242,8 +311,12 @@ def finalize_save(save: str, iteration: int, header: dict) -> str:
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
     tensors = _index_pieces(staging)
-    ranks = sum(1 for name in os.listdir(staging) if name.startswith("rng_"))
-    metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": ranks, "tensors": tensors}
+    names = sorted(os.listdir(staging))
+    ranks = sum(1 for name in names if name.startswith("rng_"))
+    # Sizes let a loader refuse a truncated or altered file before reading it.
+    files = {name: os.path.getsize(os.path.join(staging, name)) for name in names if name.endswith(".safetensors")}
+    metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": ranks, "files": files,
+                "tensors": tensors}
     with open(os.path.join(staging, METADATA_FILE), "w") as file:
         file.write(_metadata_text(metadata))
         file.flush()
@@ -323,8 +396,10 @@ def _clean_leftovers(save: str) -> None:
             # Killed between moving the old copy away and moving the new one in: the old
             # copy is the complete checkpoint the latest file names.
             os.rename(path, path[:-len(REPLACED_SUFFIX)])
-        elif name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX)) and os.path.isdir(path):
+        elif name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX, DELETING_SUFFIX)) and os.path.isdir(path):
             shutil.rmtree(path)
+        elif name == LATEST_FILE + ".tmp":
+            os.remove(path)
     _fsync_dir(save)
 
 
@@ -346,10 +421,15 @@ def _write_latest(save: str, iteration: int) -> None:
     """Replace the latest file atomically: a reader sees the old number or the new one."""
     path = os.path.join(save, LATEST_FILE)
     temporary = path + ".tmp"
-    with open(temporary, "w") as file:
-        file.write(str(iteration))  # Megatron's content: the number, no newline
-        file.flush()
-        os.fsync(file.fileno())
+    try:
+        with open(temporary, "w") as file:
+            file.write(str(iteration))  # Megatron's content: the number, no newline
+            file.flush()
+            os.fsync(file.fileno())
+    except OSError:
+        if os.path.exists(temporary):
+            os.remove(temporary)
+        raise
     os.replace(temporary, path)
     _fsync_dir(save)
 
@@ -396,9 +476,9 @@ def _write_rng_state(path: str) -> None:
     _fsync_file(path)
 
 
-def _restore_rng_state(path: str) -> None:
-    """Set this process's RNGs from a file of `_write_rng_state`."""
-    with _open_safetensors(path) as file:
+def _restore_rng_state(path: str, size: int | None = None) -> None:
+    """Set this process's RNGs from a file of `_write_rng_state` (of `size` bytes when known)."""
+    with _open_safetensors(path, size) as file:
         meta = json.loads(file.metadata()["megalite"])
         tensors = {key: file.get_tensor(key) for key in file.keys()}
     version, internal, gauss_next = meta["python"]
@@ -443,7 +523,8 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
         if rank >= metadata["ranks"]:
             raise UserError(f"{path} holds RNG states for {metadata['ranks']} rank(s) but not for rank {rank} "
                             f"(it was saved by a smaller layout); pass --no-load-rng to keep this run's seeds")
-        _restore_rng_state(os.path.join(path, f"rng_{rank:05d}.safetensors"))
+        name = f"rng_{rank:05d}.safetensors"
+        _restore_rng_state(os.path.join(path, name), (metadata.get("files") or {}).get(name))
     return {"iteration": metadata["iteration"], "consumed_samples": metadata["consumed_samples"],
             "consumed_valid_samples": metadata.get("consumed_valid_samples"), "extra": metadata["extra"],
             "path": path}
@@ -467,6 +548,104 @@ def resolve_checkpoint(load: str, iteration: int | None = None) -> str:
     return path
 
 
+def _file_problem(path: str, metadata: dict) -> str | None:
+    """What is wrong with the files of checkpoint `path` against its metadata.json, or None.
+
+    Checks that every file the index or the RNG states need exists, with the size
+    metadata.json recorded (checkpoints from before sizes were recorded: existence only).
+    """
+    sizes = metadata.get("files") or {}
+    needed = {piece["file"] for section in metadata.get("tensors", {}).values()
+              for entry in section.values() for piece in entry["pieces"]}
+    needed |= {f"rng_{rank:05d}.safetensors" for rank in range(metadata.get("ranks", 0))}
+    for name in sorted(needed | set(sizes)):
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            return f"checkpoint file {file_path} is missing"
+        if name in sizes and os.path.getsize(file_path) != sizes[name]:
+            return f"checkpoint file {file_path} is {os.path.getsize(file_path)} bytes but {METADATA_FILE} " \
+                   f"recorded {sizes[name]} (truncated or altered)"
+    return None
+
+
+def complete_checkpoints(load: str) -> list[tuple[int, str]]:
+    """(iteration, folder) of every complete `iter_*` checkpoint in `load`, newest first.
+
+    Complete: metadata.json reads as a megalite checkpoint and every file it needs is
+    there with its recorded size. Staging and other `*.tmp-*` folders never count.
+    """
+    found = []
+    for name in os.listdir(load) if os.path.isdir(load) else []:
+        number = name[len("iter_"):]
+        if not (name.startswith("iter_") and number.isascii() and number.isdigit()):
+            continue
+        path = os.path.join(load, name)
+        try:
+            if _file_problem(path, read_metadata(path)) is None:
+                found.append((int(number), path))
+        except (UserError, OSError, KeyError, TypeError):
+            continue
+    return sorted(found, reverse=True)
+
+
+def choose_checkpoint(load: str) -> tuple[str | None, str | None]:
+    """The checkpoint folder to resume from in `load`, and a note when it is not the latest file's.
+
+    The latest file's iteration when that checkpoint is complete. Otherwise (no latest
+    file, a garbled one, or one naming a missing or incomplete folder, e.g. after a
+    crash or a manual deletion) the newest complete checkpoint at or below the named
+    iteration, else the newest of all. (None, None) when `load` holds no checkpoint at all.
+    """
+    try:
+        latest, garbled = read_latest_iteration(load), None
+    except UserError as error:
+        latest, garbled = None, str(error)
+    if latest is not None:
+        try:
+            path = resolve_checkpoint(load, latest)
+            problem = _file_problem(path, read_metadata(path))
+        except UserError as error:
+            problem = str(error)
+        if problem is None:
+            return path, None
+    complete = complete_checkpoints(load)
+    if not complete:
+        if latest is not None or garbled:
+            raise UserError(f"{load} holds no complete checkpoint: {garbled or problem}; restore a checkpoint "
+                            f"folder, or delete {os.path.join(load, LATEST_FILE)} to start from scratch")
+        return None, None
+    older = [entry for entry in complete if latest is None or entry[0] <= latest]
+    iteration, path = (older or complete)[0]
+    why = garbled or (f"{LATEST_FILE} names iteration {latest}, which is incomplete ({problem})"
+                      if latest is not None else f"{LATEST_FILE} is missing")
+    return path, f"{why}; resuming from the newest complete checkpoint instead, iteration {iteration}"
+
+
+def remove_old_checkpoints(save: str, keep_last: int, retain_interval: int | None = None,
+                           keep: set[int] = frozenset()) -> list[str]:
+    """Delete complete checkpoints beyond the newest `keep_last`; return the folders removed.
+
+    Never removed: the latest file's iteration, multiples of `retain_interval`, and the
+    iterations in `keep` (the one a run resumed from). Each folder is renamed to
+    `*.tmp-del` before it is deleted, so a kill mid-way leaves no half-deleted `iter_*`.
+    """
+    try:
+        latest = read_latest_iteration(save)
+    except UserError:
+        return []  # without a trustworthy latest file nothing is deleted
+    removed = []
+    for iteration, path in complete_checkpoints(save)[keep_last:]:
+        if iteration == latest or iteration in keep or (retain_interval and iteration % retain_interval == 0):
+            continue
+        doomed = path + DELETING_SUFFIX
+        os.rename(path, doomed)
+        shutil.rmtree(doomed, ignore_errors=True)
+        removed.append(path)
+    if removed:
+        _fsync_dir(save)
+    return removed
+
+
 def read_metadata(path: str) -> dict:
     """metadata.json of checkpoint folder `path`; UserError when missing, garbled or too new."""
     file_path = os.path.join(path, METADATA_FILE)
@@ -488,7 +667,8 @@ def read_metadata(path: str) -> dict:
 
 
 # Fields that do not change any weight or arithmetic: a resumed run may change them.
-_FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout"}
+_FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
+                "fused_output_cross_entropy"}
 
 
 def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
@@ -503,6 +683,8 @@ def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
     free = set(_FREE_FIELDS)
     if (saved.get("tokenizer_vocab_size") or saved["vocab_size"]) == current.real_vocab_size:
         free |= {"vocab_size", "tokenizer_vocab_size"}
+    if saved.get("position_embedding_type") == now["position_embedding_type"] == "rope":
+        free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
     differences = [f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
                    for key in sorted(set(saved) | set(now))
                    if key not in free and saved.get(key, "<absent>") != now.get(key, "<absent>")]
@@ -591,12 +773,14 @@ class CheckpointReader:
 
     def _file(self, file_name: str):
         if file_name not in self._files:
-            self._files[file_name] = _open_safetensors(os.path.join(self.path, file_name)).__enter__()
+            size = (self.metadata.get("files") or {}).get(file_name)
+            self._files[file_name] = _open_safetensors(os.path.join(self.path, file_name), size).__enter__()
         return self._files[file_name]
 
 
-def _open_safetensors(path: str):
-    """`safe_open(path)`; UserError naming the file when it is missing or not valid safetensors.
+def _open_safetensors(path: str, size: int | None = None):
+    """`safe_open(path)`; UserError naming the file when it is missing, not valid safetensors, or
+    not `size` bytes long (the size metadata.json recorded, when it did).
 
     safetensors parses a JSON header and checks it against the file size, so a pickle, a
     truncated file or random bytes are refused here without executing anything.
@@ -605,10 +789,14 @@ def _open_safetensors(path: str):
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
                         f"restore it or load another iteration")
     try:
-        return safe_open(path, framework="pt")
+        opened = safe_open(path, framework="pt")
     except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
         raise UserError(f"{path} is not a valid safetensors file ({error}); the checkpoint is corrupt "
                         f"or was not written by megalite, restore it or load another iteration") from None
+    if size is not None and os.path.getsize(path) != size:
+        raise UserError(f"checkpoint file {path} is {os.path.getsize(path)} bytes but {METADATA_FILE} recorded "
+                        f"{size}; it was truncated or altered, restore it or load another iteration")
+    return opened
 
 
 def _read_piece(reader: CheckpointReader, section: str, name: str, piece: Piece, vocab: tuple[int, int]):

@@ -53,6 +53,8 @@ class ModelConfig:
     init_method_std: float = 0.02
     make_vocab_size_divisible_by: int = 128
     recompute_granularity: str | None = None
+    z_loss_weight: float = 0.0  # adds w * logsumexp(logits)^2 per token to the loss (PaLM's z-loss)
+    fused_output_cross_entropy: bool = False  # output layer + loss chunked over tokens (TP = 1)
 
     def __post_init__(self):
         if self.ffn_hidden_size is None:
@@ -95,6 +97,8 @@ class ModelConfig:
             raise UserError(
                 f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
                 f"{self.num_attention_heads}; change one of them or set --kv-channels")
+        if not self.z_loss_weight >= 0:
+            raise UserError(f"--z-loss-weight must be 0 or more, got {self.z_loss_weight} (1e-4 is a common value)")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise UserError(f"--kv-channels must be a positive integer, got {self.kv_channels}")
         if self.num_query_groups is not None and (
@@ -251,7 +255,7 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     ddp_bucket_size: int | None = 40_000_000  # grad elements per data-parallel bucket (None: one per chunk)
     distributed_backend: str | None = None  # None: nccl with CUDA, else gloo
-    distributed_timeout_minutes: int = 10
+    distributed_timeout_minutes: float = 10  # a collective waiting longer than this fails (a dead or hung peer)
     world_size: int = 1
 
     @property
@@ -293,7 +297,9 @@ class TrainConfig:
     eval_iters: int = 5
     exit_interval: int | None = None
     exit_duration_in_mins: float | None = None
-    exit_signal_handler: bool = False
+    exit_signal_handler: bool = False  # arguments.py turns it on whenever --save is set
+    check_for_nan_in_loss_and_grad: bool = True  # False: skip non-finite steps instead of stopping
+    loss_spike_threshold: float = 1.5  # warn when a loss exceeds this x the recent median; 0: never
 
     @property
     def params_dtype(self):
@@ -327,6 +333,8 @@ class CheckpointConfig:
     save: str | None = None
     load: str | None = None
     save_interval: int | None = None  # None: save only at the end (and on exit)
+    keep_last_n_checkpoints: int | None = None  # None: keep every checkpoint
+    save_retain_interval: int | None = None  # with the above: also keep multiples of this iteration
     no_load_optim: bool = False
     no_load_rng: bool = False
     finetune: bool = False
@@ -337,6 +345,13 @@ class LoggingConfig:
     log_interval: int = 10
     metrics_file: str | None = None  # None: <save>/metrics.jsonl when --save is set
     debug_pipeline_schedule: bool = False  # print every rank's sends, receives, forwards and backwards
+    # Experiment tracking (megalite/tracking.py); wandb is on when wandb_project is set.
+    wandb_project: str | None = None
+    wandb_exp_name: str | None = None  # None: model, layout and start time
+    wandb_entity: str | None = None
+    wandb_save_dir: str | None = None  # None: <save>/wandb, or wandb's default without --save
+    wandb_mode: str = "offline"  # online, offline or disabled; arguments.py picks the default
+    tensorboard_dir: str | None = None
 
 
 @dataclass
@@ -350,3 +365,4 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
+    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/dry_run.py)

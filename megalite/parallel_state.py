@@ -212,7 +212,8 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
     owns = "WORLD_SIZE" in os.environ and not already
     if owns:
         _check_rendezvous_env()
-        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None)
+        dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
+                                **_restart_scoped_rendezvous(world_size, timeout))
     state = build_parallel_state(tp, pp, sequence_parallel=parallel_config.sequence_parallel,
                                  device=device, timeout=timeout)
     state.owns_process_group = owns
@@ -253,6 +254,22 @@ def _limit_cpu_threads(local_world_size: int) -> None:
     if local_world_size > 1 and "OMP_NUM_THREADS" not in os.environ:
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         torch.set_num_threads(max(1, cores // local_world_size))
+
+
+def _restart_scoped_rendezvous(world_size: int, timeout: timedelta) -> dict:
+    """init_process_group's store, rank and world size after a torchrun restart; {} on the first attempt.
+
+    When `torchrun --max-restarts` restarts the workers, its store still holds the keys
+    the previous attempt's process groups wrote, such as every rank's address. A new rank
+    that reads one before its peer overwrote it connects to a dead process (gloo:
+    "connectFullMesh failed ... Connection refused"), so each attempt gets its own prefix.
+    """
+    attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if attempt == "0":
+        return {}
+    rank = int(os.environ["RANK"])
+    store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
+    return {"store": dist.PrefixStore(f"megalite/attempt-{attempt}", store), "rank": rank, "world_size": world_size}
 
 
 def _check_rendezvous_env() -> None:

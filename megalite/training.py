@@ -11,16 +11,25 @@ optimizer steps once. The loss of an iteration is the mean over every unmasked t
 the global batch, so the number of micro-batches changes no arithmetic.
 
 Stopping: after `--train-iters`; at a multiple of `--exit-interval`; once
-`--exit-duration-in-mins` have passed; or, with `--exit-signal-handler`, after SIGTERM.
-Every early stop happens at an iteration boundary, saves a checkpoint when `--save` is
-set, and returns normally (exit code 0), so a scheduler can requeue the same command
-with `--load` and the run continues exactly where it stopped.
+`--exit-duration-in-mins` have passed; or after SIGTERM or SIGINT on any rank (the exit
+signal handler, on whenever `--save` is set; `--no-exit-signal-handler` turns it off).
+Every early stop happens at an iteration boundary that all ranks agree on, saves a
+checkpoint when `--save` is set, and returns normally (exit code 0), so a scheduler can
+requeue the same command and the run continues exactly where it stopped (`--load`
+defaults to `--save` when that holds a checkpoint). Without the handler a SIGTERM
+kills the run where it stands, except while wandb or TensorBoard track it
+(megalite/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
+
+Faults (megalite/reliability.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
+the run naming the iteration and the last good checkpoint (`--check-for-nan-in-loss-and-grad`);
+fp16 skips overflowing steps, and stops after too many in a row; loss spikes get a
+warning line; a failed save stops with the path and the error, its partial folder
+removed; a rank that dies makes the others stop with a message instead of hanging.
 """
 
 import dataclasses
 import math
 import os
-import signal
 import time
 from dataclasses import dataclass, field
 
@@ -38,7 +47,12 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
 from megalite.errors import UserError
 from megalite.kernels import set_kernels
 from megalite.logging import TrainingLogger
+from megalite.tracking import SigtermExit, exit_code_of, start_tracking
 from megalite.lr_schedule import LRSchedule
+from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, ExitSignalHandler, LossSpikeDetector,
+                                  PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
+                                  divergence_message, failed_ranks_across, is_collective_failure, signal_name,
+                                  skipped_message)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
@@ -185,30 +199,25 @@ def allreduce_embedding_grads(model, parallel) -> None:
             torch.distributed.all_reduce(param.main_grad, group=parallel.embedding_group)
 
 
-class SigtermFlag:
-    """Remembers a SIGTERM so the loop can save and stop at the next iteration boundary."""
+def exit_reason(run: RunConfig, state: TrainState, start_time: float, signals: ExitSignalHandler | None,
+                parallel=None) -> str | None:
+    """Why the loop should stop after the iteration just finished, or None to go on.
 
-    def __init__(self):
-        self.received = False
-        self._previous = signal.signal(signal.SIGTERM, self._handle)
-
-    def _handle(self, signum, frame):
-        self.received = True
-
-    def restore(self) -> None:
-        signal.signal(signal.SIGTERM, self._previous)
-
-
-def exit_reason(run: RunConfig, state: TrainState, start_time: float, sigterm: SigtermFlag | None) -> str | None:
-    """Why the loop should stop after the iteration just finished, or None to go on."""
+    The same answer on every rank: a signal or the clock seen by any rank counts for all
+    (one all-reduce per iteration when a handler or --exit-duration-in-mins is on).
+    """
     train = run.train
     if state.iteration >= train.train_iters:
         return "finished"
-    if sigterm is not None and sigterm.received:
-        return "SIGTERM"
+    received = (signals.received or 0) if signals is not None else 0
+    overtime = bool(train.exit_duration_in_mins) and (time.time() - start_time) / 60 > train.exit_duration_in_mins
+    if signals is not None or train.exit_duration_in_mins:
+        received, overtime = agreed_stop(received, overtime, parallel)
+    if received:
+        return signal_name(received)
     if train.exit_interval and state.iteration % train.exit_interval == 0:
         return f"--exit-interval {train.exit_interval}"
-    if train.exit_duration_in_mins and (time.time() - start_time) / 60 > train.exit_duration_in_mins:
+    if overtime:
         return f"--exit-duration-in-mins {train.exit_duration_in_mins:g}"
     return None
 
@@ -221,6 +230,9 @@ class Trainer:
         train = run.train
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
+        self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
+        self.last_checkpoint = None  # the newest complete checkpoint of this run: loaded or saved
+        self.resumed_from = None  # its iteration when loaded; --keep-last-n-checkpoints never deletes it
         seed_everything(train.seed, self.parallel)
         set_kernels(train.kernels)
         resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
@@ -233,8 +245,10 @@ class Trainer:
                                         parallel.virtual_pipeline_model_parallel_size,
                                         parallel.decoder_first_pipeline_num_layers,
                                         parallel.decoder_last_pipeline_num_layers)
-        self.forward_model = ModelChunks([torch.compile(chunk) for chunk in self.model]) if train.compile \
-            else self.model
+        if train.compile:  # regional: each transformer layer compiled in place, one graph shared by all
+            for chunk in self.model:
+                chunk.compile_layers()
+        self.forward_model = self.model
         self.comm = None
         if self.parallel.pp_size > 1:
             tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)
@@ -247,6 +261,7 @@ class Trainer:
         self.load()
         self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.parallel.dp_size)
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
+        check_token_dtypes((self.train_ds, self.valid_ds, self.test_ds), self.tokenizer.vocab_size)
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
         self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
         metrics_file = run.logging.metrics_file
@@ -261,14 +276,23 @@ class Trainer:
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
             self.log = self.logger.print  # above the progress bar, and only on the logging rank
+        # Last, so that nothing in this constructor can fail with a tracking run left open.
+        self.tracker = start_tracking(run, _json_able(dataclasses.asdict(run)), self.logger,
+                                      self.parallel.is_logging_rank, warn=self.log)
 
     def _iterator(self, dataset, consumed_samples: int):
         if dataset is None:
             return None
-        train = self.run.train
-        return iter(build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
-                                      self.parallel.dp_rank, self.parallel.dp_size,
-                                      num_workers=self.run.data.num_workers))
+        train, data = self.run.train, self.run.data
+        loader = build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
+                                   self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers)
+        if data.mock_data:
+            source = "the mock data"
+        elif data.data_path:
+            source = f"--data-path {' '.join(data.data_path)}"
+        else:
+            source = "the --train/valid/test-data-path files"
+        return checked_token_ids(iter(loader), self.tokenizer.vocab_size, source)
 
     @staticmethod
     def _log_everywhere(line: str) -> None:
@@ -281,27 +305,42 @@ class Trainer:
     # -- checkpoints -------------------------------------------------------------------------
 
     def load(self) -> None:
+        """Resume from --load, or from --save when it holds a checkpoint (a restarted job resumes by itself).
+
+        The checkpoint is the latest file's when complete, else the newest complete one
+        (checkpointing.choose_checkpoint); the log line names the folder.
+        """
         ckpt = self.run.checkpoint
-        if ckpt.load is None:
+        load, implicit = ckpt.load, False
+        if load is None and ckpt.save is not None and os.path.isdir(ckpt.save):
+            load, implicit = ckpt.save, True
+        if load is None:
             return
-        if checkpointing.read_latest_iteration(ckpt.load) is None:
-            if ckpt.load != ckpt.save or ckpt.finetune:
-                raise UserError(f"--load {ckpt.load} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+        path, note = checkpointing.choose_checkpoint(load)
+        if path is None:
+            if implicit:
+                return
+            if load != ckpt.save or ckpt.finetune:
+                raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt); "
                                 "check the folder, or drop --load to start from scratch")
-            self.log(f"no checkpoint in {ckpt.load} yet: starting from scratch")
+            self.log(f"no checkpoint in {load} yet: starting from scratch")
             return
+        if note:
+            self.log(f"warning: {load}: {note}")
         finetune = ckpt.finetune
-        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(ckpt.load)
+        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(path)
         loaded = checkpointing.load_checkpoint(
-            ckpt.load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
-            model_config=self.run.model, load_optim=not (finetune or ckpt.no_load_optim),
-            load_rng=load_rng, rank=self.parallel.rank, parallel=self.parallel)
+            load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
+            model_config=self.run.model, iteration=checkpointing.read_metadata(path)["iteration"],
+            load_optim=not (finetune or ckpt.no_load_optim), load_rng=load_rng, rank=self.parallel.rank,
+            parallel=self.parallel)
         if finetune or ckpt.no_load_optim:
             self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         if finetune:
-            self.log(f"loaded the model weights of {ckpt.load} iteration {loaded['iteration']} (--finetune): "
+            self.log(f"loaded the model weights of {loaded['path']} iteration {loaded['iteration']} (--finetune): "
                      f"starting at iteration 0")
             return
+        self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
         extra = loaded.get("extra") or {}
         self.state.iteration = loaded["iteration"]
         self.state.consumed_train_samples = loaded["consumed_samples"]
@@ -310,16 +349,18 @@ class Trainer:
             train = self.run.train
             self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
                                           use_checkpoint=train.use_checkpoint_opt_param_scheduler)
-        self.log(f"loaded {ckpt.load} at iteration {self.state.iteration} "
-                 f"({self.state.consumed_train_samples} samples consumed)")
+        self.log(f"loaded checkpoint {loaded['path']} at iteration {self.state.iteration} "
+                 f"({self.state.consumed_train_samples} samples consumed)"
+                 + (" (--load defaults to --save, which holds it)" if implicit else ""))
 
-    def _same_layout_as(self, load: str) -> bool:
-        """Whether the checkpoint was saved by this parallel layout; if not, say that RNG states stay behind.
+    def _same_layout_as(self, path: str) -> bool:
+        """Whether checkpoint folder `path` was saved by this parallel layout; if not, say that RNG
+        states stay behind.
 
         RNG states are per rank, and under another layout a rank's dropout masks cover
         other activations anyway, so they carry over only between equal layouts.
         """
-        saved = checkpointing.read_metadata(checkpointing.resolve_checkpoint(load))["extra"].get("run", {})
+        saved = checkpointing.read_metadata(path)["extra"].get("run", {})
         saved = saved.get("parallel", {})
         keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size")
@@ -342,8 +383,17 @@ class Trainer:
                                              consumed_samples=self.state.consumed_train_samples,
                                              consumed_valid_samples=self.state.consumed_valid_samples,
                                              model_config=self.run.model, extra=extra, rank=self.parallel.rank,
-                                             parallel=self.parallel, barrier=self.barrier)
+                                             parallel=self.parallel, barrier=self.barrier,
+                                             failed_ranks=failed_ranks_across(self.parallel))
+        self.last_checkpoint = path
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
+        self.tracker.log_checkpoint(self.state.iteration)
+        ckpt = self.run.checkpoint
+        if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:
+            keep = {self.resumed_from} if self.resumed_from is not None else set()
+            for removed in checkpointing.remove_old_checkpoints(save, ckpt.keep_last_n_checkpoints,
+                                                                ckpt.save_retain_interval, keep):
+                self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -363,14 +413,17 @@ class Trainer:
             # are summed across TP (TP peers lay out their grad buffers alike, so this also holds
             # for the distributed optimizer's reduce-scattered shard).
             allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
-        diverged = f"at iteration {self.state.iteration + 1}; the run diverged: lower --lr, keep --clip-grad on, " \
-                   "or resume from an earlier checkpoint"
-        if not math.isfinite(loss) and self.optimizer.loss_scaler is None:
-            raise UserError(f"the lm loss is {loss} {diverged}")
+        # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
+        iteration, check = self.state.iteration + 1, self.run.train.check_for_nan_in_loss_and_grad
+        if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:
+            raise UserError(divergence_message(f"the lm loss is {loss}", iteration, self.last_checkpoint))
         try:
             updated, grad_norm = self.optimizer.step(lr)
         except NonFiniteGradError:
-            raise UserError(f"the gradient norm is not finite {diverged}") from None
+            if check:
+                raise UserError(divergence_message("the gradient norm is not finite", iteration,
+                                                   self.last_checkpoint)) from None
+            updated, grad_norm = False, math.nan  # --no-check-for-nan-in-loss-and-grad: skip the step
         return loss, grad_norm, updated, lr
 
     def evaluate_split(self, split: str, iterator) -> None:
@@ -384,11 +437,18 @@ class Trainer:
 
     def train(self) -> TrainState:
         run, state = self.run, self.state
-        sigterm = SigtermFlag() if run.train.exit_signal_handler else None
+        signals = ExitSignalHandler() if run.train.exit_signal_handler else None
+        # Without the handler a SIGTERM still unwinds through the finally below, to finish the tracking.
+        sigterm_exit = SigtermExit(self.tracker) if signals is None and self.tracker.active else None
         start_time = time.time()
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
+        spikes, skipped_in_a_row = LossSpikeDetector(run.train.loss_spike_threshold), 0
+        exit_code, failure = 0, None
         try:
             reason = "finished" if state.iteration >= run.train.train_iters else None
+            if reason and self.resumed_from is not None:
+                self.log(f"the checkpoint is at iteration {state.iteration} of --train-iters {run.train.train_iters}: "
+                         f"nothing to train; raise --train-iters to go on, or --save to a new folder to start afresh")
             while reason is None:
                 step_start = time.perf_counter()
                 loss, grad_norm, updated, lr = self.train_step()
@@ -398,13 +458,22 @@ class Trainer:
                 self.logger.log_iteration(state.iteration, state.consumed_train_samples,
                                           time.perf_counter() - step_start, lr, loss,
                                           self.optimizer.loss_scale, grad_norm, skipped=not updated)
+                scaler = self.optimizer.loss_scaler
+                stuck = not updated and (scaler is None or scaler.scale <= scaler.min_scale)
+                skipped_in_a_row = skipped_in_a_row + 1 if stuck else 0
+                if skipped_in_a_row >= MAX_SKIPPED_AT_MIN_SCALE:
+                    raise UserError(skipped_message(skipped_in_a_row, state.iteration,
+                                                    scaler.min_scale if scaler else None, self.last_checkpoint))
+                warning = spikes.check(state.iteration, loss)
+                if warning:
+                    self.log(warning)
                 if run.train.eval_interval and state.iteration % run.train.eval_interval == 0:
                     self.evaluate_split("valid", self.valid_iterator)
                 interval = run.checkpoint.save_interval
                 if interval and state.iteration % interval == 0:
                     self.save()
                     saved_at = state.iteration
-                reason = exit_reason(run, state, start_time, sigterm)
+                reason = exit_reason(run, state, start_time, signals, self.parallel)
             state.exit_reason = reason
             if reason == "finished":
                 if not (run.train.eval_interval and state.iteration % run.train.eval_interval == 0):
@@ -415,10 +484,20 @@ class Trainer:
                 self.log(f"exiting at iteration {state.iteration}: {reason}")
             if saved_at != state.iteration:
                 self.save()
+        except BaseException as error:
+            exit_code, failure = exit_code_of(error), f"{type(error).__name__}: {error}"
+            if is_collective_failure(error):
+                # A peer died or hangs: say so in one sentence instead of a traceback from deep in torch.
+                raise self.peers.failure(error, state.iteration + 1, self.last_checkpoint) from error
+            raise
         finally:
+            if sigterm_exit is not None:
+                sigterm_exit.restore()
+            self.tracker.finish(exit_code, {"exit_reason": failure or state.exit_reason,
+                                            "final_iteration": state.iteration})
             self.logger.close()
-            if sigterm is not None:
-                sigterm.restore()
+            if signals is not None:
+                signals.restore()
             parallel_state.destroy(self.parallel)
         return state
 

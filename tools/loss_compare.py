@@ -8,34 +8,19 @@ files do not log the same iterations; 0 otherwise.
 """
 
 import argparse
-import json
 import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from megalite.errors import UserError, run_main  # noqa: E402
+from megalite.logging import read_metrics_records  # noqa: E402
 
 
 def read_losses(path: str) -> dict[tuple[str, int], float]:
     """{(split, iteration): lm_loss} of a metrics JSONL file; split "train", "valid" or "test"."""
-    losses = {}
-    try:
-        with open(path, encoding="utf-8") as file:
-            for number, line in enumerate(file, 1):
-                if not line.strip():
-                    continue
-                try:
-                    record = json.loads(line)
-                    key = (record.get("split", "train"), int(record["iteration"]))
-                except (ValueError, KeyError, TypeError) as error:
-                    raise UserError(f"{path} line {number} is not a metrics record ({error}); pass the "
-                                    f"metrics.jsonl a megalite run wrote") from None
-                losses[key] = record.get("lm_loss")
-    except FileNotFoundError:
-        raise UserError(f"{path} does not exist; pass the metrics file of a run (<save>/metrics.jsonl "
-                        f"or --metrics-file)") from None
-    return losses
+    return {(record.get("split", "train"), record["iteration"]): record.get("lm_loss")
+            for record in read_metrics_records(path)}
 
 
 def relative_difference(a: float, b: float) -> float:

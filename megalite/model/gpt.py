@@ -22,6 +22,7 @@ from megalite.config import ModelConfig
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import TransformerLayer, hidden_dropout, make_norm
 from megalite.tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
+from megalite.kernels.linear_cross_entropy import linear_cross_entropy
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
                                              initialize, mark_parameter, sequence_parallel_enabled,
@@ -93,6 +94,8 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, parallel, with_positions=False)
         if self.embedding is not None and self.tied:
             self.embedding.word_embeddings.weight.shared_embedding = True
+        if config.fused_output_cross_entropy and self.tp_size > 1:
+            raise ValueError("the fused output cross-entropy needs tensor-parallel size 1")
 
         self.rotary = None
         if config.position_embedding_type == "rope":
@@ -115,6 +118,16 @@ class GPTModel(nn.Module):
     def reset_parameters(self, seed: int) -> None:
         """Initialise every parameter from (seed, its global name); layout-independent."""
         initialize(self, seed)
+
+    def compile_layers(self) -> None:
+        """torch.compile each transformer layer in place (regional compilation).
+
+        The layers share one code path, so the compiler traces one graph and reuses it for
+        every layer, which compiles far faster than the whole model; parameter names and
+        the state dict are unchanged (Module.compile keeps the module, not a wrapper).
+        """
+        for layer in self.layers.values():
+            layer.compile()
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -144,14 +157,19 @@ class GPTModel(nn.Module):
             return hidden
         hidden = self.final_layernorm(hidden)
         weight = self.embedding.word_embeddings.weight if self.tied else None
+        if labels is not None and self.config.fused_output_cross_entropy:  # TP = 1: no logits at all
+            weight = self.output_layer.weight if weight is None else weight
+            losses = linear_cross_entropy(hidden, weight, labels.t(), self.config.real_vocab_size,
+                                          self.config.z_loss_weight).t()  # [b, s] fp32
+            return (losses if loss_mask is None else losses * loss_mask).contiguous()
         logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
         group = tensor_parallel_group(self.parallel)
         if labels is None:
             logits = gather_from_tensor_parallel_region(logits, group)
             return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
         vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start,
-                                              self.config.real_vocab_size).t()  # [b, s] fp32
+        losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
+                                              self.config.z_loss_weight).t()  # [b, s] fp32
         if loss_mask is not None:
             losses = losses * loss_mask
         return losses.contiguous()

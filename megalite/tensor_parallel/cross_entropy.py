@@ -5,24 +5,35 @@ loss needs only three numbers per token from the whole vocabulary: the max logit
 stability), the sum of exponentials, and the target's logit, owned by one rank; each
 is one all-reduce of an `[s, b]` tensor. The backward is local: softmax minus one-hot
 on this rank's slice.
+
+This file is the PyTorch path (`--kernels torch`, and `auto` on a CPU); the Triton path
+(`megalite/kernels/cross_entropy.py`) computes the same function without storing the
+softmax. Both take PaLM's z-loss (`--z-loss-weight` w adds w * lse^2 per token) and an
+ignore index (those tokens get loss 0 and zero grad, as PyTorch's reduction="none").
 """
 
 import torch
 import torch.distributed as dist
 
+from megalite.kernels import use_triton
+from megalite.kernels.cross_entropy import IGNORE_INDEX, CrossEntropy
 from megalite.tensor_parallel.comm import all_reduce
+
 
 
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: per-token loss log(sum_v exp(z_v)) - z_label over every rank's slice.
 
-    Backward: (softmax - one_hot(label)) * grad on this rank's slice, which is zero on
-    the padding columns. The softmax saved by forward is turned into the grad in
-    place (no second `[s, b, v/tp]` fp32 tensor), so the graph can be backpropagated once.
+    With z-loss weight w the loss adds w * lse^2, lse = log(sum_v exp(z_v)).
+
+    Backward: (softmax * (1 + 2 w lse) - one_hot(label)) * grad on this rank's slice,
+    which is zero on the padding columns and on ignored tokens. The softmax saved by
+    forward is turned into the grad in place (no second `[s, b, v/tp]` fp32 tensor), so
+    the graph can be backpropagated once.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start_index, real_vocab_size):
+    def forward(ctx, logits, labels, group, vocab_start_index, real_vocab_size, z_loss_weight, ignore_index):
         ctx.input_dtype = logits.dtype
         local_vocab = logits.shape[-1]
         # Columns at or above `real_columns` are vocabulary padding: treated as -inf.
@@ -37,8 +48,9 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         all_reduce(max_logits, group, dist.ReduceOp.MAX)
         shifted = logits - max_logits.unsqueeze(-1)  # a new fp32 tensor, [s, b, v/tp]
 
+        ignored = labels == ignore_index
         local_labels = labels - vocab_start_index
-        owned = (local_labels >= 0) & (local_labels < real_columns)
+        owned = (local_labels >= 0) & (local_labels < real_columns) & ~ignored
         local_labels = local_labels.masked_fill(~owned, 0)
         target_logits = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
         all_reduce(target_logits, group)
@@ -46,30 +58,41 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         exp_logits = shifted.exp_()
         exp_logits[..., real_columns:] = 0.0
         sum_exp = all_reduce(exp_logits.sum(dim=-1), group)
-        losses = sum_exp.log() - target_logits
-
+        log_sum_exp = sum_exp.log()  # of the shifted logits: lse - max
+        losses = log_sum_exp - target_logits
         softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, owned)
-        return losses
+        if z_loss_weight:
+            lse = log_sum_exp + max_logits
+            losses = losses + z_loss_weight * lse.square()
+            softmax.mul_((1.0 + 2.0 * z_loss_weight * lse).unsqueeze(-1))
+        ctx.save_for_backward(softmax, local_labels, owned, ignored)
+        return losses.masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_losses):
-        softmax, local_labels, owned = ctx.saved_tensors
+        softmax, local_labels, owned, ignored = ctx.saved_tensors
         grad = softmax  # becomes the grad in place
         grad.scatter_add_(-1, local_labels.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_losses.unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None
+        grad.mul_(grad_losses.masked_fill(ignored, 0.0).unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start_index: int,
-                                 real_vocab_size: int | None = None) -> torch.Tensor:
+                                 real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
+                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
     """Per-token fp32 losses `[s, b]` of vocab-sharded `logits` `[s, b, v/tp]` against `labels`.
 
     logits: this rank's vocabulary slice, columns `vocab_start_index ...` (any float dtype;
     computed in fp32; its grad comes back in the same dtype). labels `[s, b]`: global
     token ids below `real_vocab_size`. real_vocab_size: ids at or above it are padding,
     their logits count as -inf (no probability, zero grad); None: no padding.
-    group: the TP group (None for one rank: plain cross-entropy). Equals
-    F.cross_entropy(full_logits[..., :real_vocab_size], labels, reduction="none").
+    group: the TP group (None for one rank: plain cross-entropy). z_loss_weight: adds
+    w * logsumexp^2 per token. Labels equal to ignore_index give loss 0 and no grad. With
+    w = 0 this equals F.cross_entropy(full_logits[..., :real_vocab_size], labels,
+    reduction="none", ignore_index=ignore_index). Runs the Triton kernels per `--kernels`.
     """
-    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size)
+    if use_triton(logits):
+        return CrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size, z_loss_weight,
+                                  ignore_index)
+    return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size,
+                                            z_loss_weight, ignore_index)

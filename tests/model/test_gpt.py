@@ -137,3 +137,12 @@ def test_parameters_carry_tensor_parallel_marks(gpt2_config):
 def test_bad_layer_ids_are_refused(llama_config):
     with pytest.raises(ValueError, match="outside 0..3"):
         GPTModel(llama_config(), seed=0, layer_ids=[4])
+
+
+def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_config):
+    model = GPTModel(llama_config(), seed=1)
+    names = list(model.state_dict())
+    model.compile_layers()  # lazy: nothing is traced until the first call, so this test stays fast
+    assert list(model.state_dict()) == names
+    assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
+    assert model.embedding._compiled_call_impl is None  # only the layers

@@ -1,7 +1,7 @@
 """megalite's logits equal Hugging Face's for the same weights (fp32, atol 1e-5).
 
 The HF models are built locally from a config (nothing is downloaded) and receive
-megalite's weights through the mapping below (issue 8 moves it to megalite/hf.py).
+megalite's weights through the conversion mapping of megalite/hf.py.
 Norm weights and biases are randomised first so that their mapping is tested too, and
 weights are drawn with std 0.1 (not 0.02) so that activations are large enough for
 the comparison to tell apart, e.g., exact and tanh GELU (they differ by ~6e-4 here).
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
-from megalite.hf import llama_config_to_hf
+from megalite.hf import gpt2_config_to_hf, hf_state_dict, llama_config_to_hf
 from megalite.model.gpt import GPTModel
 
 transformers = pytest.importorskip("transformers")
@@ -21,70 +21,11 @@ ATOL = 1e-5
 INIT_STD = 0.1
 
 
-def split_qkv(weight: torch.Tensor, config: ModelConfig):
-    """Megatron's grouped QKV rows (or bias) -> (q, k, v) with heads in order."""
-    groups, head_dim = config.query_groups, config.head_dim
-    per_group = config.num_attention_heads // groups
-    grouped = weight.reshape(groups, per_group + 2, head_dim, *weight.shape[1:])
-    q = grouped[:, :per_group].reshape(-1, *weight.shape[1:])
-    k = grouped[:, per_group].reshape(-1, *weight.shape[1:])
-    v = grouped[:, per_group + 1].reshape(-1, *weight.shape[1:])
-    return q, k, v
-
-
-def to_hf_llama(model: GPTModel) -> dict[str, torch.Tensor]:
-    """megalite state dict -> LlamaForCausalLM's, padding rows dropped."""
-    config, state = model.config, model.state_dict()
-    vocab, ffn = config.real_vocab_size, config.ffn_hidden_size
-    hf = {"model.embed_tokens.weight": state["embedding.word_embeddings.weight"][:vocab],
-          "model.norm.weight": state["final_layernorm.weight"]}
-    hf["lm_head.weight"] = (state["output_layer.weight"][:vocab] if config.untie_embeddings_and_output_weights
-                            else hf["model.embed_tokens.weight"])
-    for i in range(config.num_layers):
-        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
-        q, k, v = split_qkv(state[ours + "self_attention.linear_qkv.weight"], config)
-        gate, up = state[ours + "mlp.linear_fc1.weight"].split([ffn, ffn])
-        hf.update({
-            theirs + "input_layernorm.weight": state[ours + "input_layernorm.weight"],
-            theirs + "self_attn.q_proj.weight": q,
-            theirs + "self_attn.k_proj.weight": k,
-            theirs + "self_attn.v_proj.weight": v,
-            theirs + "self_attn.o_proj.weight": state[ours + "self_attention.linear_proj.weight"],
-            theirs + "post_attention_layernorm.weight": state[ours + "pre_mlp_layernorm.weight"],
-            theirs + "mlp.gate_proj.weight": gate,
-            theirs + "mlp.up_proj.weight": up,
-            theirs + "mlp.down_proj.weight": state[ours + "mlp.linear_fc2.weight"],
-        })
-    return hf
-
-
-def to_hf_gpt2(model: GPTModel) -> dict[str, torch.Tensor]:
-    """megalite state dict -> GPT2LMHeadModel's (Conv1D weights are [in, out])."""
-    config, state = model.config, model.state_dict()
-    vocab = config.real_vocab_size
-    hf = {"transformer.wte.weight": state["embedding.word_embeddings.weight"][:vocab],
-          "transformer.wpe.weight": state["embedding.position_embeddings"],
-          "transformer.ln_f.weight": state["final_layernorm.weight"],
-          "transformer.ln_f.bias": state["final_layernorm.bias"]}
-    hf["lm_head.weight"] = hf["transformer.wte.weight"]
-    for i in range(config.num_layers):
-        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
-        qkv_weight = torch.cat(split_qkv(state[ours + "self_attention.linear_qkv.weight"], config))
-        qkv_bias = torch.cat(split_qkv(state[ours + "self_attention.linear_qkv.bias"], config))
-        hf.update({
-            theirs + "ln_1.weight": state[ours + "input_layernorm.weight"],
-            theirs + "ln_1.bias": state[ours + "input_layernorm.bias"],
-            theirs + "attn.c_attn.weight": qkv_weight.t(),
-            theirs + "attn.c_attn.bias": qkv_bias,
-            theirs + "attn.c_proj.weight": state[ours + "self_attention.linear_proj.weight"].t(),
-            theirs + "attn.c_proj.bias": state[ours + "self_attention.linear_proj.bias"],
-            theirs + "ln_2.weight": state[ours + "pre_mlp_layernorm.weight"],
-            theirs + "ln_2.bias": state[ours + "pre_mlp_layernorm.bias"],
-            theirs + "mlp.c_fc.weight": state[ours + "mlp.linear_fc1.weight"].t(),
-            theirs + "mlp.c_fc.bias": state[ours + "mlp.linear_fc1.bias"],
-            theirs + "mlp.c_proj.weight": state[ours + "mlp.linear_fc2.weight"].t(),
-            theirs + "mlp.c_proj.bias": state[ours + "mlp.linear_fc2.bias"],
-        })
+def hf_state(model: GPTModel) -> dict[str, torch.Tensor]:
+    """megalite's weights under HF's names (megalite/hf.py), lm_head included when tied."""
+    hf = hf_state_dict(model.state_dict(), model.config)
+    head = "model.embed_tokens.weight" if "model.embed_tokens.weight" in hf else "transformer.wte.weight"
+    hf.setdefault("lm_head.weight", hf[head])
     return hf
 
 
@@ -147,7 +88,7 @@ def test_llama_logits_match_hugging_face(llama_config, overrides):
     ours = GPTModel(config, seed=11)
     randomise_norms_and_biases(ours)
     hf_model = hf_llama(config)
-    load_into(hf_model, to_hf_llama(ours))
+    load_into(hf_model, hf_state(ours))
     compare(ours, hf_model, config)
     compare(ours, hf_model, config, reset_at=5)  # position ids restarting inside a sample
 
@@ -157,14 +98,7 @@ def test_gpt2_logits_match_hugging_face(gpt2_config, openai_gelu):
     config = gpt2_config(openai_gelu=openai_gelu, tokenizer_vocab_size=250, init_method_std=INIT_STD)
     ours = GPTModel(config, seed=12)
     randomise_norms_and_biases(ours)
-    hf_config = transformers.GPT2Config(
-        vocab_size=config.real_vocab_size, n_positions=config.max_position_embeddings,
-        n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
-        n_inner=config.ffn_hidden_size, activation_function="gelu_new" if openai_gelu else "gelu",
-        layer_norm_epsilon=config.norm_epsilon, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
-        bos_token_id=None, eos_token_id=None)
-    hf_config._attn_implementation = "eager"
-    hf_model = transformers.GPT2LMHeadModel(hf_config).float()
-    load_into(hf_model, to_hf_gpt2(ours))
+    hf_model = transformers.GPT2LMHeadModel(gpt2_config_to_hf(config, attn_implementation="eager")).float()
+    load_into(hf_model, hf_state(ours))
     compare(ours, hf_model, config)
     compare(ours, hf_model, config, reset_at=7)

@@ -11,7 +11,8 @@ optimizer in turn (MixedPrecisionOptimizer, then DistributedOptimizer as
 forward_backward, finish_grad_sync, step. It then sums the bytes of the live tensors;
 rank 0 gathers every rank's figures and the launcher prints one table.
 
-Columns (MB = 2**20 bytes; each measured figure is followed by its closed form, `exp`):
+Columns (MB = 2**20 bytes; each measured figure is followed by its closed form, `exp`,
+from megalite/memory_estimate.py, which `pretrain_gpt.py --dry-run` uses too):
 
 - params: the model's parameters; closed form N x bytes(dtype), N from num_parameters;
 - grads: the fp32 grad buffer (`optimizer.grad_buffer.data`); closed form 4 bytes per
@@ -42,12 +43,12 @@ sys.path.insert(0, REPO_ROOT)
 import torch  # noqa: E402
 
 from megalite.config import ModelConfig, num_parameters  # noqa: E402
+from megalite.memory_estimate import STEP_COUNTER_BYTES, element_bytes, state_bytes  # noqa: E402
 
 MB = 2 ** 20
 MICRO_BATCH_SIZE = 2
 OPTIMIZERS = ("MixedPrecisionOptimizer", "DistributedOptimizer")
 TARGET_DP, TARGET_RATIO = 4, 0.3
-STEP_COUNTER_BYTES = 4  # AdamW's per-parameter `step`: an fp32 scalar
 
 
 def model_config(small: bool) -> ModelConfig:
@@ -74,23 +75,9 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def expected_figures(config: ModelConfig, dtype: torch.dtype, buffer, shard: int, shards: int) -> dict:
-    """The closed forms: params and grads from N and the bucket sizes; the optimizer state from
-    the elements (and parameter pieces) inside shard `shard` of `shards` of every bucket."""
-    grad_elements = updated_elements = step_counters = 0
-    for bucket in buffer.buckets:
-        bucket_numel = sum(param.numel() for param in bucket.params)
-        grad_elements += -(-bucket_numel // shards) * shards
-        shard_start, shard_end = bucket.shard(shard, shards)
-        for param in bucket.params:
-            start, numel = buffer.offsets[param]
-            owned = min(start + numel, shard_end) - max(start, shard_start)
-            if owned > 0:
-                updated_elements += owned
-                step_counters += 1
-    main_bytes = 0 if dtype == torch.float32 else 4
-    return {"params": num_parameters(config) * torch.tensor([], dtype=dtype).element_size(),
-            "grads": 4 * grad_elements,
-            "optimizer": (main_bytes + 8) * updated_elements + STEP_COUNTER_BYTES * step_counters}
+    """The closed forms (megalite/memory_estimate.py): params from N; grads and the optimizer state
+    from the bucket sizes and the elements (and parameter pieces) inside shard `shard` of `shards`."""
+    return {"params": num_parameters(config) * element_bytes(dtype), **state_bytes(buffer, dtype, shard, shards)}
 
 
 def measure(kind, config: ModelConfig, dtype: torch.dtype, parallel) -> dict:

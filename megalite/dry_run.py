@@ -1,0 +1,247 @@
+"""`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, before any GPU is booked.
+
+Nothing is launched: no processes, no GPU, no data. The flags go through every check
+a real run makes (megalite/arguments.py). Then, for each pipeline rank, the model
+chunks are built on the meta device (shapes only, no memory) with a ParallelState whose
+process groups are placeholders, and the fp32 grad buffer is laid out over them as the
+optimizer lays it out, so its buckets, padding and the distributed optimizer's shards
+are the real ones. From these, megalite/memory_estimate.py gives each rank's bytes of
+params, grads, optimizer state and activations. Ranks with the same figures form one
+class in the printed table (e.g. the first and the last pipeline stage).
+
+TP ranks hold equal shapes (every split TP makes is even, and the vocabulary is padded
+to a multiple of TP), so one build per pipeline rank serves all of its TP ranks; DP
+ranks differ only in their optimizer shard, which is arithmetic on the grad buffer.
+
+World size: `--world-size N`, default TP x PP (one data-parallel replica).
+
+Vocabulary (the model's embedding size comes from the tokenizer): NullTokenizer's
+`--vocab-size`; the built-in corpus's tokenizer (8192, or its manifest when built);
+the tokenizer at `--tokenizer-model` when that file or folder is on this machine (a
+SentencePiece model or a local Hugging Face tokenizer folder, both small to read);
+otherwise the `--model` preset's published vocabulary. The report says which.
+"""
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from megalite.arguments import with_tokenizer_vocab
+from megalite.config import RunConfig, num_parameters
+from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.logging import DTYPE_NAMES, flops_per_iteration
+from megalite.memory_estimate import (ActivationModel, chunk_activation_bytes, element_bytes,
+                                      peak_activation_bytes, state_bytes)
+from megalite.parallel_state import ParallelState, coordinates, group_ranks, rank_grid
+from megalite.pipeline_parallel.schedules import max_in_flight, operation_order
+from megalite.pipeline_parallel.stages import build_model_chunks, chunk_layers
+
+GIB = 2 ** 30
+
+
+class PlaceholderGroup:
+    """Stands where a process group would be: the layers ask for one when TP > 1, but a
+    dry run never communicates."""
+
+    def __repr__(self) -> str:
+        return "PlaceholderGroup()"
+
+
+def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
+    """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
+    pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    pipelines = group_ranks(world_size, tp, pp)
+    embedding = pipelines["embedding"][next(i for i, ranks in enumerate(pipelines["pp"]) if rank in ranks)]
+    group = PlaceholderGroup()
+    return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
+                         pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
+                         dp_rank=dp_rank, dp_group=group, mp_group=group,
+                         embedding_group=group if rank in embedding else None, embedding_ranks=embedding,
+                         device=torch.device("meta"), sequence_parallel=sequence_parallel)
+
+
+def dry_run_vocabulary(run: RunConfig) -> tuple[int, str]:
+    """(the tokenizer's vocabulary, where it came from), reading no data and nothing large."""
+    from megalite.data.tokenizer import build_tokenizer
+
+    data = run.data
+    if data.tokenizer_type == "NullTokenizer":
+        return build_tokenizer("NullTokenizer", vocab_size=data.vocab_size).vocab_size, \
+            f"NullTokenizer --vocab-size {data.vocab_size} (+1 for EOD)"
+    if data.builtin_corpus:
+        from megalite.data.builtin_corpus import VOCAB_SIZE, corpus_folder, load_manifest
+
+        manifest = load_manifest(corpus_folder())
+        if manifest is not None:
+            return manifest["vocab_size"], "the built-in corpus's tokenizer"
+        return VOCAB_SIZE, "the built-in corpus's tokenizer (not built yet: its target size)"
+    if data.tokenizer_model and os.path.exists(data.tokenizer_model):
+        tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
+        return tokenizer.vocab_size, f"--tokenizer-model {data.tokenizer_model}"
+    return run.model.real_vocab_size, (f"the {run.model_name} preset (--tokenizer-model {data.tokenizer_model} "
+                                       f"is not on this machine)")
+
+
+@dataclass
+class RankClass:
+    """The figures shared by `ranks`; bytes are per rank."""
+
+    ranks: list[int]
+    pp_rank: int
+    layers: list[list[int]]  # global layer ids of each model chunk
+    params: int
+    param_bytes: int
+    grad_bytes: int
+    optimizer_bytes: int
+    activation_bytes: int  # estimate (megalite/memory_estimate.py)
+    in_flight: int  # the most micro-batch chunks held at once by the schedule
+
+    @property
+    def total_bytes(self) -> int:
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+
+    def figures(self) -> tuple:
+        return (self.pp_rank, self.params, self.param_bytes, self.grad_bytes, self.optimizer_bytes,
+                self.activation_bytes, self.in_flight)
+
+
+@dataclass
+class DryRunReport:
+    """The plan of `run`: the vocabulary it assumed, per-iteration figures, and the rank classes."""
+
+    run: RunConfig
+    tokenizer_vocab: int
+    vocab_source: str
+    num_microbatches: int
+    model_flops: float  # per iteration, recomputation not counted (what MFU divides)
+    hardware_flops: float  # per iteration, recomputation counted
+    classes: list[RankClass] = field(default_factory=list)
+    seconds: float = 0.0
+
+    def rank_class(self, rank: int) -> RankClass:
+        return next(cls for cls in self.classes if rank in cls.ranks)
+
+
+def plan(run: RunConfig) -> DryRunReport:
+    """Every rank's figures for `run`, grouped into classes of equal figures."""
+    start = time.perf_counter()
+    layout, train = run.parallel, run.train
+    tp, pp, dp, world = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                         layout.data_parallel_size, layout.world_size)
+    vp = layout.virtual_pipeline_model_parallel_size
+    vocab, source = dry_run_vocabulary(run)
+    model = with_tokenizer_vocab(run.model, vocab, tp)
+    num_microbatches = train.global_batch_size // (train.micro_batch_size * dp)
+    dtype = train.params_dtype
+    activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
+    report = DryRunReport(run, vocab, source, num_microbatches,
+                          flops_per_iteration(model, train.global_batch_size, model.seq_length),
+                          flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True))
+    shards = dp if layout.use_distributed_optimizer else 1
+    grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
+    by_figures: dict[tuple, RankClass] = {}
+    for pp_rank in range(pp):
+        state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel)
+        first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
+        chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
+        # The optimizer's grad buffer, laid out as MixedPrecisionOptimizer lays it out (building the
+        # optimizer itself would import torch's compiler, seconds for nothing; tests/test_dry_run.py
+        # checks the two agree against a live run).
+        buffer = GradBuffer([[param for param in chunk.parameters() if param.requires_grad] for chunk in chunks],
+                            bucket_size=layout.ddp_bucket_size, shard_count=shards)
+        params = sum(param.numel() for param in chunks.parameters())
+        layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
+        ops = operation_order(pp, vp, num_microbatches, pp_rank)
+        chunk_bytes = [chunk_activation_bytes(activations, len(ids), chunk * pp + pp_rank == 0,
+                                              chunk * pp + pp_rank == pp * vp - 1, model.recompute_granularity)
+                       for chunk, ids in enumerate(layers)]
+        working = activations.layer_bytes() if model.recompute_granularity == "full" else 0
+        activation = peak_activation_bytes(ops, chunk_bytes, working)
+        for dp_rank in range(dp):
+            shard = dp_rank if layout.use_distributed_optimizer else 0
+            figures = state_bytes(buffer, dtype, shard, shards)
+            candidate = RankClass([], pp_rank, layers, params, params * element_bytes(dtype), figures["grads"],
+                                  figures["optimizer"], activation, max_in_flight(ops))
+            cls = by_figures.setdefault(candidate.figures(), candidate)
+            cls.ranks += grid[pp_rank, dp_rank].tolist()  # its TP ranks
+    report.classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
+    for cls in report.classes:
+        cls.ranks.sort()
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def format_ranks(ranks: list[int]) -> str:
+    """[0, 1, 2, 5, 7, 8] -> "0-2,5,7-8"."""
+    runs, start = [], ranks[0]
+    for previous, current in zip(ranks, ranks[1:] + [None]):
+        if current != previous + 1:
+            runs.append(f"{start}" if start == previous else f"{start}-{previous}")
+            start = current
+    return ",".join(runs)
+
+
+def _layers(layers: list[list[int]]) -> str:
+    return " ".join(f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else f"{ids[0]}" for ids in layers)
+
+
+def _stage(cls: RankClass, pp: int) -> str:
+    if pp == 1:
+        return "all"
+    name = "first" if cls.pp_rank == 0 else "last" if cls.pp_rank == pp - 1 else "middle"
+    return f"{cls.pp_rank} ({name})"
+
+
+def format_report(report: DryRunReport) -> str:
+    """The printed plan: the layout, the batch, the FLOPs, and one row per rank class."""
+    run, layout, train = report.run, report.run.parallel, report.run.train
+    model = with_tokenizer_vocab(run.model, report.tokenizer_vocab, layout.tensor_model_parallel_size)
+    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    vp = layout.virtual_pipeline_model_parallel_size
+    options = [name for name, on in (("sequence parallel", layout.sequence_parallel),
+                                     ("distributed optimizer", layout.use_distributed_optimizer)) if on]
+    dtype = DTYPE_NAMES[train.params_dtype]
+    schedule = "no pipelining" if pp == 1 else "1F1B" if vp == 1 else f"interleaved 1F1B, {vp} chunks per rank"
+    padded_params = num_parameters(model)
+    params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
+    lines = [
+        f"dry run: {run.model_name} on {layout.world_size} ranks = TP {tp} x PP {pp} x DP {dp}"
+        + "".join(f", {option}" for option in options) + f", {dtype}",
+        f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}); "
+        f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
+        f"{report.tokenizer_vocab} from {report.vocab_source}",
+        f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
+        f"{report.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
+        f"recompute: {model.recompute_granularity or 'none'}",
+        f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
+        f"{report.hardware_flops:.3e} with recomputation",
+        "per rank (GiB = 2^30 bytes; activations: estimate at the schedule's peak, docs/memory.md):",
+    ]
+    header = ("ranks", "stage", "layers", "params", "params GiB", "grads GiB", "optim GiB", "in flight",
+              "activ GiB", "total GiB")
+    # Classes that print alike share a row: DP ranks' optimizer shards differ by a few bytes at most.
+    ranks_by_cells: dict[tuple, list[int]] = {}
+    for cls in report.classes:
+        cells = (_stage(cls, pp), _layers(cls.layers), f"{cls.params:,}",
+                 *(f"{value / GIB:.2f}" for value in (cls.param_bytes, cls.grad_bytes, cls.optimizer_bytes)),
+                 str(cls.in_flight), f"{cls.activation_bytes / GIB:.2f}", f"{cls.total_bytes / GIB:.2f}")
+        ranks_by_cells.setdefault(cells, []).extend(cls.ranks)
+    rows = [header] + [(format_ranks(sorted(ranks)), *cells) for cells, ranks in ranks_by_cells.items()]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    for row in rows:
+        lines.append("  " + "  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
+                                      for i, (cell, width) in enumerate(zip(row, widths))))
+    largest = max(cls.total_bytes for cls in report.classes)
+    lines.append(f"largest total per rank: {largest / GIB:.2f} GiB, before the CUDA context, communication buffers "
+                 f"and allocator slack; planned in {report.seconds:.2f} s")
+    return "\n".join(lines)
+
+
+def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:
+    """Plan `run` and print the report."""
+    report = plan(run)
+    print_fn(format_report(report))
+    return report

@@ -1,0 +1,110 @@
+"""The output layer and cross-entropy fused, in chunks, so the full logits never exist (TP = 1).
+
+Unfused, a micro-batch of N tokens materialises logits `[N, V]` and their grad, each as
+large as the output weight when N = h (a 128k vocabulary at N = 4096 tokens: 1 GiB in
+bf16 apiece). Here at most one chunk of logits exists at a time:
+
+- forward, in chunks of tokens: logits_c = hidden_c @ W^T `[c, V]`, then the
+  cross-entropy row stats (`megalite/kernels/cross_entropy.py`); keeps one fp32 lse
+  per token and drops the logits;
+- backward, in chunks of the vocabulary (columns v0..v1):
+      logits_v = hidden @ W_v^T                      `[N, Vc]`, recomputed
+      d logits_v = g * (softmax_v (1 + 2 w lse) - onehot_v), in place over logits_v
+      d W_v = d logits_v^T @ hidden                  one matmul over all N tokens
+      d hidden += d logits_v @ W_v                   `[N, h]`, accumulated in fp32
+
+Chunking the backward over the vocabulary (not over tokens) makes each row block of
+d W a single matmul (fp32 accumulation inside it, written straight into the returned
+grad), so no fp32 copy of the `[V, h]` weight grad is needed; only d hidden `[N, h]`
+is accumulated across chunks, in fp32.
+
+The price is one extra `[N, h] x [h, V]` matmul (the recompute): the output layer costs
+4 matmuls instead of 3. Computing the grads in the forward would avoid it but needs each
+token's loss weight before the backward; megalite's losses are per token and reduced
+later, so the exact backward recomputes. Chunk math follows `--kernels` (Triton kernels
+or their PyTorch twins).
+"""
+
+import torch
+
+from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
+
+CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
+
+
+def chunk_size(total: int, other: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
+    """Rows (or columns) per chunk of a `[total, other]` matrix: about `chunk_elements`, 1 to `total`."""
+    return max(1, min(total, chunk_elements // max(other, 1)))
+
+
+def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """accumulator (fp32) += a @ b, the products summed in fp32 whatever a's and b's dtype."""
+    if a.dtype == torch.float32:
+        accumulator.addmm_(a, b)
+        return
+    if a.is_cuda:
+        try:  # bf16/fp16 tensor cores with an fp32 output
+            accumulator.add_(torch.mm(a, b, out_dtype=torch.float32))
+            return
+        except (RuntimeError, TypeError):  # a torch without mm's out_dtype: the fp32 matmul below
+            pass
+    accumulator.addmm_(a.float(), b.float())
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    """See the module docstring. hidden `[N, h]`, weight `[V_padded, h]` (rows from `vocab` on are
+    padding: no probability, zero grad), labels `[N]` -> losses `[N]` fp32."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, labels, vocab, z_loss_weight, ignore_index, chunk_elements):
+        lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        losses = torch.empty_like(lse)
+        rows = chunk_size(hidden.shape[0], vocab, chunk_elements)
+        for start in range(0, hidden.shape[0], rows):
+            end = start + rows
+            logits = hidden[start:end] @ weight[:vocab].t()  # [c, V]
+            m, s, target = row_stats(logits, labels[start:end], 0, vocab, ignore_index)
+            lse[start:end] = m + s.log()
+            losses[start:end] = losses_from_stats(lse[start:end], target, labels[start:end], z_loss_weight,
+                                                  ignore_index)
+        ctx.save_for_backward(hidden, weight, labels, lse)
+        ctx.args = (vocab, z_loss_weight, ignore_index, chunk_elements)
+        return losses
+
+    @staticmethod
+    def backward(ctx, grad_losses):
+        hidden, weight, labels, lse = ctx.saved_tensors
+        vocab, z_loss_weight, ignore_index, chunk_elements = ctx.args
+        grad_losses = grad_losses.float().masked_fill(labels == ignore_index, 0.0)
+        grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
+        grad_weight = torch.empty_like(weight)
+        grad_weight[vocab:] = 0
+        columns = chunk_size(vocab, hidden.shape[0], chunk_elements)
+        for start in range(0, vocab, columns):
+            end = min(start + columns, vocab)
+            weight_block = weight[start:end]
+            logits = hidden @ weight_block.t()  # recomputed [N, Vc], then overwritten by its grad
+            grad_logits = logit_grads(logits, labels, lse, grad_losses, z_loss_weight, start, end - start,
+                                      ignore_index, out=logits)
+            torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
+            _accumulate_mm(grad_hidden, grad_logits, weight_block)
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
+                         ignore_index: int = IGNORE_INDEX, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+    """Per-token fp32 losses of `hidden @ weight^T` against `labels`, without full logits.
+
+    hidden: `[..., h]`; weight: `[V, h]`, rows at or above `real_vocab_size` (None: V) are
+    vocabulary padding (no probability, zero grad); labels: `[...]` ids below
+    real_vocab_size, or `ignore_index`. Returns losses shaped like labels; equals
+    cross_entropy(hidden @ weight^T, labels) with the same z-loss and ignore semantics.
+    chunk_elements: logits per chunk (forward: whole rows; backward: whole columns).
+    """
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    flat_labels = labels.reshape(-1)
+    vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
+    losses = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, vocab, z_loss_weight, ignore_index,
+                                       chunk_elements)
+    return losses.view(labels.shape)

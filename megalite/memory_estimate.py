@@ -1,0 +1,194 @@
+"""Bytes per rank in closed form: parameters, gradients, optimizer state and activations.
+
+Used by `pretrain_gpt.py --dry-run` (megalite/dry_run.py) and tools/bench/memory.py.
+
+Parameters, gradients and optimizer state are exact, to the byte:
+
+- params: the rank's parameter count x the bytes of `--bf16` / `--fp16` / fp32;
+- grads: the fp32 grad buffer (data_parallel/grad_buffer.py), every bucket's parameters
+  zero-padded to a multiple of DP under the distributed optimizer;
+- optimizer: for every element this rank updates (all of its parameters, or its shard
+  of every bucket under --use-distributed-optimizer) 8 bytes of Adam moments, plus 4
+  bytes of fp32 main param when the model is bf16/fp16 (an fp32 model's main params
+  are its params); plus 4 bytes for each of AdamW's `step` counters (one per parameter
+  or per piece of one in the shard).
+
+tools/bench/memory.py checks these against live tensors, and tests/test_dry_run.py
+against a real TP x PP x DP run.
+
+Activations are an estimate of what autograd keeps between a micro-batch's forward and
+its backward, per tensor the model saves, for the GPU code path (flash attention,
+the fused kernels). docs/memory.md derives it and compares it with Korthikanti et
+al.'s sbh(34 + 5as/h). The pipeline schedule decides how many micro-batches are held at
+once: `peak_activation_bytes` walks the rank's forwards and backwards.
+"""
+
+import torch
+
+from megalite.config import ModelConfig
+
+GRAD_BYTES = 4  # the grad buffer is fp32 whatever the model's dtype
+MAIN_PARAM_BYTES = 4  # fp32 main params of a bf16 / fp16 model
+ADAM_MOMENT_BYTES = 8  # exp_avg and exp_avg_sq, fp32
+STEP_COUNTER_BYTES = 4  # AdamW's per-parameter `step`: an fp32 scalar
+MASK_BYTES = 1  # a dropout mask is a bool tensor
+STATS_BYTES = 4  # fp32 per-row statistics of a norm (rstd; LayerNorm adds the mean)
+LSE_BYTES = 4  # an fp32 log-sum-exp (flash attention: per query head and token; cross-entropy: per token)
+ID_BYTES = 8  # int64 token ids and labels
+
+
+def element_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# ----------------------------------------------------------------------------- model state
+
+
+def grad_buffer_bytes(buffer, shards: int) -> int:
+    """The fp32 grad buffer: each bucket's parameters, rounded up to a multiple of `shards`.
+
+    buffer: a GradBuffer (its bucket layout; the padding is recomputed here, not read).
+    shards: DP under the distributed optimizer, else 1.
+    """
+    elements = 0
+    for bucket in buffer.buckets:
+        bucket_numel = sum(param.numel() for param in bucket.params)
+        elements += -(-bucket_numel // shards) * shards
+    return GRAD_BYTES * elements
+
+
+def shard_elements(buffer, shard: int, shards: int) -> tuple[int, int]:
+    """(elements, parameter pieces) of `buffer` inside shard `shard` of `shards` of every bucket:
+    what this rank's optimizer updates (shard 0 of 1 without the distributed optimizer)."""
+    elements = pieces = 0
+    for bucket in buffer.buckets:
+        shard_start, shard_end = bucket.shard(shard, shards)
+        for param in bucket.params:
+            start, numel = buffer.offsets[param]
+            owned = min(start + numel, shard_end) - max(start, shard_start)
+            if owned > 0:
+                elements += owned
+                pieces += 1
+    return elements, pieces
+
+
+def optimizer_state_bytes(elements: int, pieces: int, params_dtype: torch.dtype) -> int:
+    """Adam moments (+ fp32 main params for a bf16/fp16 model) of `elements`, and `pieces` step counters."""
+    main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
+    return (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces
+
+
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int) -> dict[str, int]:
+    """{"grads", "optimizer"} bytes of the rank owning shard `shard` of `shards` (0 of 1: unsharded)."""
+    elements, pieces = shard_elements(buffer, shard, shards)
+    return {"grads": grad_buffer_bytes(buffer, shards),
+            "optimizer": optimizer_state_bytes(elements, pieces, params_dtype)}
+
+
+# ----------------------------------------------------------------------------- activations
+
+
+class ActivationModel:
+    """Bytes one TP rank keeps per micro-batch, for `config` at micro-batch `micro_batch_size`.
+
+    tp / sequence_parallel: the layout. element_size: bytes of an activation (the params'
+    dtype: 2 for bf16/fp16, 4 for fp32). Every figure is per micro-batch in flight.
+    Notation of docs/memory.md: s sequence, b micro-batch, h hidden, a heads, g key/value
+    groups, d head size, f FFN size, t TP, V padded vocabulary, e element_size.
+    """
+
+    def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
+                 element_size: int = 2):
+        self.config, self.tp, self.e = config, tp, element_size
+        self.sequence_parallel = sequence_parallel and tp > 1
+        self.tokens = config.seq_length * micro_batch_size  # s*b: what TP-region tensors hold per rank
+        # The residual stream (norm inputs, dropout) is split over TP only under SP.
+        self.stream_tokens = self.tokens // tp if self.sequence_parallel else self.tokens
+        self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)
+
+    def layer_terms(self) -> dict[str, int]:
+        """One transformer layer without recomputation, term by term (docs/memory.md)."""
+        c, e, t, tokens, stream = self.config, self.e, self.tp, self.tokens, self.stream_tokens
+        h, d = c.hidden_size, c.head_dim
+        heads, groups, ffn = c.num_attention_heads // t, c.query_groups // t, c.ffn_hidden_size // t
+        rope = c.position_embedding_type == "rope"
+        terms = {
+            # input_layernorm and pre_mlp_layernorm keep their input and per-row statistics
+            "norm inputs": 2 * (e * stream * h + self.stats * stream),
+            # linear_qkv and linear_fc1 keep their input, all-gathered to the full sequence under SP
+            "qkv and fc1 inputs": 2 * e * tokens * h,
+            # attention keeps q, k, v; v is a view of linear_qkv's output, which it keeps whole, and
+            # with rope q and k are rotated copies
+            "q, k, v": e * tokens * d * ((heads + 2 * groups) + (heads + groups if rope else 0)),
+            # flash attention keeps the log-sum-exp, not the s x s matrix; its output is the next input
+            "attention lse": LSE_BYTES * tokens * heads,
+            "linear_proj input": e * tokens * heads * d,
+            # SwiGLU: fc1's [gate; up] output and the product fed to fc2; GELU: its input and output
+            "mlp": e * tokens * ffn * (3 if c.swiglu else 2),
+            "dropout masks": 2 * MASK_BYTES * stream * h if c.hidden_dropout > 0 else 0,
+        }
+        return terms
+
+    def layer_bytes(self, recompute: str | None = None) -> int:
+        """One layer's kept bytes under `recompute` (None, "selective" or "full")."""
+        if recompute == "full":
+            return self.e * self.stream_tokens * self.config.hidden_size  # the checkpointed layer's input
+        terms = self.layer_terms()
+        if recompute == "selective":
+            terms.pop("attention lse")  # the core attention is recomputed from q, k, v
+        return sum(terms.values())
+
+    def embedding_bytes(self) -> int:
+        """The first stage's embedding: the ids of its lookups (tokens; learned positions), the mask of
+        the other ranks' rows under TP, and the dropout mask if any. Under SP the first layer's input is
+        this rank's slice of the embedding output, a view that keeps the full `[s, b, h]` alive (unless
+        dropout makes a new tensor of it): the part beyond the slice is counted here."""
+        c = self.config
+        lookups = 2 if c.position_embedding_type == "learned_absolute" else 1
+        vocab_mask = MASK_BYTES * self.tokens if self.tp > 1 else 0
+        dropout = MASK_BYTES * self.stream_tokens * c.hidden_size if c.hidden_dropout > 0 else 0
+        scattered = self.e * (self.tokens - self.stream_tokens) * c.hidden_size if not dropout else 0
+        return ID_BYTES * self.tokens * lookups + vocab_mask + dropout + scattered
+
+    def output_bytes(self) -> int:
+        """The last stage: final norm input, output layer input (full sequence), and the
+        cross-entropy's logits slice `[s, b, V/t]` (the Triton kernel keeps the logits, not a softmax),
+        labels and fp32 log-sum-exp. --fused-output-cross-entropy keeps no logits at all."""
+        c, e, h, tokens = self.config, self.e, self.config.hidden_size, self.tokens
+        fused = getattr(c, "fused_output_cross_entropy", False)
+        logits = 0 if fused else e * tokens * c.vocab_size // self.tp
+        return (e * self.stream_tokens * h + self.stats * self.stream_tokens + e * tokens * h + logits
+                + (ID_BYTES + LSE_BYTES) * tokens)
+
+    def rotary_table_bytes(self) -> int:
+        """Rope's cos and sin tables `[s, b, 1, d]` (fp32), built by each chunk's forward from the
+        micro-batch's position ids and shared by its layers; full recomputation keeps them too."""
+        if self.config.position_embedding_type != "rope":
+            return 0
+        return 2 * 4 * self.tokens * self.config.head_dim
+
+
+def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool, last: bool,
+                           recompute: str | None) -> int:
+    """Bytes one model chunk keeps per micro-batch: its layers and rope tables, plus the embedding /
+    output it holds."""
+    return (num_layers * model.layer_bytes(recompute) + model.rotary_table_bytes()
+            + (model.embedding_bytes() if first else 0) + (model.output_bytes() if last else 0))
+
+
+def peak_activation_bytes(ops, chunk_bytes: list[int], backward_working_bytes: int = 0) -> int:
+    """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order).
+
+    Each forward `F(chunk, mb)` adds `chunk_bytes[chunk]` until its backward. With full
+    recomputation a backward first rebuilds one layer's activations:
+    `backward_working_bytes` held on top for the duration of the backward.
+    """
+    live = peak = 0
+    for op in ops:
+        if op.kind == "F":
+            live += chunk_bytes[op.chunk]
+            peak = max(peak, live)
+        else:
+            peak = max(peak, live + backward_working_bytes)
+            live -= chunk_bytes[op.chunk]
+    return peak

@@ -1,0 +1,289 @@
+"""What keeps a long run alive and honest: preemption signals, dead ranks, NaNs, loss spikes, bad token ids.
+
+The training loop (megalite/training.py) uses these pieces:
+
+    signals = ExitSignalHandler()                  # SIGTERM / SIGINT -> save at the next iteration boundary
+    signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
+    save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))        # a failed save stops all ranks
+    peers = PeerWatch(parallel)                    # who the other ranks are, to name a dead one later
+    raise peers.failure(error, iteration, ckpt)    # a collective failed: one sentence, not a hang
+    spikes = LossSpikeDetector(1.5)                # a warning line per spike
+    batches = checked_token_ids(loader, vocab, source)  # token ids beyond the vocabulary stop the run
+
+Preemption: the first SIGTERM or SIGINT only sets a flag. At the end of each iteration
+every rank contributes its flag to one all-reduce (MAX over two ints), so a signal that
+reached any single rank makes all of them save the same checkpoint and exit 0. A second
+signal stops at once, as if there were no handler.
+"""
+
+import math
+import os
+import re
+import signal
+import socket
+import statistics
+import threading
+import time
+from collections import deque
+
+import numpy as np
+import torch
+
+from megalite.errors import UserError
+
+EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+
+
+class ExitSignalHandler:
+    """Remembers the first SIGTERM or SIGINT so the loop can save and stop at an iteration boundary.
+
+    A second one (an impatient Ctrl-C, a scheduler's repeated TERM) is not deferred:
+    SIGINT raises KeyboardInterrupt and SIGTERM exits with 143, as without the handler.
+    Only the main thread can set handlers; elsewhere this does nothing.
+    """
+
+    def __init__(self):
+        self.received: int | None = None  # the first signal's number
+        self._previous = {}
+        if threading.current_thread() is threading.main_thread():
+            for signum in EXIT_SIGNALS:
+                self._previous[signum] = signal.signal(signum, self._handle)
+
+    def _handle(self, signum, frame):
+        if self.received is None:
+            self.received = signum
+            return
+        self.restore()
+        if signum == signal.SIGINT:
+            raise KeyboardInterrupt
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
+
+
+def agreed_stop(received_signal: int, overtime: bool, parallel) -> tuple[int, bool]:
+    """(signal number, whether --exit-duration-in-mins passed) as the maximum over every rank.
+
+    Both differ between ranks (a signal sent to one process; clocks), and every rank must
+    take the same decision at the same iteration or the others hang in the next collective.
+    One all-reduce of two ints per iteration; nothing in a world of one.
+    """
+    if parallel is None or parallel.world_size == 1:
+        return received_signal, overtime
+    flags = torch.tensor([received_signal, int(overtime)], dtype=torch.int64, device=parallel.device)
+    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+    received_signal, overtime = flags.tolist()
+    return received_signal, bool(overtime)
+
+
+def signal_name(signum: int) -> str:
+    return signal.Signals(signum).name
+
+
+def failed_ranks_across(parallel):
+    """A `failed_ranks(ok)` for checkpointing.save_checkpoint: the ranks whose step failed,
+    known to every rank (one all-reduce of a world-size vector)."""
+    def failed_ranks(ok: bool) -> list[int]:
+        if parallel is None or parallel.world_size == 1:
+            return [] if ok else [0]
+        flags = torch.zeros(parallel.world_size, dtype=torch.int32, device=parallel.device)
+        flags[parallel.rank] = 0 if ok else 1
+        torch.distributed.all_reduce(flags)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    return failed_ranks
+
+
+# -- dead ranks --------------------------------------------------------------------------------
+
+
+class RankFailure(UserError):
+    """A collective operation failed because another rank died or stopped answering."""
+
+
+def is_collective_failure(error: BaseException) -> bool:
+    """Whether `error` came out of a torch.distributed collective whose peer is gone or hung.
+
+    NCCL raises torch.distributed.DistError subclasses; gloo raises RuntimeError whose
+    text names its transport (`.../gloo/transport/tcp/pair.cc: Connection reset by peer`,
+    `Timed out waiting ...`).
+    """
+    dist_error = getattr(torch.distributed, "DistError", ())
+    return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+
+
+class PeerWatch:
+    """Every rank's host and process id, gathered once, to tell which rank died when a collective fails.
+
+    Ranks on this host are checked through /proc (gone, or a zombie its launcher has not
+    reaped yet); ranks on other hosts cannot be checked from here.
+    """
+
+    def __init__(self, parallel):
+        self.rank = getattr(parallel, "rank", 0)
+        self.host = socket.gethostname()
+        self.peers = [(self.host, os.getpid())]
+        if parallel is not None and parallel.world_size > 1:
+            self.peers = [None] * parallel.world_size
+            torch.distributed.all_gather_object(self.peers, (self.host, os.getpid()))
+
+    def peer_states(self, wait: float = 0.0) -> dict[int, str]:
+        """{rank: "died" | "is suspended"} for the ranks on this host whose process cannot answer.
+
+        Checks for up to `wait` seconds: a killed process closes its sockets before it is
+        gone, so the peer's collective can fail a moment before the process looks dead.
+        """
+        deadline = time.monotonic() + wait
+        while True:
+            states = {rank: _process_state(pid) for rank, (host, pid) in enumerate(self.peers)
+                      if rank != self.rank and host == self.host}
+            states = {rank: state for rank, state in states.items() if state != "running"}
+            if states or time.monotonic() >= deadline:
+                return states
+            time.sleep(0.05)
+
+    def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> RankFailure:
+        """The RankFailure to raise on this rank for a failed collective `error` during `iteration`."""
+        states = self.peer_states(wait=3.0)
+        if states:
+            who = " and ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
+        else:
+            remote = sorted({host for host, _ in self.peers} - {self.host})
+            where = f" (ranks on {', '.join(remote)} cannot be checked from here)" if remote else ""
+            who = f"another rank died or stopped answering{where}; the launcher's failure summary names it"
+        detail = _short_error(error)
+        resume = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else \
+            "no checkpoint was saved yet"
+        return RankFailure(f"rank {self.rank} stopped during iteration {iteration}: {who} ({detail}); {resume}, "
+                           f"rerun the same command (or use torchrun --max-restarts) to resume from it")
+
+
+def _short_error(error: BaseException) -> str:
+    """The gist of a collective's error: no source location, no advice boilerplate, one line."""
+    text = re.sub(r"\[[^\]]*\.(?:cc|cpp|h):\d+\] ", "", " ".join(str(error).split()))
+    text = text.split(" This is typically caused")[0]
+    return text[:160] + ("..." if len(text) > 160 else "")
+
+
+def _process_state(pid: int) -> str:
+    """"died" (gone, or a zombie its launcher has not reaped), "is suspended" (SIGSTOP), else "running"."""
+    try:
+        with open(f"/proc/{pid}/stat") as file:
+            # The state follows the command name, which is in parentheses and may hold spaces.
+            state = file.read().rsplit(")", 1)[1].split()[0]
+        return {"Z": "died", "X": "died", "T": "is suspended"}.get(state, "running")
+    except FileNotFoundError:
+        return "died"
+    except (OSError, IndexError):  # no /proc (not Linux): ask the kernel instead
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return "died"
+        except PermissionError:
+            pass
+        return "running"
+
+
+# -- numerics ------------------------------------------------------------------------------------
+
+
+# fp16 skips steps whose gradients overflow and lowers the loss scale. Once the scale sits at
+# --min-loss-scale it cannot go lower, so this many overflows in a row there stop the run
+# (also for skipped steps without a scaler, under --no-check-for-nan-in-loss-and-grad).
+MAX_SKIPPED_AT_MIN_SCALE = 10
+
+LIKELY_CAUSES = ("likely causes: a learning rate too high for this model (--lr, --lr-warmup-iters), "
+                 "gradient clipping off (--clip-grad), a corrupt batch of data, or overflow in half precision")
+
+
+def divergence_message(what: str, iteration: int, last_checkpoint: str | None) -> str:
+    """The sentence a NaN/Inf loss or grad norm stops the run with."""
+    resume = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else \
+        "no checkpoint was saved before it"
+    return (f"{what} at iteration {iteration}, so the run diverged and stopped without saving; {resume}; "
+            f"{LIKELY_CAUSES}; fix the cause and resume from that checkpoint with --load "
+            f"(--no-check-for-nan-in-loss-and-grad skips such steps instead)")
+
+
+def skipped_message(count: int, iteration: int, min_loss_scale: float | None, last_checkpoint: str | None) -> str:
+    """The sentence `count` skipped steps in a row stop the run with (min_loss_scale None: no scaler)."""
+    where = f"at the minimum loss scale (--min-loss-scale {min_loss_scale:g}), which cannot go lower" \
+        if min_loss_scale is not None else "(--no-check-for-nan-in-loss-and-grad)"
+    resume = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else \
+        "no checkpoint was saved before it"
+    return (f"{count} iterations in a row up to iteration {iteration} had inf/nan gradients and were skipped "
+            f"{where}, so the run is not recovering; {resume}; {LIKELY_CAUSES}; lower --lr or use --bf16, "
+            f"then resume from that checkpoint")
+
+
+class LossSpikeDetector:
+    """Flags an iteration whose loss exceeds `threshold` x the median of the previous `window` losses.
+
+    The median, so that one spike does not raise the bar for the next. Needs `window // 2`
+    finite losses before it judges; threshold 0 turns it off.
+    """
+
+    def __init__(self, threshold: float, window: int = 20):
+        self.threshold, self.window = threshold, window
+        self.recent = deque(maxlen=window)
+
+    def check(self, iteration: int, loss: float) -> str | None:
+        """A warning line when `loss` is a spike, else None; the loss joins the window either way."""
+        warning = None
+        if self.threshold > 0 and len(self.recent) >= self.window // 2 and math.isfinite(loss):
+            typical = statistics.median(self.recent)
+            if typical > 0 and loss > self.threshold * typical:
+                warning = (f"warning: loss spike at iteration {iteration}: lm loss {loss:.4f} is "
+                           f"{loss / typical:.2f}x the median of the previous {len(self.recent)} iterations "
+                           f"({typical:.4f}; --loss-spike-threshold {self.threshold:g})")
+        if math.isfinite(loss):
+            self.recent.append(loss)
+        return warning
+
+
+# -- input data ----------------------------------------------------------------------------------
+
+
+def checked_token_ids(micro_batches, vocab_size: int, source: str):
+    """`micro_batches` unchanged, after checking every token id is in [0, vocab_size).
+
+    An id outside means the data was tokenized with another tokenizer; without this
+    check the embedding lookup fails with an index error (on a GPU, a device-side assert).
+    Three reductions over the [b, s] int tensors of a micro-batch, on the CPU.
+    """
+    for batch in micro_batches:
+        tokens, labels = batch["tokens"], batch["labels"]
+        low, high = int(tokens.min()), max(int(tokens.max()), int(labels.max()))
+        if low < 0 or high >= vocab_size:
+            bad = low if low < 0 else high
+            raise UserError(f"{source} holds token id {bad}, outside the tokenizer's {vocab_size} ids: the data "
+                            f"was tokenized with another tokenizer; pass the --tokenizer-type and --tokenizer-model "
+                            f"(or --vocab-size) that tools/preprocess_data.py used for it")
+        yield batch
+
+
+def check_token_dtypes(datasets, vocab_size: int) -> None:
+    """UserError when a token file's dtype cannot hold the tokenizer's ids (it was made by another tokenizer)."""
+    for indexed in _token_files(datasets):
+        dtype = getattr(indexed, "dtype", None)
+        if dtype is None or np.dtype(dtype).kind not in "iu":
+            continue
+        largest = int(np.iinfo(dtype).max)
+        if vocab_size - 1 > largest:
+            raise UserError(f"{indexed.path_prefix} stores token ids as {np.dtype(dtype)} (at most {largest}), but "
+                            f"the tokenizer has {vocab_size} ids: the files were made with another tokenizer; pass "
+                            f"the tokenizer flags they were made with, or preprocess the text again")
+
+
+def _token_files(datasets):
+    """The distinct IndexedDatasets under train/valid/test datasets (GPTDataset, BlendedDataset)."""
+    seen, stack = {}, [d for d in datasets if d is not None]
+    while stack:
+        dataset = stack.pop()
+        if hasattr(dataset, "datasets"):
+            stack.extend(dataset.datasets)
+        elif hasattr(dataset, "indexed"):
+            seen[id(dataset.indexed)] = dataset.indexed
+    return list(seen.values())

@@ -1,0 +1,288 @@
+"""Experiment tracking: a run's config and metrics records, sent to wandb and TensorBoard.
+
+wandb tracks a run when `--wandb-project` is given (Megatron's rule); `--tensorboard-dir`
+writes the same scalars with `torch.utils.tensorboard`. Only the logging rank tracks (the
+last rank, which holds the loss under pipeline parallelism); elsewhere the tracker is
+inactive and every method returns at once. The training loop calls:
+
+    tracker = start_tracking(run, config_dict, logger, is_logging_rank, warn)
+    # the logger sends every metrics record (training line, evaluation) to the tracker
+    tracker.log_checkpoint(iteration)            # after each save
+    tracker.finish(exit_code, summary)           # in a finally: 0, or the error's exit code
+
+Scalars, at step = iteration, named alike in wandb and TensorBoard:
+
+    train/<key>       every key of a training record but "iteration" (lm_loss, lr, grad_norm,
+                      loss_scale, tokens_per_sec, tflops_per_device, mfu, iteration_time_ms,
+                      mem_peak_bytes, consumed_samples); None values (MFU unknown) are left out
+    valid/lm_loss, valid/ppl, test/lm_loss, test/ppl
+    checkpoint/iteration
+
+wandb's summary keeps each key's last value, so `summary["train/lm_loss"]` is the last
+logged loss; `finish` adds `exit_reason` and `final_iteration`.
+
+The network never blocks or stops a run. Without `--wandb-mode` a run is online only
+when an API key is configured (WANDB_API_KEY or a netrc entry for the wandb host), else
+offline. An online run first checks that the host answers (a few seconds at most), and
+wandb's own start is bounded by a short timeout; when either fails the run logs offline
+(upload later with `wandb sync`), and when wandb cannot start at all, training goes on
+without it. Each of these says so in one warning line.
+"""
+
+import math
+import netrc
+import os
+import signal
+import socket
+import threading
+import time
+from typing import Callable
+from urllib.parse import urlparse
+
+WANDB_MODES = ("online", "offline", "disabled")
+DEFAULT_WANDB_HOST = "https://api.wandb.ai"
+INIT_TIMEOUT_S = 20  # wandb's own default (90 s) is long for a job waiting on its GPUs
+PROBE_TIMEOUT_S = 3
+PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
+
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def wandb_api_key_configured(environ=os.environ) -> bool:
+    """Whether wandb has a key: WANDB_API_KEY, or a netrc entry (NETRC or ~/.netrc) for its host."""
+    if environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
+    path = environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return bool(host) and netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def default_wandb_mode(environ=os.environ) -> str:
+    """WANDB_MODE when it names a mode; otherwise online with an API key and offline without."""
+    requested = {"dryrun": "offline", "run": "online"}.get(environ.get("WANDB_MODE"), environ.get("WANDB_MODE"))
+    if requested in WANDB_MODES:
+        return requested
+    return "online" if wandb_api_key_configured(environ) else "offline"
+
+
+def default_run_name(run) -> str:
+    """A readable wandb run name: model, layout and start time, e.g. `tiny-tp2-pp2-dp1-20250101-120000`."""
+    parallel = run.parallel
+    return (f"{run.model_name}-tp{parallel.tensor_model_parallel_size}-pp{parallel.pipeline_model_parallel_size}"
+            f"-dp{parallel.data_parallel_size}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+# ----------------------------------------------------------------------------- scalars
+
+
+def scalars_of(record: dict) -> dict[str, float]:
+    """The named scalars of one metrics record (a training line or an evaluation), None values left out."""
+    split = record.get("split", "train")
+    scalars = {f"{split}/{key}": value for key, value in record.items()
+               if key not in ("iteration", "split") and value is not None}
+    loss = record.get("lm_loss")
+    if split != "train" and loss is not None and loss < 700:  # exp overflows past ~709
+        scalars[f"{split}/ppl"] = math.exp(loss)
+    return scalars
+
+
+def exit_code_of(error: BaseException) -> int:
+    """The process exit code an exception leads to: SystemExit's own, 130 for Ctrl-C, else 1."""
+    if isinstance(error, SystemExit):
+        return error.code if isinstance(error.code, int) else (0 if error.code is None else 1)
+    return 130 if isinstance(error, KeyboardInterrupt) else 1
+
+
+# ----------------------------------------------------------------------------- the tracker
+
+
+class Tracker:
+    """Where metrics go besides the console and the metrics file: a wandb run, a TensorBoard writer.
+
+    Either may be None; with both None the tracker is inactive. A failure of either is
+    reported once and turns that one off: tracking never stops training.
+    """
+
+    def __init__(self, wandb_run=None, tensorboard=None, warn: Callable[[str], None] = print):
+        self._wandb, self._tensorboard, self._warn = wandb_run, tensorboard, warn
+        self.writing = False  # SigtermExit waits while this is set
+        self.exit_after_write: int | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._wandb is not None or self._tensorboard is not None
+
+    def log_record(self, record: dict) -> None:
+        """A TrainingLogger sink: one metrics record, at step = its iteration."""
+        self._write(scalars_of(record), record["iteration"])
+
+    def log_checkpoint(self, iteration: int) -> None:
+        self._write({"checkpoint/iteration": iteration}, iteration)
+
+    def _write(self, scalars: dict, step: int) -> None:
+        self.writing = True
+        try:
+            self._write_now(scalars, step)
+        finally:
+            self.writing = False
+        if self.exit_after_write is not None:
+            raise SystemExit(self.exit_after_write)
+
+    def _write_now(self, scalars: dict, step: int) -> None:
+        if self._wandb is not None:
+            try:
+                self._wandb.log(scalars, step=step)
+            except Exception as error:  # noqa: BLE001 - any wandb failure must not stop training
+                self._warn(f"wandb: logging failed ({_first_line(error)}); training goes on without wandb")
+                self._finish_wandb(1)
+        if self._tensorboard is not None:
+            try:
+                for key, value in scalars.items():
+                    self._tensorboard.add_scalar(key, value, step)
+            except Exception as error:  # noqa: BLE001 - a full disk, say; training goes on
+                self._warn(f"tensorboard: writing failed ({_first_line(error)}); training goes on without it")
+                self._tensorboard = None
+
+    def finish(self, exit_code: int = 0, summary: dict | None = None) -> None:
+        """Close the wandb run (marked failed for a non-zero exit code) and the writer; safe twice."""
+        if self._wandb is not None and summary:
+            try:
+                self._wandb.summary.update(summary)
+            except Exception:  # noqa: BLE001 - the summary is a nicety; finishing is what matters
+                pass
+        self._finish_wandb(exit_code)
+        if self._tensorboard is not None:
+            try:
+                self._tensorboard.close()
+            except Exception as error:  # noqa: BLE001
+                self._warn(f"tensorboard: closing failed ({_first_line(error)})")
+            self._tensorboard = None
+
+    def _finish_wandb(self, exit_code: int) -> None:
+        wandb_run, self._wandb = self._wandb, None
+        if wandb_run is None:
+            return
+        import wandb
+
+        try:
+            wandb_run.finish(exit_code=exit_code)
+            # finish() can return before wandb's service has written the run file out; its
+            # teardown waits for that, so the offline run is complete once training returns.
+            wandb.teardown()
+        except Exception as error:  # noqa: BLE001 - e.g. its service process was killed with ours
+            self._warn(f"wandb: finishing the run failed ({_first_line(error)}); its local files may lack the end")
+
+
+class SigtermExit:
+    """SIGTERM raises SystemExit(143) until `restore()`, so finally blocks finish the tracking.
+
+    Without --exit-signal-handler a SIGTERM would kill the process where it stands and
+    leave the wandb run unfinished; as an exception it unwinds the training loop, whose
+    finally closes the run with exit code 143 (128 + SIGTERM), and the process still exits
+    with that code. A signal that arrives while `tracker` hands wandb a record raises once
+    that call is done, never inside wandb. Only the main thread can set a handler;
+    elsewhere this does nothing.
+    """
+
+    def __init__(self, tracker: Tracker):
+        self._tracker, self._previous = tracker, None
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._raise)
+
+    def _raise(self, signum, frame):
+        if self._tracker.writing:
+            self._tracker.exit_after_write = 128 + signum
+            return
+        raise SystemExit(128 + signum)
+
+    def restore(self) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
+            self._previous = None
+
+
+def start_tracking(run, config: dict, logger, is_logging_rank: bool,
+                   warn: Callable[[str], None] = print) -> Tracker:
+    """Start what `run.logging` asks for on the logging rank and add it to `logger`'s sinks.
+
+    run: the RunConfig. config: the full config as plain JSON values (wandb's run config).
+    logger: the run's TrainingLogger. warn: where the one-line warnings go.
+    """
+    logging = run.logging
+    if not is_logging_rank:
+        return Tracker(warn=warn)
+    wandb_run = None
+    if logging.wandb_project and logging.wandb_mode != "disabled":
+        wandb_run = _start_wandb(logging, logging.wandb_exp_name or default_run_name(run), config, warn)
+    tensorboard = _start_tensorboard(logging.tensorboard_dir, warn) if logging.tensorboard_dir else None
+    tracker = Tracker(wandb_run, tensorboard, warn)
+    if tracker.active:
+        logger.add_sink(tracker.log_record)
+    return tracker
+
+
+def _start_wandb(logging, name: str, config: dict, warn):
+    """A wandb run in the requested mode, else offline, else None; at most one warning line."""
+    import wandb
+
+    save_dir = logging.wandb_save_dir
+    if save_dir:
+        os.makedirs(save_dir, exist_ok=True)
+    offline = (f"logging offline into {save_dir or os.environ.get('WANDB_DIR') or 'the current folder'} "
+               f"(upload later with `wandb sync`)")
+    modes = ("online", "offline") if logging.wandb_mode == "online" else (logging.wandb_mode,)
+    if logging.wandb_mode == "online":  # on a terminal wandb would ask for a missing key, and wait
+        problem = ("no API key is configured (set WANDB_API_KEY or run `wandb login`)"
+                   if not wandb_api_key_configured() else
+                   _unreachable(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST))
+        if problem:
+            warn(f"wandb: {problem}; {offline}")
+            modes = ("offline",)
+    settings = {} if os.environ.get("WANDB_INIT_TIMEOUT") else {"init_timeout": INIT_TIMEOUT_S}
+    failures = []
+    for mode in modes:
+        try:
+            wandb_run = wandb.init(project=logging.wandb_project, entity=logging.wandb_entity, name=name,
+                                   dir=save_dir, config=config, mode=mode, settings=wandb.Settings(**settings))
+        except Exception as error:  # noqa: BLE001 - a bad key, a dead server, a bad entity: never fatal
+            failures.append(f"{mode} start failed: {_first_line(error)}")
+            continue
+        if failures:
+            warn(f"wandb: {failures[0]}; {offline}")
+        return wandb_run
+    warn(f"wandb: {'; '.join(failures)}; training goes on without wandb")
+    return None
+
+
+def _unreachable(base_url: str) -> str | None:
+    """Why the wandb host cannot be reached in PROBE_TIMEOUT_S seconds, or None when it answers.
+
+    Behind a proxy only wandb itself can tell, so there is no probe then.
+    """
+    if any(os.environ.get(variable) for variable in PROXY_VARIABLES):
+        return None
+    parsed = urlparse(base_url)
+    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    try:
+        socket.create_connection((parsed.hostname, port), timeout=PROBE_TIMEOUT_S).close()
+    except OSError as error:
+        return f"{parsed.hostname}:{port} cannot be reached ({error.strerror or error})"
+    return None
+
+
+def _start_tensorboard(log_dir: str, warn):
+    try:
+        from torch.utils.tensorboard import SummaryWriter
+        return SummaryWriter(log_dir=log_dir, flush_secs=30)
+    except Exception as error:  # noqa: BLE001 - missing package or unwritable folder: training goes on
+        warn(f"tensorboard: cannot write to {log_dir} ({_first_line(error)}); training goes on without it")
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    text = str(error).strip()
+    return text.splitlines()[0] if text else type(error).__name__

@@ -1,0 +1,28 @@
+"""tools/bench/train_throughput.py: the issue's configs, and one tiny eager run of both sides."""
+
+from tools.bench.train_throughput import build_config, get_args, main as bench_main
+
+TINY = ["--config", "preset", "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "96",
+        "--num-attention-heads", "2", "--num-query-groups", "2", "--vocab-size", "128", "--seq-length", "16",
+        "--micro-batch-size", "2", "--iters", "2", "--rounds", "2", "--warmup-iters", "1"]
+
+
+def test_configs_a_and_b_have_the_issue_dimensions():
+    a = get_args(["--config", "A"])
+    config = build_config(a)
+    assert (config.hidden_size, config.num_layers, config.num_attention_heads, config.ffn_hidden_size,
+            config.real_vocab_size, config.seq_length, a.micro_batch_size) == (256, 4, 4, 688, 8192, 256, 8)
+    b = get_args(["--config", "B"])
+    config = build_config(b)
+    assert (config.hidden_size, config.num_layers, config.num_attention_heads, config.ffn_hidden_size,
+            config.real_vocab_size, config.seq_length, b.micro_batch_size) == (512, 8, 8, 1376, 32000, 512, 4)
+    assert config.vocab_size == 32000  # no padding: both sides compute the same logits
+
+
+def test_eager_run_reports_both_sides_and_a_ratio(capsys):
+    summary = bench_main(TINY + ["--modes", "eager"])
+    out = capsys.readouterr().out
+    assert summary["best"] == {"megalite": "megalite eager", "HF": "HF eager"}
+    assert summary["ratio"] > 0 and summary["fastest_ratio"] > 0 and summary["mfu"] > 0
+    for line in ("megalite eager", "HF eager", "ratio megalite / HF tokens/s"):
+        assert line in out
