@@ -248,7 +248,6 @@ class Trainer:
         if train.compile:  # regional: each transformer layer compiled in place, one graph shared by all
             for chunk in self.model:
                 chunk.compile_layers()
-        self.forward_model = self.model
         self.comm = None
         if self.parallel.pp_size > 1:
             tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)
@@ -403,7 +402,7 @@ class Trainer:
         self.optimizer.zero_grad()
         self.optimizer.start_iteration(self.num_microbatches)
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
-        loss = forward_backward(self.forward_model, batch, self.optimizer, self.parallel, self.comm,
+        loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm,
                                 self.schedule_log)
         # Once per iteration, after the last backward: the tied embedding's two pipeline copies
         # are summed on local grads, then grads are reduced across DP...
@@ -429,7 +428,7 @@ class Trainer:
     def evaluate_split(self, split: str, iterator) -> None:
         if iterator is None or self.run.train.eval_iters == 0:
             return
-        loss = evaluate(self.forward_model, iterator, self.num_microbatches, self.run.train.eval_iters,
+        loss = evaluate(self.model, iterator, self.num_microbatches, self.run.train.eval_iters,
                         self.parallel, self.comm)
         if split == "valid":
             self.state.consumed_valid_samples += self.run.train.eval_iters * self.run.train.global_batch_size

@@ -35,7 +35,7 @@ IGNORE_INDEX = -100
 BLOCK = 4096  # vocabulary columns per loop step (a power of two)
 
 
-def _local_labels(labels: torch.Tensor, vocab_start: int, real_columns: int, ignore_index: int):
+def local_targets(labels: torch.Tensor, vocab_start: int, real_columns: int, ignore_index: int):
     """(labels - vocab_start with 0 where not owned, owned mask): which rows' targets live here."""
     local = labels - vocab_start
     owned = (labels != ignore_index) & (local >= 0) & (local < real_columns)
@@ -44,7 +44,7 @@ def _local_labels(labels: torch.Tensor, vocab_start: int, real_columns: int, ign
 
 def _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index):
     z = logits[:, :real_columns].float()
-    local, owned = _local_labels(labels, vocab_start, real_columns, ignore_index)
+    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
     if real_columns == 0:
         empty = torch.zeros(logits.shape[0], device=logits.device)
         return torch.full_like(empty, float("-inf")), empty, empty
@@ -60,7 +60,7 @@ def _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_st
         return out.zero_()
     scale = grad_losses * (1.0 + 2.0 * z_loss_weight * lse)  # [rows]
     grad = (logits[:, :real_columns].float() - lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
-    local, owned = _local_labels(labels, vocab_start, real_columns, ignore_index)
+    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
     grad.scatter_add_(-1, local.unsqueeze(-1), -(grad_losses * owned).unsqueeze(-1))
     out[:, :real_columns] = grad
     out[:, real_columns:] = 0

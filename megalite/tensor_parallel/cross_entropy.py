@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.kernels import use_triton
-from megalite.kernels.cross_entropy import IGNORE_INDEX, CrossEntropy
+from megalite.kernels.cross_entropy import IGNORE_INDEX, CrossEntropy, local_targets
 from megalite.tensor_parallel.comm import all_reduce
 
 
@@ -49,9 +49,7 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         shifted = logits - max_logits.unsqueeze(-1)  # a new fp32 tensor, [s, b, v/tp]
 
         ignored = labels == ignore_index
-        local_labels = labels - vocab_start_index
-        owned = (local_labels >= 0) & (local_labels < real_columns) & ~ignored
-        local_labels = local_labels.masked_fill(~owned, 0)
+        local_labels, owned = local_targets(labels, vocab_start_index, real_columns, ignore_index)
         target_logits = shifted.gather(-1, local_labels.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
         all_reduce(target_logits, group)
 
