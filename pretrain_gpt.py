@@ -13,17 +13,25 @@ The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The defa
 saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
 """
 
-import math
-import sys
-import time
+import os
 
-import torch
+# Set before torch is imported (read once by its CPU allocator): tensors of 2 MB and more
+# get transparent huge pages, which cuts page faults ~20x per training step on a CPU
+# (each iteration's large temporaries are fresh memory). Export THP_MEM_ALLOC_ENABLE=0 to
+# opt out; GPU memory is unaffected.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
 
-from megalite.arguments import parse_args
-from megalite.errors import run_main
-from megalite.generation import generate
-from megalite.parallel_state import world_size_from_env
-from megalite.training import pretrain
+import math  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import torch  # noqa: E402
+
+from megalite.arguments import parse_args  # noqa: E402
+from megalite.errors import run_main  # noqa: E402
+from megalite.generation import generate  # noqa: E402
+from megalite.parallel_state import world_size_from_env  # noqa: E402
+from megalite.training import pretrain  # noqa: E402
 
 SAMPLE_PROMPT = "def "
 

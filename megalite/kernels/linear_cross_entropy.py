@@ -28,6 +28,7 @@ or their PyTorch twins).
 import torch
 
 from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
+from megalite.kernels.matmul import fp32_products, matmul
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
 
@@ -62,7 +63,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         rows = chunk_size(hidden.shape[0], vocab, chunk_elements)
         for start in range(0, hidden.shape[0], rows):
             end = start + rows
-            logits = hidden[start:end] @ weight[:vocab].t()  # [c, V]
+            logits = matmul(hidden[start:end], weight[:vocab].t())  # [c, V]
             m, s, target = row_stats(logits, labels[start:end], 0, vocab, ignore_index)
             lse[start:end] = m + s.log()
             losses[start:end] = losses_from_stats(lse[start:end], target, labels[start:end], z_loss_weight,
@@ -83,10 +84,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, vocab, columns):
             end = min(start + columns, vocab)
             weight_block = weight[start:end]
-            logits = hidden @ weight_block.t()  # recomputed [N, Vc], then overwritten by its grad
+            logits = matmul(hidden, weight_block.t())  # recomputed [N, Vc], then overwritten by its grad
             grad_logits = logit_grads(logits, labels, lse, grad_losses, z_loss_weight, start, end - start,
                                       ignore_index, out=logits)
-            torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
+            if fp32_products(hidden):
+                grad_weight[start:end] = matmul(grad_logits.t(), hidden)
+            else:
+                torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
             _accumulate_mm(grad_hidden, grad_logits, weight_block)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
 

@@ -168,8 +168,9 @@ class GPTModel(nn.Module):
             logits = gather_from_tensor_parallel_region(logits, group)
             return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
         vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
+        # The logits are this forward's own: the loss may overwrite them with their grad.
         losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                              self.config.z_loss_weight).t()  # [b, s] fp32
+                                              self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
         if loss_mask is not None:
             losses = losses * loss_mask
         return losses.contiguous()

@@ -13,6 +13,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.kernels.layernorm import layer_norm
+from megalite.kernels.matmul import scaled_dot_product_attention
 from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
@@ -114,7 +115,7 @@ class Attention(nn.Module):
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
         with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
-            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+            context = scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                      enable_gqa=self.num_groups != self.num_heads)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 

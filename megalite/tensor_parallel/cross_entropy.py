@@ -20,33 +20,36 @@ from megalite.kernels.cross_entropy import IGNORE_INDEX, CrossEntropy, local_tar
 from megalite.tensor_parallel.comm import all_reduce
 
 
-
 class _VocabParallelCrossEntropy(torch.autograd.Function):
     """Forward: per-token loss log(sum_v exp(z_v)) - z_label over every rank's slice.
 
     With z-loss weight w the loss adds w * lse^2, lse = log(sum_v exp(z_v)).
 
     Backward: (softmax * (1 + 2 w lse) - one_hot(label)) * grad on this rank's slice,
-    which is zero on the padding columns and on ignored tokens. The softmax saved by
-    forward is turned into the grad in place (no second `[s, b, v/tp]` fp32 tensor), so
+    which is zero on the padding columns and on ignored tokens. The exponentials saved by
+    forward are turned into the grad in place (no second `[s, b, v/tp]` fp32 tensor), so
     the graph can be backpropagated once.
     """
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start_index, real_vocab_size, z_loss_weight, ignore_index):
+    def forward(ctx, logits, labels, group, vocab_start_index, real_vocab_size, z_loss_weight, ignore_index,
+                inplace):
         ctx.input_dtype = logits.dtype
         local_vocab = logits.shape[-1]
         # Columns at or above `real_columns` are vocabulary padding: treated as -inf.
         real_columns = local_vocab if real_vocab_size is None else \
             min(max(real_vocab_size - vocab_start_index, 0), local_vocab)
-        logits = logits.float()
+        logits = logits.detach()  # with `inplace`, its storage becomes the softmax, then the grad
 
         if real_columns > 0:
-            max_logits = logits[..., :real_columns].amax(dim=-1)
+            max_logits = logits[..., :real_columns].amax(dim=-1).float()
         else:
-            max_logits = logits.new_full(logits.shape[:-1], float("-inf"))
+            max_logits = logits.new_full(logits.shape[:-1], float("-inf"), dtype=torch.float32)
         all_reduce(max_logits, group, dist.ReduceOp.MAX)
-        shifted = logits - max_logits.unsqueeze(-1)  # a new fp32 tensor, [s, b, v/tp]
+        if inplace and logits.dtype == torch.float32:
+            shifted = logits.sub_(max_logits.unsqueeze(-1))  # no second [s, b, v/tp] tensor
+        else:
+            shifted = logits - max_logits.unsqueeze(-1)  # a new fp32 tensor (bf16 logits: promoted)
 
         ignored = labels == ignore_index
         local_labels, owned = local_targets(labels, vocab_start_index, real_columns, ignore_index)
@@ -58,26 +61,28 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         sum_exp = all_reduce(exp_logits.sum(dim=-1), group)
         log_sum_exp = sum_exp.log()  # of the shifted logits: lse - max
         losses = log_sum_exp - target_logits
-        softmax = exp_logits.div_(sum_exp.unsqueeze(-1))
+        # softmax = exp_logits / sum_exp; the division waits for the backward, where it joins
+        # the per-row grad scale (one pass over [s, b, v/tp] instead of two).
+        row_scale = sum_exp.reciprocal()
         if z_loss_weight:
             lse = log_sum_exp + max_logits
             losses = losses + z_loss_weight * lse.square()
-            softmax.mul_((1.0 + 2.0 * z_loss_weight * lse).unsqueeze(-1))
-        ctx.save_for_backward(softmax, local_labels, owned, ignored)
+            row_scale.mul_(1.0 + 2.0 * z_loss_weight * lse)
+        ctx.save_for_backward(exp_logits, row_scale, local_labels, owned, ignored)
         return losses.masked_fill(ignored, 0.0)
 
     @staticmethod
     def backward(ctx, grad_losses):
-        softmax, local_labels, owned, ignored = ctx.saved_tensors
-        grad = softmax  # becomes the grad in place
-        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -owned.to(grad.dtype).unsqueeze(-1))
-        grad.mul_(grad_losses.masked_fill(ignored, 0.0).unsqueeze(-1))
-        return grad.to(ctx.input_dtype), None, None, None, None, None, None
+        exp_logits, row_scale, local_labels, owned, ignored = ctx.saved_tensors
+        grad_losses = grad_losses.masked_fill(ignored, 0.0)
+        grad = exp_logits.mul_((grad_losses * row_scale).unsqueeze(-1))  # the grad, in place
+        grad.scatter_add_(-1, local_labels.unsqueeze(-1), -(grad_losses * owned).unsqueeze(-1))
+        return grad.to(ctx.input_dtype), None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start_index: int,
                                  real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
-                                 ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX, inplace: bool = False) -> torch.Tensor:
     """Per-token fp32 losses `[s, b]` of vocab-sharded `logits` `[s, b, v/tp]` against `labels`.
 
     logits: this rank's vocabulary slice, columns `vocab_start_index ...` (any float dtype;
@@ -88,9 +93,13 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     w * logsumexp^2 per token. Labels equal to ignore_index give loss 0 and no grad. With
     w = 0 this equals F.cross_entropy(full_logits[..., :real_vocab_size], labels,
     reduction="none", ignore_index=ignore_index). Runs the Triton kernels per `--kernels`.
+    inplace: fp32 `logits` may be overwritten (by the softmax, then their grad), as
+    Megatron does: one `[s, b, v/tp]` buffer instead of two. Only for logits nothing else
+    reads; the model's own logits are such. Were they saved for some other backward,
+    autograd would stop with its "modified by an inplace operation" error.
     """
     if use_triton(logits):
         return CrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size, z_loss_weight,
                                   ignore_index)
     return _VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size,
-                                            z_loss_weight, ignore_index)
+                                            z_loss_weight, ignore_index, inplace)

@@ -30,6 +30,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from megalite.kernels.matmul import linear
 from megalite.tensor_parallel.comm import (allreduce_sequence_parallel_grads,  # noqa: F401 - re-exported
                                            copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                            gather_from_tensor_parallel_region,
@@ -166,7 +167,7 @@ class ColumnParallelLinear(nn.Module):
             input = gather_from_sequence_parallel_region(input, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
             input = copy_to_tensor_parallel_region(input, self.tp_group)
-        output = F.linear(input, weight, self.bias)
+        output = linear(input, weight, self.bias)  # fp32 products for bf16 on CPUs without bf16 units
         if self.gather_output and self.tp_size > 1:
             output = gather_from_tensor_parallel_region(output, self.tp_group)  # [*, tp * out/tp]
             if self.output_chunks > 1:  # rank-major [r0: b0 b1, r1: b0 b1] -> block-major [b0: r0 r1, b1: r0 r1]
@@ -215,7 +216,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             input = scatter_to_tensor_parallel_region(input, self.tp_group)  # [*, in] -> [*, in/tp]
-        output = F.linear(input, self.weight)  # this rank's partial sum
+        output = linear(input, self.weight)  # this rank's partial sum
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, out]
         else:

@@ -72,7 +72,7 @@ def test_fp32_model_matches_torch_adamw_with_clip_grad_norm(clip_grad):
     assert decay and no_decay
     torch_adamw = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
                                      {"params": no_decay, "weight_decay": 0.0}],
-                                    lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], foreach=True)
+                                    lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], fused=True)  # as the optimizer runs it
     for step, lr in enumerate(LRS):
         torch_adamw.zero_grad(set_to_none=True)
         backward_iteration(reference, step)
@@ -112,7 +112,7 @@ def test_bf16_model_keeps_fp32_main_params_and_takes_their_cast():
     torch_adamw = torch.optim.AdamW(
         [{"params": [c for c in copies if c.ndim >= 2], "weight_decay": HYPER["weight_decay"]},
          {"params": [c for c in copies if c.ndim < 2], "weight_decay": 0.0}],
-        lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], foreach=True)
+        lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], fused=True)  # as the optimizer runs it
     optimizer.zero_grad()
     backward_iteration(model, 0, optimizer)
     for copied, param in zip(copies, optimizer.model_params):

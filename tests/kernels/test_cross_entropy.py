@@ -153,3 +153,34 @@ def test_sharded_cross_entropy_in_a_four_rank_world():
         torch.testing.assert_close(losses, expected_losses, rtol=tolerance, atol=tolerance)
         grads = torch.cat([r[key][1] for r in results], dim=1)
         torch.testing.assert_close(grads, leaf.grad, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
+def test_inplace_torch_path_equals_the_copying_one_and_reuses_the_logits(z_loss_weight, mode, one_thread):
+    """inplace=True (the model's own logits): same losses and grads, bitwise; the grad is the logits' storage."""
+    mode("torch")
+    logits, labels, grad = problem(6, 50, seed=3)
+    logits[:, 45:] = 40.0
+    results = []
+    for inplace in (False, True):
+        produced = logits.float().requires_grad_()
+        private = produced * 1.0  # a non-leaf nothing else reads, as the output layer's logits
+        storage = private.data_ptr()
+        losses = vocab_parallel_cross_entropy(private, labels, None, 0, 45, z_loss_weight, inplace=inplace)
+        seen = []
+        private.register_hook(lambda g: seen.append(g.data_ptr()))
+        losses.backward(grad.float())
+        results.append((losses.detach(), produced.grad))
+        assert (seen[0] == storage) == inplace
+    assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
+
+
+def test_inplace_torch_path_refuses_logits_another_op_saved(mode, one_thread):
+    """Were the logits saved for another backward, autograd stops loudly instead of using clobbered values."""
+    mode("torch")
+    logits = torch.randn(4, 9, requires_grad=True)
+    private = logits * 1.0
+    other = private.sin()  # saves `private` for its backward
+    losses = vocab_parallel_cross_entropy(private, torch.arange(4), None, 0, inplace=True)
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        (losses.sum() + other.sum()).backward()

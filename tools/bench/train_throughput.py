@@ -33,13 +33,19 @@ on a CPU the fastest 1024^3 matmul measured in this run (at startup and after ev
 round) in the run's dtype, or for bf16 in bf16 or fp32, whichever is faster here.
 """
 
-import argparse
-import copy
-import functools
 import os
-import statistics
-import sys
-import time
+
+# Before torch is imported, as pretrain_gpt.py does: PyTorch's CPU allocator then backs
+# tensors of 2 MB and more with transparent huge pages (far fewer page faults). Both
+# sides run in this process, so both get it.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import argparse  # noqa: E402
+import copy  # noqa: E402
+import functools  # noqa: E402
+import statistics  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
@@ -51,7 +57,7 @@ import torch.nn.functional as F  # noqa: E402
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
 from megalite.hf import llama_config_to_hf  # noqa: E402
-from megalite.logging import flops_per_iteration, measure_cpu_flops, peak_flops  # noqa: E402
+from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -81,12 +87,19 @@ def get_args(argv):
     parser.add_argument("--iters", type=int, default=10, help="measured iterations per model")
     parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations per model")
     parser.add_argument("--rounds", type=int, default=5, help="alternating measured blocks per model")
+    parser.add_argument("--hf-iters", type=int, default=None,
+                        help="measured iterations of each HF variant (default: --iters); fewer where HF is very "
+                             "slow, e.g. bf16 on a CPU without bf16 units")
+    parser.add_argument("--hf-warmup-iters", type=int, default=None,
+                        help="untimed iterations of each HF variant (default: --warmup-iters)")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
+    args.hf_iters = args.iters if args.hf_iters is None else args.hf_iters
+    args.hf_warmup_iters = args.warmup_iters if args.hf_warmup_iters is None else args.hf_warmup_iters
     if args.config != "preset":
         for name, value in CONFIGS[args.config].items():
             setattr(args, name, value)
@@ -116,7 +129,7 @@ def hf_llama(config: ModelConfig):
 def make_optimizer(model):
     """The same plain AdamW for both sides (not megalite's mixed-precision / ZeRO optimizer)."""
     return torch.optim.AdamW(model.parameters(), lr=1e-4, betas=(0.9, 0.95), eps=1e-8,
-                             weight_decay=0.1, foreach=True)
+                             weight_decay=0.1, fused=True)  # the fastest AdamW on CPU and GPU
 
 
 def megalite_step(model, optimizer, batch) -> float:
@@ -130,11 +143,16 @@ def megalite_step(model, optimizer, batch) -> float:
     return loss.detach()
 
 
-def hf_step(model, optimizer, batch) -> float:
-    """One iteration; the loss is taken from the logits as megalite takes it (fp32 cross-entropy)."""
-    tokens, labels, positions = batch
+def hf_loss(model, tokens, labels, positions) -> torch.Tensor:
+    """HF's mean loss over the batch, from the logits as megalite takes it (fp32 cross-entropy)."""
     logits = model(input_ids=tokens, position_ids=positions).logits  # [b, s, vocab]
-    loss = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+    return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
+
+
+def hf_step(loss_fn, optimizer, batch) -> float:
+    """One iteration; loss_fn is hf_loss on the model, compiled whole (loss included) in compile mode."""
+    tokens, labels, positions = batch
+    loss = loss_fn(tokens, labels, positions)
     loss.backward()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
@@ -162,22 +180,8 @@ def block_sizes(iters: int, rounds: int) -> list[int]:
     return [base + (1 if i < extra else 0) for i in range(rounds) if base or i < extra]
 
 
-def cpu_matmul_peak(dtype: torch.dtype) -> float:
-    """FLOP/s of the fastest way this CPU multiplies `dtype` matrices.
-
-    Reduced precision also counts fp32 matmuls: a CPU without bf16 dot-product
-    instructions (no AVX-512-BF16 / AMX) runs a bf16 GEMM tens of times slower than an
-    fp32 one, and a bf16 GEMM computed in fp32 (exact products, fp32 sums) is the same
-    arithmetic; a bf16-only peak would then put any fp32-computing path over 100% MFU.
-    """
-    measured = measure_cpu_flops(dtype, seconds=0.3)
-    if dtype != torch.float32:
-        measured = max(measured, measure_cpu_flops(torch.float32, seconds=0.3))
-    return measured
-
-
 def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tuple[dict, dict, list]:
-    """(name -> {"seconds": [per block], "iters": [per block], "loss": last}, name -> warm-up seconds,
+    """(name -> {"seconds", "iters", "rounds": [per block], "loss": last}, name -> warm-up seconds,
     CPU matmul FLOP/s measured after each round).
 
     Blocks alternate between the variants, forward order then reversed, round after round.
@@ -187,19 +191,29 @@ def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tupl
     peaks = []
     warmup = {}
     for name, step in steps.items():
-        warmup[name], _ = time_block(step, args.warmup_iters, device)
+        warmup[name], _ = time_block(step, warmup_iters(args, name), device)
         print(f"warm-up {name}: {warmup[name]:.1f} s", flush=True)  # progress on slow machines
-    results = {name: {"seconds": [], "iters": [], "loss": float("nan")} for name in steps}
-    for round_index, iters in enumerate(block_sizes(args.iters, args.rounds)):
+    results = {name: {"seconds": [], "iters": [], "rounds": [], "loss": float("nan")} for name in steps}
+    blocks = {name: block_sizes(args.hf_iters if name.startswith("HF") else args.iters, args.rounds)
+              for name in steps}
+    for round_index in range(args.rounds):
         order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
         for name in order:
-            seconds, loss = time_block(steps[name], iters, device)
+            if round_index >= len(blocks[name]):  # fewer iterations than rounds: no block this round
+                continue
+            seconds, loss = time_block(steps[name], blocks[name][round_index], device)
             results[name]["seconds"].append(seconds)
-            results[name]["iters"].append(iters)
+            results[name]["iters"].append(blocks[name][round_index])
+            results[name]["rounds"].append(round_index)
             results[name]["loss"] = loss
         if device.type == "cpu":
-            peaks.append(cpu_matmul_peak(dtype))
+            peaks.append(peak_flops(device, dtype, cpu_seconds=0.3)[0])  # bf16: or fp32, if faster
     return results, warmup, peaks
+
+
+def warmup_iters(args, name: str) -> int:
+    """Untimed iterations of the variant `name` (HF's own count with --hf-warmup-iters)."""
+    return args.hf_warmup_iters if name.startswith("HF") else args.warmup_iters
 
 
 def block_rates(result: dict, tokens_per_iter: int) -> list[float]:
@@ -207,7 +221,7 @@ def block_rates(result: dict, tokens_per_iter: int) -> list[float]:
     return [tokens_per_iter * i / s for s, i in zip(result["seconds"], result["iters"])]
 
 
-def compile_seconds(warmup: dict, name: str, median_seconds_per_iter: dict, warmup_iters: int) -> float | None:
+def compile_seconds(warmup: dict, name: str, median_seconds_per_iter: dict, iters: int) -> float | None:
     """The compiled variant's warm-up time beyond what as many eager iterations take.
 
     About 0 when Inductor's on-disk cache already held the code (noise can make the
@@ -216,7 +230,7 @@ def compile_seconds(warmup: dict, name: str, median_seconds_per_iter: dict, warm
     eager = name.replace("compile", "eager")
     if "compile" not in name or eager not in median_seconds_per_iter:
         return None
-    return max(0.0, warmup[name] - warmup_iters * median_seconds_per_iter[eager])
+    return max(0.0, warmup[name] - iters * median_seconds_per_iter[eager])
 
 
 def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args, peak) -> dict:
@@ -231,7 +245,7 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     for name, result in results.items():
         achieved = flops * medians[name] / tokens_per_iter
         mfu = "?" if peak[0] is None else f"{100 * achieved / peak[0]:.1f}%"
-        extra = compile_seconds(warmup, name, seconds_per_iter, args.warmup_iters)
+        extra = compile_seconds(warmup, name, seconds_per_iter, warmup_iters(args, name))
         print(f"{name:17s} {params[name.split()[0]]:11,d} {medians[name]:12.0f} {min(rates[name]):8.0f} "
               f"{max(rates[name]):8.0f} {1000 * seconds_per_iter[name]:8.1f} {achieved / 1e12:8.4f} {mfu:>6s} "
               f"{'-' if extra is None else f'{extra:.1f}':>9s} {result['loss']:9.4f}")
@@ -240,11 +254,26 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     ratio = medians[best["megalite"]] / medians[best["HF"]]
     # The fastest block is the least disturbed by other work on a shared machine.
     fastest_ratio = max(rates[best["megalite"]]) / max(rates[best["HF"]])
+    paired = paired_ratios(results[best["megalite"]], rates[best["megalite"]], results[best["HF"]],
+                           rates[best["HF"]])
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
+    paired_text = "no round ran both" if not paired else \
+        f"{statistics.median(paired):.3f} as the median of {len(paired)} same-round pairs"
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
-          f"between the medians, {fastest_ratio:.3f} between the fastest blocks; megalite MFU "
+          f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
-    return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio, "mfu": mfu, "medians": medians}
+    return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio,
+            "paired_ratio": statistics.median(paired) if paired else None, "mfu": mfu, "medians": medians}
+
+
+def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -> list[float]:
+    """megalite / HF tokens/s of the blocks that ran in the same round (seconds apart).
+
+    Slow drifts of a shared machine (another job starting, the clock changing) fall
+    on both blocks of a pair, so their ratio is steadier than one of medians.
+    """
+    their_rate_in = dict(zip(theirs["rounds"], their_rates))
+    return [rate / their_rate_in[r] for r, rate in zip(mine["rounds"], my_rates) if r in their_rate_in]
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
@@ -259,12 +288,13 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
         # Each variant owns a model copy and an optimizer, so they never share state.
         mine = model if mode == "eager" else copy.deepcopy(model)
         theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
-        forward_mine, forward_theirs = mine, theirs
+        loss_theirs = functools.partial(hf_loss, theirs)
         if mode == "compile":
             mine.compile_layers()  # what --compile does in training: each layer compiled on its own
-            forward_theirs = torch.compile(theirs)
-        steps[f"megalite {mode}"] = functools.partial(megalite_step, forward_mine, make_optimizer(mine), batch)
-        steps[f"HF {mode}"] = functools.partial(hf_step, forward_theirs, make_optimizer(theirs), batch)
+            # HF's best case: the model and its loss in one graph, so the cross-entropy is fused too.
+            loss_theirs = torch.compile(loss_theirs)
+        steps[f"megalite {mode}"] = functools.partial(megalite_step, mine, make_optimizer(mine), batch)
+        steps[f"HF {mode}"] = functools.partial(hf_step, loss_theirs, make_optimizer(theirs), batch)
     return steps, params
 
 
@@ -272,8 +302,8 @@ def main(argv=None):
     args = get_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no GPU; use --device cpu")
-    if args.iters < 1 or args.rounds < 1 or args.warmup_iters < 1:
-        raise UserError("--iters, --rounds and --warmup-iters must be at least 1")
+    if min(args.iters, args.rounds, args.warmup_iters, args.hf_iters, args.hf_warmup_iters) < 1:
+        raise UserError("--iters, --rounds, --warmup-iters, --hf-iters and --hf-warmup-iters must be at least 1")
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config = build_config(args)
@@ -294,8 +324,8 @@ def main(argv=None):
     print(f"config {args.config}: {config.num_layers} layers, hidden {config.hidden_size}, ffn "
           f"{config.ffn_hidden_size}, {config.num_attention_heads} heads / {config.query_groups} groups, "
           f"vocab {config.real_vocab_size}; batch {args.micro_batch_size} x seq {config.seq_length}, "
-          f"{args.dtype}; {args.warmup_iters} warm-up + {args.iters} measured iterations per variant "
-          f"in {args.rounds} alternating blocks")
+          f"{args.dtype}; {args.warmup_iters} warm-up + {args.iters} measured iterations per megalite variant"
+          f" ({args.hf_warmup_iters} + {args.hf_iters} per HF variant) in up to {args.rounds} alternating blocks")
     print(f"model FLOPs per iteration: {flops_per_iteration(config, args.micro_batch_size, config.seq_length):.4E}"
           f" | peak: {peak[1]}")
     results, warmup, peaks = measure(steps, args, device, dtype)

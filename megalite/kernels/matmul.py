@@ -1,0 +1,101 @@
+"""bf16 / fp16 matrix products on CPUs that have no bf16 / fp16 matrix instructions.
+
+A CPU without AVX-512-BF16 or AMX (this project's 2-core AMD machine, most desktops)
+runs PyTorch's bf16 GEMM through a scalar fallback at about 1 GFLOP/s, over 100x slower
+than its fp32 GEMM, and the bf16 flash-attention backward likewise. On such a CPU the
+model's products take their bf16 operands up to fp32, multiply with the fp32 GEMM and
+round the result back to bf16. That is the arithmetic of a bf16 GEMM with fp32
+accumulation (a product of two bf16 numbers is exact in fp32), so results match a GPU's
+bf16 GEMM up to summation order. Everywhere else (GPUs, CPUs with bf16 units, fp32)
+these functions are the plain PyTorch ops.
+
+`linear` saves its bf16 inputs, not their fp32 copies, so activation memory is that of
+a bf16 model; the copies are made again in the backward (cheap next to the GEMMs).
+`set_fp32_products(True/False)` forces the choice (tests); None restores detection.
+"""
+
+import torch
+import torch.nn.functional as F
+
+_forced: bool | None = None
+
+
+def set_fp32_products(value: bool | None) -> None:
+    """Force (True/False) or re-detect (None) fp32 products for reduced-precision CPU tensors."""
+    global _forced
+    _forced = value
+
+
+def _cpu_has_gemm_for(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has fast `dtype` GEMM kernels on this CPU (AVX-512-BF16 / AMX / AVX-512-FP16)."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: its fallback is the slow one
+        return False
+
+
+# Asked once, at import: a constant is free to read inside torch.compile'd code.
+_CPU_HAS_GEMM = {dtype: _cpu_has_gemm_for(dtype) for dtype in (torch.bfloat16, torch.float16)}
+
+
+def fp32_products(x: torch.Tensor) -> bool:
+    """Whether products of `x` (and tensors like it) are computed in fp32 here."""
+    if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
+        return False
+    if _forced is not None:
+        return _forced
+    return not _CPU_HAS_GEMM[x.dtype]
+
+
+class _LinearInFp32(torch.autograd.Function):
+    """y = x W^T + b for reduced-precision x `[*, in]`, W `[out, in]`, b `[out]`, in fp32 GEMMs.
+
+    Returns y `[*, out]` in x's dtype; every grad comes back in its input's dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, x, weight, bias):
+        ctx.save_for_backward(x, weight)
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        output = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
+        return output.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        x, weight = ctx.saved_tensors
+        grad = grad_output.reshape(-1, grad_output.shape[-1]).float()  # [tokens, out]
+        grad_x = grad_weight = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = (grad @ weight.float()).to(x.dtype).view(*x.shape)
+        if ctx.needs_input_grad[1]:
+            grad_weight = (grad.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+        if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
+            grad_bias = grad.sum(dim=0).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), with fp32 products where `fp32_products(x)` says so."""
+    if fp32_products(x):
+        return _LinearInFp32.apply(x, weight, bias)
+    return F.linear(x, weight, bias)
+
+
+def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (no autograd needed), with fp32 products where `fp32_products(a)` says so; a's dtype out."""
+    if fp32_products(a):
+        return (a.float() @ b.float()).to(a.dtype)
+    return a @ b
+
+
+def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
+    """F.scaled_dot_product_attention, run in fp32 where `fp32_products(q)` says so (output in q's dtype).
+
+    The fp32 copies of q, k, v are what the attention saves for its backward here: on a
+    CPU without bf16 units that costs memory but runs the backward ~7x faster.
+    """
+    if fp32_products(q):
+        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
+    return F.scaled_dot_product_attention(q, k, v, **kwargs)
