@@ -26,3 +26,17 @@ def test_eager_run_reports_both_sides_and_a_ratio(capsys):
     assert summary["ratio"] > 0 and summary["fastest_ratio"] > 0 and summary["mfu"] > 0
     for line in ("megalite eager", "HF eager", "ratio megalite / HF tokens/s"):
         assert line in out
+
+
+def test_fewer_hf_iterations_fill_the_first_rounds_and_pair_by_round(capsys):
+    """--hf-iters 1 over 2 rounds: HF has one block, in round 0, so one same-round pair."""
+    summary = bench_main(TINY + ["--modes", "eager", "--hf-iters", "1", "--hf-warmup-iters", "1"])
+    out = capsys.readouterr().out
+    assert "as the median of 1 same-round pairs" in out
+    assert summary["paired_ratio"] > 0
+
+
+def test_the_gpu_config_is_the_1b_preset_at_seq_2048():
+    args = get_args(["--config", "1B"])
+    config = build_config(args)
+    assert (config.num_layers, config.hidden_size, config.seq_length, args.micro_batch_size) == (22, 2048, 2048, 4)

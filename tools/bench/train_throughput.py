@@ -1,33 +1,39 @@
 """Training tokens/s of megalite next to Hugging Face's LlamaForCausalLM on the same model.
 
-    python tools/bench/train_throughput.py [--config A|B|preset] [--dtype fp32|bf16]
+    python tools/bench/train_throughput.py [--config A|B|1B|preset] [--dtype fp32|bf16]
         [--modes best|eager|compile] [--iters 10] [--warmup-iters 2] [--rounds 5] [--threads 2]
-        [--device cpu|cuda] [--model tiny] [--micro-batch-size 8] [--seq-length 256] ...
+        [--hf-iters N] [--hf-warmup-iters N] [--device cpu|cuda] [--model tiny] ...
 
 Configs (issue 10): A = hidden 256, 4 layers, 4 heads, FFN 688, vocab 8192, seq 256,
 micro-batch 8; B = hidden 512, 8 layers, 8 heads, FFN 1376, vocab 32000, seq 512,
-micro-batch 4 (both LLaMA-shaped, one key/value head per query head); `--config preset`
-takes --model and the override flags instead.
+micro-batch 4 (both LLaMA-shaped, one key/value head per query head); 1B = the llama-1b
+preset (1.1B parameters) at seq 2048, micro-batch 4, for a GPU (`--device cuda --dtype
+bf16`, MFU against the GPU's datasheet bf16 peak); `--config preset` takes --model and the
+override flags instead.
 
 Both sides train the same LLaMA-style model: HF's config is built from megalite's, on
 the tokenizer's vocabulary (megalite's padding is turned off, so both compute the same
 logits), with the same tokens, batch, sequence length, dtype and thread count, and
-SDPA attention on both. One iteration is forward + backward + optimizer step with a
-plain `torch.optim.AdamW` (same settings on both sides): megalite's own optimizer (fp32
-main params, ZeRO) is written elsewhere, and this compares the models, not optimizers.
-The two models start from their own initialisations; values do not change the work.
+SDPA attention on both. One iteration is forward + backward + optimizer step with the
+same `torch.optim.AdamW(fused=True)` on both sides (megalite's own optimizer, with fp32
+main params and ZeRO, is measured by its training runs): this compares the models. The
+two models start from their own initialisations; values do not change the work. Both
+run in this one process, with the same allocator setting (huge pages, as pretrain_gpt.py).
 
 Modes: with `--modes best` (the default) each side runs eager and under torch.compile
 (megalite: its transformer layers compiled one by one, as `--compile` does in training;
-HF: the whole model), all four timed side by side, and each side is judged by its
-faster mode. Compile time (the warm-up iterations' extra time over eager) is reported
+HF: the whole model and its loss in one graph), all four timed side by side, and each
+side is judged by its faster mode. Compile time (the warm-up iterations' extra time over eager) is reported
 apart and never counted in tokens/s.
 
 Timing: each variant first runs --warmup-iters untimed iterations; then --rounds measured
 blocks alternate between them (forward order, then reversed, ...), so that whatever else
 the machine does falls on all. tokens/s is given per block: median, min and max; the
-ratio megalite / HF is given between the medians and between the fastest blocks, which
-other work on a shared machine disturbs least. TFLOP/s and MFU use megalite.logging's
+ratio megalite / HF is given between the medians, between the fastest blocks, and as
+the median of same-round pairs (blocks seconds apart, so slow drifts of a shared machine
+cancel). Where HF is very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs),
+--hf-iters / --hf-warmup-iters give it fewer iterations; its blocks then fill the first
+rounds. TFLOP/s and MFU use megalite.logging's
 FLOPs formula (the same model FLOPs for both) and peak: a datasheet value on a known GPU;
 on a CPU the fastest 1024^3 matmul measured in this run (at startup and after every
 round) in the run's dtype, or for bf16 in bf16 or fp32, whichever is faster here.
@@ -67,6 +73,9 @@ CONFIGS = {
               ffn_hidden_size=688, vocab_size=8192, seq_length=256, micro_batch_size=8),
     "B": dict(model="tiny", hidden_size=512, num_layers=8, num_attention_heads=8, num_query_groups=8,
               ffn_hidden_size=1376, vocab_size=32000, seq_length=512, micro_batch_size=4),
+    # For a GPU (--device cuda --dtype bf16): the llama-1b preset (TinyLlama's shape, 1.1B
+    # parameters, GQA 32/4), seq 2048.
+    "1B": dict(model="llama-1b", seq_length=2048, micro_batch_size=4),
 }
 MODES = {"best": ("eager", "compile"), "eager": ("eager",), "compile": ("compile",)}
 OVERRIDE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
