@@ -1,5 +1,8 @@
 """tools/bench/train_throughput.py: the issue's configs, and one tiny eager run of both sides."""
 
+import pytest
+
+from megalite.errors import UserError
 from tools.bench.train_throughput import build_config, get_args, main as bench_main
 
 TINY = ["--config", "preset", "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "96",
@@ -40,3 +43,14 @@ def test_the_gpu_config_is_the_1b_preset_at_seq_2048():
     args = get_args(["--config", "1B"])
     config = build_config(args)
     assert (config.num_layers, config.hidden_size, config.seq_length, args.micro_batch_size) == (22, 2048, 2048, 4)
+
+
+def test_hf_eager_only_without_warm_up(capsys):
+    summary = bench_main(TINY + ["--modes", "best", "--hf-modes", "eager", "--hf-warmup-iters", "0"])
+    assert set(summary["medians"]) == {"megalite eager", "megalite compile", "HF eager"}
+    assert summary["best"]["HF"] == "HF eager"
+
+
+def test_a_compiled_hf_needs_a_warm_up_iteration():
+    with pytest.raises(UserError, match="--hf-warmup-iters 0 would time HF's compilation"):
+        bench_main(TINY + ["--hf-warmup-iters", "0"])

@@ -100,13 +100,18 @@ def get_args(argv):
                         help="measured iterations of each HF variant (default: --iters); fewer where HF is very "
                              "slow, e.g. bf16 on a CPU without bf16 units")
     parser.add_argument("--hf-warmup-iters", type=int, default=None,
-                        help="untimed iterations of each HF variant (default: --warmup-iters)")
+                        help="untimed iterations of each HF variant (default: --warmup-iters); 0 where one "
+                             "iteration takes minutes and its one-off costs are noise")
+    parser.add_argument("--hf-modes", default=None, choices=sorted(MODES),
+                        help="HF's modes (default: --modes); eager alone where its compile cannot help, e.g. "
+                             "bf16 GEMMs at ~1 GFLOP/s on a CPU without bf16 units")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
     args = parser.parse_args(argv)
+    args.hf_modes = args.modes if args.hf_modes is None else args.hf_modes
     args.hf_iters = args.iters if args.hf_iters is None else args.hf_iters
     args.hf_warmup_iters = args.warmup_iters if args.hf_warmup_iters is None else args.hf_warmup_iters
     if args.config != "preset":
@@ -176,7 +181,7 @@ def synchronize(device: torch.device) -> None:
 def time_block(step, iters: int, device: torch.device) -> tuple[float, float]:
     """(seconds for `iters` calls of step(), the last loss), with the GPU drained at both ends."""
     synchronize(device)
-    start = time.perf_counter()
+    start, loss = time.perf_counter(), float("nan")
     for _ in range(iters):
         loss = step()
     synchronize(device)
@@ -286,7 +291,7 @@ def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
-    """(variant name -> step closure, side -> parameter count) for the chosen --modes."""
+    """(variant name -> step closure, side -> parameter count) for --modes and --hf-modes."""
     model = build_model(config, args.seed, device=device, dtype=dtype).train()
     torch.manual_seed(args.seed)
     hf_model = hf_llama(config).to(device=device, dtype=dtype).train()
@@ -296,13 +301,15 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
     for mode in MODES[args.modes]:
         # Each variant owns a model copy and an optimizer, so they never share state.
         mine = model if mode == "eager" else copy.deepcopy(model)
+        if mode == "compile":
+            mine.compile_layers()  # what --compile does in training: each layer compiled on its own
+        steps[f"megalite {mode}"] = functools.partial(megalite_step, mine, make_optimizer(mine), batch)
+    for mode in MODES[args.hf_modes]:
         theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
         loss_theirs = functools.partial(hf_loss, theirs)
         if mode == "compile":
-            mine.compile_layers()  # what --compile does in training: each layer compiled on its own
             # HF's best case: the model and its loss in one graph, so the cross-entropy is fused too.
             loss_theirs = torch.compile(loss_theirs)
-        steps[f"megalite {mode}"] = functools.partial(megalite_step, mine, make_optimizer(mine), batch)
         steps[f"HF {mode}"] = functools.partial(hf_step, loss_theirs, make_optimizer(theirs), batch)
     return steps, params
 
@@ -311,8 +318,11 @@ def main(argv=None):
     args = get_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no GPU; use --device cpu")
-    if min(args.iters, args.rounds, args.warmup_iters, args.hf_iters, args.hf_warmup_iters) < 1:
-        raise UserError("--iters, --rounds, --warmup-iters, --hf-iters and --hf-warmup-iters must be at least 1")
+    if min(args.iters, args.rounds, args.warmup_iters, args.hf_iters) < 1 or args.hf_warmup_iters < 0:
+        raise UserError("--iters, --rounds, --warmup-iters and --hf-iters must be at least 1, "
+                        "--hf-warmup-iters at least 0")
+    if args.hf_warmup_iters == 0 and "compile" in MODES[args.hf_modes]:
+        raise UserError("--hf-warmup-iters 0 would time HF's compilation; give it 1 or use --hf-modes eager")
     torch.set_num_threads(args.threads)
     device, dtype = torch.device(args.device), DTYPES[args.dtype]
     config = build_config(args)
