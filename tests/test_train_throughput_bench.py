@@ -23,8 +23,9 @@ def test_configs_a_and_b_have_the_issue_dimensions():
 
 
 def test_eager_run_reports_both_sides_and_a_ratio(capsys):
-    summary = bench_main(TINY + ["--modes", "eager"])
+    summary = bench_main(TINY + ["--modes", "eager", "--profile", "3"])
     out = capsys.readouterr().out
+    assert "profile of one iteration of megalite eager" in out and "profile of one iteration of HF eager" in out
     assert summary["best"] == {"megalite": "megalite eager", "HF": "HF eager"}
     assert summary["ratio"] > 0 and summary["fastest_ratio"] > 0 and summary["mfu"] > 0
     for line in ("megalite eager", "HF eager", "ratio megalite / HF tokens/s"):

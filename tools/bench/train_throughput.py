@@ -110,6 +110,8 @@ def get_args(argv):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
+                        help="after the timing, print the top ROWS ops of one iteration of each side's best mode")
     args = parser.parse_args(argv)
     args.hf_modes = args.modes if args.hf_modes is None else args.hf_modes
     args.hf_iters = args.iters if args.hf_iters is None else args.hf_iters
@@ -354,7 +356,20 @@ def main(argv=None):
         peak = (best_peak, f"the fastest of the {kind} 1024^3 matmuls measured in this run "
                            f"(at startup and after each round): {best_peak / 1e9:.1f} GFLOP/s")
         print(f"peak: {peak[1]}")
-    return report(results, warmup, params, config, args, peak)
+    summary = report(results, warmup, params, config, args, peak)
+    if args.profile:
+        for name in summary["best"].values():
+            print_profile(name, steps[name], args.profile)
+    return summary
+
+
+def print_profile(name: str, step, rows: int) -> None:
+    """torch.profiler's table of one more iteration of `name`, by self time: where it goes."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
+                                + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+        step()
+    print(f"profile of one iteration of {name}:")
+    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
 
 
 if __name__ == "__main__":
