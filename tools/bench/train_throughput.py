@@ -275,6 +275,8 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
     paired_text = "no round ran both" if not paired else \
         f"{statistics.median(paired):.3f} as the median of {len(paired)} same-round pairs"
+    if paired:
+        print("same-round ratios: " + " ".join(f"{r:.3f}" for r in paired))
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
           f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
