@@ -10,6 +10,7 @@ from megalite.config import model_config_from_preset
 from megalite.dry_run import dry_run, format_ranks, plan
 from megalite.errors import UserError
 from megalite.kernels import kernels_mode, set_kernels, triton_available
+from megalite.kernels.matmul import set_fp32_products
 from megalite.memory_estimate import ActivationModel, chunk_activation_bytes
 from megalite.model.gpt import build_model
 from tests.distributed import run_world
@@ -62,8 +63,10 @@ def _live_rank(rank, world_size, flags):
     model, optimizer = trainer.model, trainer.optimizer
     live = {"params": sum(tensor_bytes(param) for param in model.parameters()),
             "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
-    # What autograd keeps of one micro-batch, on the GPU code path (Triton kernels, here in the interpreter).
+    # What autograd keeps of one micro-batch, on the GPU code path (Triton kernels, here in the interpreter;
+    # native bf16 products, not the fp32 ones of a CPU without bf16 units).
     set_kernels("triton")
+    set_fp32_products(False)
     config, micro_batch_size = run.model, run.train.micro_batch_size
     tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
     positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as batches hold
@@ -139,6 +142,7 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
                                       recompute_granularity=recompute)
     previous = kernels_mode()
     set_kernels("triton")
+    set_fp32_products(False)  # the GPU path: native bf16 products (megalite/kernels/matmul.py)
     try:
         model = build_model(config, seed=1, dtype=torch.bfloat16)
         tokens = torch.randint(0, 100, (3, 8))
@@ -146,6 +150,7 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
         saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
     finally:
         set_kernels(previous)
+        set_fp32_products(None)
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
     measured = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     estimate = ActivationModel(config, micro_batch_size=3, element_size=2)
