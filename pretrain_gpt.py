@@ -13,13 +13,9 @@ The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The defa
 saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
 """
 
-import os
+from megalite.cpu_allocator import use_huge_pages
 
-# Set before torch is imported (read once by its CPU allocator): tensors of 2 MB and more
-# get transparent huge pages, which cuts page faults ~20x per training step on a CPU
-# (each iteration's large temporaries are fresh memory). Export THP_MEM_ALLOC_ENABLE=0 to
-# opt out; GPU memory is unaffected.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+use_huge_pages()  # before torch is imported: its CPU allocator reads the setting once
 
 import math  # noqa: E402
 import sys  # noqa: E402

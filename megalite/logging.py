@@ -29,6 +29,7 @@ from typing import Callable
 import torch
 
 from megalite.config import ModelConfig
+from megalite.kernels.matmul import cpu_has_gemm_units
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -209,21 +210,26 @@ def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
     gives None. CPU: no datasheet applies to "this many cores of this machine", so a
     short matmul benchmark on the current thread count stands in for the peak; it is
     measured here, once per call (about `cpu_seconds`), in `dtype`, and for bf16/fp16 also
-    in fp32, keeping the faster.
+    in fp32, keeping the faster; only in fp32 on a CPU without units for `dtype`.
     """
     device = torch.device(device)
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32=cuda_tf32_enabled())
     if device.type == "cpu":
-        value = measure_cpu_flops(dtype, cpu_matmul_size, cpu_seconds)
-        source = f"a {cpu_matmul_size}^3 {DTYPE_NAMES.get(dtype, dtype)} matmul"
-        if dtype != torch.float32:
-            # CPUs without bf16/fp16 units run those matmuls far below fp32 (0.1-1 vs 20-120
-            # GFLOP/s seen), yet a model's layers can reach fp32-like rates; the faster of the
-            # two keeps MFU below 100%.
-            fp32 = measure_cpu_flops(torch.float32, cpu_matmul_size, cpu_seconds)
-            if fp32 > value:
-                value, source = fp32, f"a {cpu_matmul_size}^3 fp32 matmul (faster here than {source})"
+        name = DTYPE_NAMES.get(dtype, dtype)
+        if not cpu_has_gemm_units(dtype):
+            # No bf16/fp16 units: such matmuls crawl (~1 GFLOP/s, seconds per 1024^3 product) and
+            # the model computes its bf16/fp16 products in fp32 (megalite/kernels/matmul.py).
+            value = measure_cpu_flops(torch.float32, cpu_matmul_size, cpu_seconds)
+            source = f"a {cpu_matmul_size}^3 fp32 matmul (this CPU has no {name} matrix units)"
+        else:
+            value = measure_cpu_flops(dtype, cpu_matmul_size, cpu_seconds)
+            source = f"a {cpu_matmul_size}^3 {name} matmul"
+            if dtype != torch.float32:
+                # The faster of the two keeps MFU below 100% where bf16 units are slow ones.
+                fp32 = measure_cpu_flops(torch.float32, cpu_matmul_size, cpu_seconds)
+                if fp32 > value:
+                    value, source = fp32, f"a {cpu_matmul_size}^3 fp32 matmul (faster here than {source})"
         return value, (f"CPU peak measured by {source} at startup on {torch.get_num_threads()} threads: "
                        f"{value / 1e9:.1f} GFLOP/s")
     return None, f"no peak known for device type {device.type!r}: MFU unknown"

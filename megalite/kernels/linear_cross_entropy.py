@@ -28,7 +28,7 @@ or their PyTorch twins).
 import torch
 
 from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
-from megalite.kernels.matmul import fp32_products, matmul
+from megalite.kernels.matmul import matmul
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
 
@@ -87,10 +87,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
             logits = matmul(hidden, weight_block.t())  # recomputed [N, Vc], then overwritten by its grad
             grad_logits = logit_grads(logits, labels, lse, grad_losses, z_loss_weight, start, end - start,
                                       ignore_index, out=logits)
-            if fp32_products(hidden):
-                grad_weight[start:end] = matmul(grad_logits.t(), hidden)
-            else:
-                torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
+            matmul(grad_logits.t(), hidden, out=grad_weight[start:end])
             _accumulate_mm(grad_hidden, grad_logits, weight_block)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
 

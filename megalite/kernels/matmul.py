@@ -40,13 +40,18 @@ def _cpu_has_gemm_for(dtype: torch.dtype) -> bool:
 _CPU_HAS_GEMM = {dtype: _cpu_has_gemm_for(dtype) for dtype in (torch.bfloat16, torch.float16)}
 
 
+def cpu_has_gemm_units(dtype: torch.dtype) -> bool:
+    """Whether this CPU multiplies `dtype` matrices natively (always for fp32; detection, not forcing)."""
+    return _CPU_HAS_GEMM.get(dtype, True)
+
+
 def fp32_products(x: torch.Tensor) -> bool:
     """Whether products of `x` (and tensors like it) are computed in fp32 here."""
     if x.dtype not in (torch.bfloat16, torch.float16) or x.device.type != "cpu":
         return False
     if _forced is not None:
         return _forced
-    return not _CPU_HAS_GEMM[x.dtype]
+    return not cpu_has_gemm_units(x.dtype)
 
 
 class _LinearInFp32(torch.autograd.Function):
@@ -83,11 +88,13 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
     return F.linear(x, weight, bias)
 
 
-def matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-    """a @ b (no autograd needed), with fp32 products where `fp32_products(a)` says so; a's dtype out."""
-    if fp32_products(a):
-        return (a.float() @ b.float()).to(a.dtype)
-    return a @ b
+def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """a @ b (no autograd needed) in a's dtype, into `out` when given, with fp32 products where
+    `fp32_products(a)` says so."""
+    if not fp32_products(a):
+        return torch.mm(a, b, out=out) if out is not None else a @ b
+    product = a.float() @ b.float()
+    return out.copy_(product) if out is not None else product.to(a.dtype)
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:

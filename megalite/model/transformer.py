@@ -116,7 +116,7 @@ class Attention(nn.Module):
         # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
         with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
             context = scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                     enable_gqa=self.num_groups != self.num_heads)
+                                                   enable_gqa=self.num_groups != self.num_heads)
         return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:

@@ -71,8 +71,8 @@ def test_fp32_model_matches_torch_adamw_with_clip_grad_norm(clip_grad):
     no_decay = [p for p in reference.parameters() if p.ndim < 2]
     assert decay and no_decay
     torch_adamw = torch.optim.AdamW([{"params": decay, "weight_decay": HYPER["weight_decay"]},
-                                     {"params": no_decay, "weight_decay": 0.0}],
-                                    lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], fused=True)  # as the optimizer runs it
+                                     {"params": no_decay, "weight_decay": 0.0}],  # fused, as the optimizer
+                                    lr=LRS[0], betas=HYPER["betas"], eps=HYPER["eps"], fused=True)
     for step, lr in enumerate(LRS):
         torch_adamw.zero_grad(set_to_none=True)
         backward_iteration(reference, step)

@@ -36,26 +36,25 @@ cancel). Where HF is very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEM
 rounds. TFLOP/s and MFU use megalite.logging's
 FLOPs formula (the same model FLOPs for both) and peak: a datasheet value on a known GPU;
 on a CPU the fastest 1024^3 matmul measured in this run (at startup and after every
-round) in the run's dtype, or for bf16 in bf16 or fp32, whichever is faster here.
+round) by megalite.logging.peak_flops: for bf16 the faster of bf16 and fp32 (fp32 alone on
+a CPU without bf16 units).
 """
 
+import argparse
+import copy
+import functools
 import os
-
-# Before torch is imported, as pretrain_gpt.py does: PyTorch's CPU allocator then backs
-# tensors of 2 MB and more with transparent huge pages (far fewer page faults). Both
-# sides run in this process, so both get it.
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
-
-import argparse  # noqa: E402
-import copy  # noqa: E402
-import functools  # noqa: E402
-import statistics  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
+import statistics
+import sys
+import time
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
+
+from megalite.cpu_allocator import use_huge_pages  # noqa: E402
+
+use_huge_pages()  # before torch is imported, as pretrain_gpt.py does; both sides run in this process
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
@@ -210,8 +209,7 @@ def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tupl
         warmup[name], _ = time_block(step, warmup_iters(args, name), device)
         print(f"warm-up {name}: {warmup[name]:.1f} s", flush=True)  # progress on slow machines
     results = {name: {"seconds": [], "iters": [], "rounds": [], "loss": float("nan")} for name in steps}
-    blocks = {name: block_sizes(args.hf_iters if name.startswith("HF") else args.iters, args.rounds)
-              for name in steps}
+    blocks = {name: block_sizes(measured_iters(args, name), args.rounds) for name in steps}
     for round_index in range(args.rounds):
         order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
         for name in order:
@@ -230,6 +228,11 @@ def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tupl
 def warmup_iters(args, name: str) -> int:
     """Untimed iterations of the variant `name` (HF's own count with --hf-warmup-iters)."""
     return args.hf_warmup_iters if name.startswith("HF") else args.warmup_iters
+
+
+def measured_iters(args, name: str) -> int:
+    """Timed iterations of the variant `name` (HF's own count with --hf-iters)."""
+    return args.hf_iters if name.startswith("HF") else args.iters
 
 
 def block_rates(result: dict, tokens_per_iter: int) -> list[float]:
@@ -272,16 +275,17 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     fastest_ratio = max(rates[best["megalite"]]) / max(rates[best["HF"]])
     paired = paired_ratios(results[best["megalite"]], rates[best["megalite"]], results[best["HF"]],
                            rates[best["HF"]])
+    paired_ratio = statistics.median(paired) if paired else None
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
-    paired_text = "no round ran both" if not paired else \
-        f"{statistics.median(paired):.3f} as the median of {len(paired)} same-round pairs"
+    paired_text = "no round ran both"
     if paired:
+        paired_text = f"{paired_ratio:.3f} as the median of {len(paired)} same-round pairs"
         print("same-round ratios: " + " ".join(f"{r:.3f}" for r in paired))
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
           f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
     return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio,
-            "paired_ratio": statistics.median(paired) if paired else None, "mfu": mfu, "medians": medians}
+            "paired_ratio": paired_ratio, "mfu": mfu, "medians": medians}
 
 
 def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -> list[float]:
@@ -367,8 +371,7 @@ def main(argv=None):
 
 def print_profile(name: str, step, rows: int) -> None:
     """torch.profiler's table of one more iteration of `name`, by self time: where it goes."""
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]
-                                + ([torch.profiler.ProfilerActivity.CUDA] if torch.cuda.is_available() else [])) as prof:
+    with torch.profiler.profile() as prof:  # CPU, and CUDA where present
         step()
     print(f"profile of one iteration of {name}:")
     print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
