@@ -54,37 +54,52 @@ def fp32_products(x: torch.Tensor) -> bool:
     return not cpu_has_gemm_units(x.dtype)
 
 
-class _LinearInFp32(torch.autograd.Function):
-    """y = x W^T + b for reduced-precision x `[*, in]`, W `[out, in]`, b `[out]`, in fp32 GEMMs.
+class _Linear(torch.autograd.Function):
+    """y = x W^T + b for x `[*, in]`, W `[out, in]`, b `[out]`, with `matmul`'s fp32 products.
 
-    Returns y `[*, out]` in x's dtype; every grad comes back in its input's dtype.
+    Writes y `[*, out]` (x's dtype) into `out` when given (a tensor nothing else holds,
+    e.g. from a RecycledBuffer), else into new memory; every grad comes back in its
+    input's dtype.
     """
 
     @staticmethod
-    def forward(ctx, x, weight, bias):
+    def forward(ctx, x, weight, bias, out):
         ctx.save_for_backward(x, weight)
         ctx.bias_dtype = None if bias is None else bias.dtype
-        output = F.linear(x.float(), weight.float(), None if bias is None else bias.float())
-        return output.to(x.dtype)
+        flat_x = x.reshape(-1, x.shape[-1])  # [tokens, in]
+        flat_out = None if out is None else out.view(-1, weight.shape[0])  # [tokens, out]
+        if fp32_products(x):  # the bias joins in fp32, then one rounding, as a GPU GEMM's epilogue does
+            product = F.linear(flat_x.float(), weight.float(), None if bias is None else bias.float())
+            output = product.to(x.dtype) if out is None else flat_out.copy_(product)
+        elif bias is None:
+            output = torch.mm(flat_x, weight.t(), out=flat_out)
+        else:
+            output = torch.addmm(bias, flat_x, weight.t(), out=flat_out)
+        return output.view(*x.shape[:-1], weight.shape[0]) if out is None else out
 
     @staticmethod
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
-        grad = grad_output.reshape(-1, grad_output.shape[-1]).float()  # [tokens, out]
+        grad = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = (grad @ weight.float()).to(x.dtype).view(*x.shape)
+            grad_x = matmul(grad, weight).to(x.dtype).view(*x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = (grad.t() @ x.reshape(-1, x.shape[-1]).float()).to(weight.dtype)
+            grad_weight = matmul(grad.t(), x.reshape(-1, x.shape[-1])).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
-            grad_bias = grad.sum(dim=0).to(ctx.bias_dtype)
-        return grad_x, grad_weight, grad_bias
+            grad_bias = grad.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
+        return grad_x, grad_weight, grad_bias, None
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """F.linear(x, weight, bias), with fp32 products where `fp32_products(x)` says so."""
-    if fp32_products(x):
-        return _LinearInFp32.apply(x, weight, bias)
+def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
+    """F.linear(x, weight, bias), with fp32 products where `fp32_products(x)` says so.
+
+    out: a contiguous `[*, out_features]` tensor of x's dtype to write the result into and
+    return (autograd-tracked like F.linear's result); only for memory nothing else reads.
+    """
+    if fp32_products(x) or out is not None:
+        return _Linear.apply(x, weight, bias, out)
     return F.linear(x, weight, bias)
 
 

@@ -110,7 +110,8 @@ class GPTModel(nn.Module):
             # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
-                skip_weight_param=self.tied, real_output_size=config.real_vocab_size, parallel=parallel)
+                skip_weight_param=self.tied, real_output_size=config.real_vocab_size, recycle_output=True,
+                parallel=parallel)
 
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters(seed)

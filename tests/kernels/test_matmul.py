@@ -117,3 +117,24 @@ def test_bf16_model_trains_alike_with_and_without_fp32_products(forced, one_thre
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-2)
     for name, grad in results[0][1].items():
         assert relative_error(results[1][1][name], grad.double()) < 0.05, name
+
+
+@pytest.mark.parametrize("dtype, products_in_fp32", [(torch.float32, False), (torch.bfloat16, True)])
+def test_linear_into_out_is_tracked_like_the_plain_linear(dtype, products_in_fp32, forced, one_thread):
+    """`out=`: the result lands in the given memory, is returned, and has the same values and grads."""
+    forced(products_in_fp32)
+    generator = torch.Generator().manual_seed(3)
+    x, weight, bias, grad = (torch.randn(*shape, generator=generator).to(dtype)
+                             for shape in ((3, 5, 16), (8, 16), (8,), (3, 5, 8)))
+    results = []
+    for out in (None, torch.empty(3, 5, 8, dtype=dtype)):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias)]
+        output = linear(*leaves, out=out)
+        assert out is None or output.data_ptr() == out.data_ptr()
+        output.backward(grad)
+        results.append([output.detach()] + [leaf.grad for leaf in leaves])
+    # fp32: addmm against F.linear's own kernel choice; bf16: the same fp32 product, the same rounding.
+    tolerance = 1e-6 if dtype == torch.float32 else 0.0
+    for name, plain, into_out in zip(("y", "dx", "dW", "db"), *results):
+        assert into_out.dtype == dtype, name
+        torch.testing.assert_close(into_out, plain, rtol=tolerance, atol=tolerance, msg=name)

@@ -1,5 +1,7 @@
 """GPTModel: layout-independent init, pipeline stages, vocabulary padding, losses."""
 
+import weakref
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -146,3 +148,43 @@ def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_c
     assert list(model.state_dict()) == names
     assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
     assert model.embedding._compiled_call_impl is None  # only the layers
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_recycled_logits_train_bitwise_like_fresh_ones(llama_config, gpt2_config, family):
+    """The output layer writes the logits into one kept block (CPU), step after step, eval between."""
+    config = (llama_config if family == "llama" else gpt2_config)()
+    runs = []
+    for recycle in (True, False):
+        model = GPTModel(config, seed=6)
+        if not recycle:
+            model.output_layer.output_buffer = None
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        losses, blocks = [], []
+        for step in range(3):
+            tokens, positions, labels = batch(config, seed=step)
+            loss = model(tokens, positions, labels=labels).mean()
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            with torch.no_grad():
+                loss_eval = model(tokens, positions, labels=labels).mean()
+            losses += [loss.detach(), loss_eval]
+            if recycle:  # a weak reference: a strong one would keep the block busy
+                blocks.append(weakref.ref(model.output_layer.output_buffer._storage))
+        runs.append((losses, model.state_dict()))
+        if recycle:
+            assert all(block() is model.output_layer.output_buffer._storage for block in blocks)  # one block
+    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
+    assert all(torch.equal(runs[0][1][name], runs[1][1][name]) for name in runs[0][1])
+
+
+def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(llama_config):
+    config = llama_config()
+    model = GPTModel(config, seed=7)
+    tokens, positions, _ = batch(config, b=1)
+    with torch.no_grad():
+        logits = model(tokens, positions)  # b = 1: may be the recycled block itself
+        kept = logits.clone()
+        other = model(tokens.flip(1), positions)
+    assert torch.equal(logits, kept) and not torch.equal(other, kept)

@@ -1,0 +1,62 @@
+"""megalite/cpu_allocator.py: the recycled buffer hands out memory only once nothing else holds it."""
+
+import copy
+
+import torch
+
+from megalite.cpu_allocator import RecycledBuffer
+
+
+def test_a_free_block_is_handed_out_again():
+    buffer = RecycledBuffer()
+    first = buffer.take((4, 6), torch.float32, "cpu")
+    pointer = first.data_ptr()
+    del first
+    again = buffer.take((4, 6), torch.float32, "cpu")
+    assert again.data_ptr() == pointer and again.shape == (4, 6) and again.is_contiguous()
+    del again
+    smaller = buffer.take((3, 2), torch.bfloat16, "cpu")  # fits in the kept block
+    assert smaller.data_ptr() == pointer and smaller.dtype == torch.bfloat16
+
+
+def test_a_block_still_held_by_a_view_is_not_handed_out():
+    buffer = RecycledBuffer()
+    first = buffer.take((4, 6), torch.float32, "cpu").fill_(1.0)
+    row = first[2]
+    del first
+    second = buffer.take((4, 6), torch.float32, "cpu").fill_(2.0)
+    assert second.data_ptr() != row.data_ptr()
+    assert torch.equal(row, torch.ones(6))  # the view's memory was not handed out
+    del row, second
+    assert buffer.take((4, 6), torch.float32, "cpu") is not None
+
+
+def test_a_block_saved_for_a_backward_is_not_handed_out():
+    buffer = RecycledBuffer()
+    weight = torch.randn(4, 6, requires_grad=True)
+    logits = buffer.take((4, 6), torch.float32, "cpu").copy_(torch.randn(4, 6))
+    loss = (logits.detach() * weight).sum()  # mul saves the logits for weight's grad
+    saved = logits.detach().clone()
+    del logits
+    buffer.take((4, 6), torch.float32, "cpu").fill_(7.0)
+    loss.backward()
+    assert torch.equal(weight.grad, saved)
+
+
+def test_a_larger_request_gets_a_new_block_which_is_kept():
+    buffer = RecycledBuffer()
+    small = buffer.take((2, 3), torch.float32, "cpu")
+    del small
+    larger = buffer.take((5, 3), torch.float32, "cpu")
+    assert larger.numel() == 15 and buffer._storage.nbytes() == 15 * 4
+    pointer = larger.data_ptr()
+    del larger
+    assert buffer.take((5, 3), torch.float32, "cpu").data_ptr() == pointer
+
+
+def test_other_devices_and_copies_get_plain_memory():
+    buffer = RecycledBuffer()
+    meta = buffer.take((2, 3), torch.float32, "meta")
+    assert meta.is_meta and buffer._storage is None
+    buffer.take((2, 3), torch.float32, "cpu")
+    assert copy.deepcopy(buffer)._storage is None
