@@ -3,7 +3,7 @@
 import pytest
 
 from megalite.errors import UserError
-from tools.bench.train_throughput import build_config, get_args, main as bench_main
+from tools.bench.train_throughput import build_config, get_args, main as bench_main, median_interval
 
 TINY = ["--config", "preset", "--num-layers", "1", "--hidden-size", "64", "--ffn-hidden-size", "96",
         "--num-attention-heads", "2", "--num-query-groups", "2", "--vocab-size", "128", "--seq-length", "16",
@@ -55,3 +55,15 @@ def test_hf_eager_only_without_warm_up(capsys):
 def test_a_compiled_hf_needs_a_warm_up_iteration():
     with pytest.raises(UserError, match="--hf-warmup-iters 0 would time HF's compilation"):
         bench_main(TINY + ["--hf-warmup-iters", "0"])
+
+
+def test_the_paired_median_gets_a_bootstrap_interval_from_four_pairs(capsys):
+    assert median_interval([1.0, 1.1, 0.9]) is None
+    steady = median_interval([1.05] * 8)
+    assert steady == (1.05, 1.05)
+    low, high = median_interval([0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 1.3, 1.4])
+    assert 0.8 <= low < 1.075 < high <= 1.4  # around the sample median, inside the range
+    assert median_interval([0.8, 0.9, 1.0, 1.05, 1.1, 1.2, 1.3, 1.4]) == (low, high)  # seeded
+    summary = bench_main(TINY + ["--modes", "eager", "--iters", "4", "--rounds", "4"])
+    assert "90% bootstrap interval" in capsys.readouterr().out
+    assert summary["paired_interval"][0] <= summary["paired_ratio"] <= summary["paired_interval"][1]

@@ -31,19 +31,20 @@ blocks alternate between them (forward order, then reversed, ...), so that whate
 the machine does falls on all. tokens/s is given per block: median, min and max; the
 ratio megalite / HF is given between the medians, between the fastest blocks, and as
 the median of same-round pairs (blocks seconds apart, so slow drifts of a shared machine
-cancel). Where HF is very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs),
---hf-iters / --hf-warmup-iters give it fewer iterations; its blocks then fill the first
-rounds. TFLOP/s and MFU use megalite.logging's
-FLOPs formula (the same model FLOPs for both) and peak: a datasheet value on a known GPU;
-on a CPU the fastest 1024^3 matmul measured in this run (at startup and after every
-round) by megalite.logging.peak_flops: for bf16 the faster of bf16 and fp32 (fp32 alone on
-a CPU without bf16 units).
+cancel), with a 90% bootstrap interval for that median from 4 pairs on. Where HF is
+very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs), --hf-iters /
+--hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds.
+TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for both) and
+peak: a datasheet value on a known GPU; on a CPU the fastest 1024^3 matmul measured in
+this run (at startup and after every round) by megalite.logging.peak_flops: for bf16 the
+faster of bf16 and fp32 (fp32 alone on a CPU without bf16 units).
 """
 
 import argparse
 import copy
 import functools
 import os
+import random
 import statistics
 import sys
 import time
@@ -276,16 +277,33 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     paired = paired_ratios(results[best["megalite"]], rates[best["megalite"]], results[best["HF"]],
                            rates[best["HF"]])
     paired_ratio = statistics.median(paired) if paired else None
+    interval = median_interval(paired)
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
     paired_text = "no round ran both"
     if paired:
         paired_text = f"{paired_ratio:.3f} as the median of {len(paired)} same-round pairs"
+        if interval:
+            paired_text += f" (90% bootstrap interval {interval[0]:.3f}-{interval[1]:.3f})"
         print("same-round ratios: " + " ".join(f"{r:.3f}" for r in paired))
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
           f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
-    return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio,
-            "paired_ratio": paired_ratio, "mfu": mfu, "medians": medians}
+    return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
+            "paired_interval": interval, "mfu": mfu, "medians": medians}
+
+
+def median_interval(values: list[float], confidence: float = 0.9, resamples: int = 2000) -> tuple | None:
+    """(low, high): a percentile-bootstrap interval for the median of `values`; None for fewer than 4.
+
+    On a machine whose speed drifts by ±20%, this says how far the measured ratio could
+    move in another run of the same length (seeded, so a run reprints the same interval).
+    """
+    if len(values) < 4:
+        return None
+    generator = random.Random(0)
+    medians = sorted(statistics.median(generator.choices(values, k=len(values))) for _ in range(resamples))
+    tail = (1 - confidence) / 2
+    return medians[int(tail * resamples)], medians[int((1 - tail) * resamples) - 1]
 
 
 def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -> list[float]:
