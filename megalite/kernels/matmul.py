@@ -81,11 +81,15 @@ class _Linear(torch.autograd.Function):
     def backward(ctx, grad_output):
         x, weight = ctx.saved_tensors
         grad = grad_output.reshape(-1, grad_output.shape[-1])  # [tokens, out]
+        in_fp32 = fp32_products(grad)
+        if in_fp32:
+            grad = grad.float()  # once, for both products
         grad_x = grad_weight = grad_bias = None
         if ctx.needs_input_grad[0]:
-            grad_x = matmul(grad, weight).to(x.dtype).view(*x.shape)
+            grad_x = (grad @ (weight.float() if in_fp32 else weight)).to(x.dtype).view(*x.shape)
         if ctx.needs_input_grad[1]:
-            grad_weight = matmul(grad.t(), x.reshape(-1, x.shape[-1])).to(weight.dtype)
+            flat_x = x.reshape(-1, x.shape[-1])
+            grad_weight = (grad.t() @ (flat_x.float() if in_fp32 else flat_x)).to(weight.dtype)
         if ctx.bias_dtype is not None and ctx.needs_input_grad[2]:
             grad_bias = grad.sum(dim=0, dtype=torch.float32).to(ctx.bias_dtype)
         return grad_x, grad_weight, grad_bias, None
