@@ -70,7 +70,7 @@ class _Linear(torch.autograd.Function):
         flat_out = None if out is None else out.view(-1, weight.shape[0])  # [tokens, out]
         if fp32_products(x):  # the bias joins in fp32, then one rounding, as a GPU GEMM's epilogue does
             product = F.linear(flat_x.float(), weight.float(), None if bias is None else bias.float())
-            output = product.to(x.dtype) if out is None else flat_out.copy_(product)
+            output = _rounded(product, x.dtype, flat_out)
         elif bias is None:
             output = torch.mm(flat_x, weight.t(), out=flat_out)
         else:
@@ -108,12 +108,16 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 
 
 def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-    """a @ b (no autograd needed) in a's dtype, into `out` when given, with fp32 products where
-    `fp32_products(a)` says so."""
+    """a @ b for 2-D a, b (no autograd needed) in a's dtype, into `out` when given, with fp32
+    products where `fp32_products(a)` says so."""
     if not fp32_products(a):
-        return torch.mm(a, b, out=out) if out is not None else a @ b
-    product = a.float() @ b.float()
-    return out.copy_(product) if out is not None else product.to(a.dtype)
+        return torch.mm(a, b, out=out)
+    return _rounded(a.float() @ b.float(), a.dtype, out)
+
+
+def _rounded(product: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
+    """An fp32 `product` rounded once to `dtype`, written into `out` when given."""
+    return product.to(dtype) if out is None else out.copy_(product)
 
 
 def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
