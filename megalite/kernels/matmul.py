@@ -118,14 +118,3 @@ def matmul(a: torch.Tensor, b: torch.Tensor, out: torch.Tensor | None = None) ->
 def _rounded(product: torch.Tensor, dtype: torch.dtype, out: torch.Tensor | None) -> torch.Tensor:
     """An fp32 `product` rounded once to `dtype`, written into `out` when given."""
     return product.to(dtype) if out is None else out.copy_(product)
-
-
-def scaled_dot_product_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
-    """F.scaled_dot_product_attention, run in fp32 where `fp32_products(q)` says so (output in q's dtype).
-
-    The fp32 copies of q, k, v are what the attention saves for its backward here: on a
-    CPU without bf16 units that costs memory but runs the backward ~7x faster.
-    """
-    if fp32_products(q):
-        return F.scaled_dot_product_attention(q.float(), k.float(), v.float(), **kwargs).to(q.dtype)
-    return F.scaled_dot_product_attention(q, k, v, **kwargs)

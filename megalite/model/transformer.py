@@ -13,7 +13,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.kernels.layernorm import layer_norm
-from megalite.kernels.matmul import scaled_dot_product_attention
+from megalite.kernels.attention import self_attention
 from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
@@ -111,13 +111,11 @@ class Attention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q [s, b, heads, d], k/v [s, b, groups, d] -> context [s, b, heads * d]."""
         s, b = q.shape[:2]
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d]
         dropout = self.attention_dropout if self.training else 0.0
         # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
         with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
-            context = scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
-                                                   enable_gqa=self.num_groups != self.num_heads)
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+            context = self_attention(q, k, v, dropout)  # [s, b, heads, d]: blocked on CPUs, else SDPA
+        return context.reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.linear_qkv(hidden)  # [s, b, qkv/tp]: under SP the full sequence, gathered by the layer
