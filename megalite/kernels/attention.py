@@ -172,9 +172,9 @@ def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
         if end == s:
             torch.bmm(p.transpose(1, 2), grad_o, out=grad_v)
             torch.bmm(grad_s.transpose(1, 2), q_block, out=grad_k)  # q_block carries the scale
-        else:
-            grad_v[:, :end].baddbmm_(p.transpose(1, 2), grad_o)
-            grad_k[:, :end].baddbmm_(grad_s.transpose(1, 2), q_block)
+        else:  # into new memory, then added: baddbmm_ into a strided prefix runs one GEMM call per batch entry
+            grad_v[:, :end] += torch.bmm(p.transpose(1, 2), grad_o)
+            grad_k[:, :end] += torch.bmm(grad_s.transpose(1, 2), q_block)
     return grad_q, grad_k, grad_v
 
 
