@@ -2,7 +2,7 @@
 
     python tools/bench/train_throughput.py [--config A|B|1B|preset] [--dtype fp32|bf16]
         [--modes best|eager|compile] [--iters 10] [--warmup-iters 2] [--rounds 5] [--threads 2]
-        [--hf-iters N] [--hf-warmup-iters N] [--device cpu|cuda] [--model tiny] ...
+        [--hf-iters N] [--hf-warmup-iters N] [--sdpa-variants] [--device cpu|cuda] [--model tiny] ...
 
 Configs (issue 10): A = hidden 256, 4 layers, 4 heads, FFN 688, vocab 8192, seq 256,
 micro-batch 8; B = hidden 512, 8 layers, 8 heads, FFN 1376, vocab 32000, seq 512,
@@ -34,6 +34,8 @@ the median of same-round pairs (blocks seconds apart, so slow drifts of a shared
 cancel), with a 90% bootstrap interval for that median from 4 pairs on. Where HF is
 very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs), --hf-iters /
 --hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds.
+`--sdpa-variants` adds megalite with PyTorch's SDPA in place of its blocked CPU attention
+(`megalite-sdpa MODE`, never counted as megalite's best) and prints the same-model ratio.
 TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for both) and
 peak: a datasheet value on a known GPU; on a CPU the fastest 1024^3 matmul measured in
 this run (at startup and after every round) by megalite.logging.peak_flops: for bf16 the
@@ -63,6 +65,7 @@ import torch.nn.functional as F  # noqa: E402
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
 from megalite.hf import llama_config_to_hf  # noqa: E402
+from megalite.kernels.attention import set_blocked_attention  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
 
@@ -110,6 +113,9 @@ def get_args(argv):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
+    parser.add_argument("--sdpa-variants", action="store_true",
+                        help="also time megalite with PyTorch's SDPA instead of its blocked CPU attention "
+                             "(variants `megalite-sdpa MODE`), and print blocked / SDPA for the same model")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timing, print the top ROWS ops of one iteration of each side's best mode")
     args = parser.parse_args(argv)
@@ -157,6 +163,15 @@ def megalite_step(model, optimizer, batch) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
+
+
+def with_sdpa_attention(step) -> float:
+    """step() with megalite's attention on PyTorch's SDPA (a compiled layer traces it apart, once)."""
+    set_blocked_attention(False)
+    try:
+        return step()
+    finally:
+        set_blocked_attention(True)
 
 
 def hf_loss(model, tokens, labels, positions) -> torch.Tensor:
@@ -260,13 +275,13 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     rates = {name: block_rates(result, tokens_per_iter) for name, result in results.items()}
     medians = {name: statistics.median(r) for name, r in rates.items()}
     seconds_per_iter = {name: tokens_per_iter / m for name, m in medians.items()}
-    print(f"{'variant':17s} {'params':>11s} {'median tok/s':>12s} {'min':>8s} {'max':>8s} {'ms/iter':>8s} "
+    print(f"{'variant':21s} {'params':>11s} {'median tok/s':>12s} {'min':>8s} {'max':>8s} {'ms/iter':>8s} "
           f"{'TFLOP/s':>8s} {'MFU':>6s} {'compile s':>9s} {'last loss':>9s}")
     for name, result in results.items():
         achieved = flops * medians[name] / tokens_per_iter
         mfu = "?" if peak[0] is None else f"{100 * achieved / peak[0]:.1f}%"
         extra = compile_seconds(warmup, name, seconds_per_iter, warmup_iters(args, name))
-        print(f"{name:17s} {params[name.split()[0]]:11,d} {medians[name]:12.0f} {min(rates[name]):8.0f} "
+        print(f"{name:21s} {params[name.split()[0]]:11,d} {medians[name]:12.0f} {min(rates[name]):8.0f} "
               f"{max(rates[name]):8.0f} {1000 * seconds_per_iter[name]:8.1f} {achieved / 1e12:8.4f} {mfu:>6s} "
               f"{'-' if extra is None else f'{extra:.1f}':>9s} {result['loss']:9.4f}")
     best = {side: max((n for n in results if n.startswith(side + " ")), key=lambda n: medians[n])
@@ -288,8 +303,27 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
           f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
+    attention = attention_ratios(results, rates)
     return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
-            "paired_interval": interval, "mfu": mfu, "medians": medians}
+            "paired_interval": interval, "mfu": mfu, "medians": medians, "attention": attention}
+
+
+def attention_ratios(results: dict, rates: dict) -> dict:
+    """mode -> median same-round tokens/s ratio of megalite with its blocked attention over it with SDPA."""
+    ratios = {}
+    for name in results:
+        if not name.startswith("megalite-sdpa "):
+            continue
+        mode = name.split()[1]
+        paired = paired_ratios(results[f"megalite {mode}"], rates[f"megalite {mode}"], results[name], rates[name])
+        if not paired:
+            continue
+        ratios[mode] = statistics.median(paired)
+        interval = median_interval(paired)
+        extra = f", 90% bootstrap interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else ""
+        print(f"megalite {mode}, blocked attention / SDPA (same model): {ratios[mode]:.3f} "
+              f"(median of {len(paired)} same-round pairs{extra})")
+    return ratios
 
 
 def median_interval(values: list[float], confidence: float = 0.9, resamples: int = 2000) -> tuple | None:
@@ -330,6 +364,13 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
         if mode == "compile":
             mine.compile_layers()  # what --compile does in training: each layer compiled on its own
         steps[f"megalite {mode}"] = functools.partial(megalite_step, mine, make_optimizer(mine), batch)
+        if args.sdpa_variants:
+            twin = copy.deepcopy(model)
+            if mode == "compile":
+                twin.compile_layers()
+            steps[f"megalite-sdpa {mode}"] = functools.partial(
+                with_sdpa_attention, functools.partial(megalite_step, twin, make_optimizer(twin), batch))
+            params["megalite-sdpa"] = params["megalite"]
     for mode in MODES[args.hf_modes]:
         theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
         loss_theirs = functools.partial(hf_loss, theirs)
