@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from megalite.kernels.matmul import fp32_products
 
-BLOCK = 64  # query rows per block: 32 and 128 measured slower on configs A and B
+BLOCK = 64  # query rows per block: 32, 48, 96 and 128 measured slower on configs A and B
 MAX_SEQ_LENGTH = 1024
 
 _enabled = True
@@ -90,13 +90,15 @@ def _split_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
     return x.unflatten(2, (groups, x.shape[2] // groups)).permute(1, 2, 3, 0, 4)
 
 
-def _block_views(buffer: torch.Tensor, x5: torch.Tensor, s: int) -> dict:
-    """rows -> (flat `[b * g, r * rows, d]`, `[b, g, r, rows, d]`) views of buffer `[b * g, r * BLOCK, d]`.
+def _block_views(x5: torch.Tensor) -> dict:
+    """rows -> (flat `[b * g, r * rows, d]`, `[b, g, r, rows, d]`) views of one new buffer for blocks of x5.
 
-    The flat view is what the batched GEMMs take; the 5-d one receives rows of x5 `[b, g, r, s, d]`.
-    Made once per call (a block's row count is BLOCK, or less for the last), not once per block.
+    x5 `[b, g, r, s, d]` (from _split_heads) gives the shapes. The flat view is what the
+    batched GEMMs take; the 5-d one receives a block's rows of x5. Made once per call (a
+    block's row count is BLOCK, or less for the last), not once per block.
     """
-    b, groups, per_group, _, d = x5.shape
+    b, groups, per_group, s, d = x5.shape
+    buffer = x5.new_empty(b * groups, per_group * BLOCK, d)
     views = {}
     for first, end in _blocks(s):
         flat = buffer[:, :per_group * (end - first)]
@@ -118,7 +120,7 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     keys_t, values = _by_group(k).transpose(1, 2), _by_group(v)  # [b*g, d, s], [b*g, s, d]
     out = torch.empty(s, b, heads, d, dtype=q.dtype, device=q.device)
     q5, out5 = _split_heads(q, groups), _split_heads(out, groups)
-    query = _block_views(q.new_empty(b * groups, heads // groups * BLOCK, d), q5, s)
+    query = _block_views(q5)
     above_diagonal = torch.ones(BLOCK, BLOCK, dtype=torch.bool, device=q.device).triu_(1)  # keys after the query
     probs = []
     for first, end in _blocks(s):
@@ -155,10 +157,7 @@ def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor
     grad_v = torch.empty(b * groups, s, d, dtype=q.dtype, device=q.device)
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O) `[s, b, heads, 1]`
     q5, grad_out5, delta5, grad_q5 = (_split_heads(x, groups) for x in (q, grad_out, delta, grad_q))
-    rows_of = heads // groups * BLOCK
-    query = _block_views(q.new_empty(b * groups, rows_of, d), q5, s)
-    grad_block = _block_views(q.new_empty(b * groups, rows_of, d), grad_out5, s)
-    delta_block = _block_views(q.new_empty(b * groups, rows_of, 1), delta5, s)
+    query, grad_block, delta_block = (_block_views(x5) for x5 in (q5, grad_out5, delta5))
     # Last block first: it covers every key, so it writes dk and dv whole (no zeroing);
     # the earlier blocks add into their key prefixes.
     for (first, end), p in reversed(list(zip(_blocks(s), probs))):

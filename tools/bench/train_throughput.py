@@ -289,41 +289,32 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
     ratio = medians[best["megalite"]] / medians[best["HF"]]
     # The fastest block is the least disturbed by other work on a shared machine.
     fastest_ratio = max(rates[best["megalite"]]) / max(rates[best["HF"]])
-    paired = paired_ratios(results[best["megalite"]], rates[best["megalite"]], results[best["HF"]],
-                           rates[best["HF"]])
-    paired_ratio = statistics.median(paired) if paired else None
-    interval = median_interval(paired)
+    paired, paired_ratio, interval, pairs_text = compare_pairs(results, rates, best["megalite"], best["HF"])
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
-    paired_text = "no round ran both"
     if paired:
-        paired_text = f"{paired_ratio:.3f} as the median of {len(paired)} same-round pairs"
-        if interval:
-            paired_text += f" (90% bootstrap interval {interval[0]:.3f}-{interval[1]:.3f})"
         print("same-round ratios: " + " ".join(f"{r:.3f}" for r in paired))
     print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
-          f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {paired_text}; megalite MFU "
+          f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {pairs_text}; megalite MFU "
           f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
-    attention = attention_ratios(results, rates)
+    attention = {}  # mode -> megalite with its blocked attention / with SDPA, same-round median
+    for name in (n for n in results if n.startswith("megalite-sdpa ")):
+        mode = name.split()[1]
+        _, attention[mode], _, text = compare_pairs(results, rates, f"megalite {mode}", name)
+        print(f"megalite {mode}, blocked attention / SDPA (same model): {text}")
     return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
             "paired_interval": interval, "mfu": mfu, "medians": medians, "attention": attention}
 
 
-def attention_ratios(results: dict, rates: dict) -> dict:
-    """mode -> median same-round tokens/s ratio of megalite with its blocked attention over it with SDPA."""
-    ratios = {}
-    for name in results:
-        if not name.startswith("megalite-sdpa "):
-            continue
-        mode = name.split()[1]
-        paired = paired_ratios(results[f"megalite {mode}"], rates[f"megalite {mode}"], results[name], rates[name])
-        if not paired:
-            continue
-        ratios[mode] = statistics.median(paired)
-        interval = median_interval(paired)
-        extra = f", 90% bootstrap interval {interval[0]:.3f}-{interval[1]:.3f}" if interval else ""
-        print(f"megalite {mode}, blocked attention / SDPA (same model): {ratios[mode]:.3f} "
-              f"(median of {len(paired)} same-round pairs{extra})")
-    return ratios
+def compare_pairs(results: dict, rates: dict, mine: str, theirs: str) -> tuple:
+    """(same-round ratios mine / theirs, their median or None, its bootstrap interval or None, a phrase)."""
+    paired = paired_ratios(results[mine], rates[mine], results[theirs], rates[theirs])
+    if not paired:
+        return paired, None, None, "no round ran both"
+    median, interval = statistics.median(paired), median_interval(paired)
+    text = f"{median:.3f} as the median of {len(paired)} same-round pairs"
+    if interval:
+        text += f" (90% bootstrap interval {interval[0]:.3f}-{interval[1]:.3f})"
+    return paired, median, interval, text
 
 
 def median_interval(values: list[float], confidence: float = 0.9, resamples: int = 2000) -> tuple | None:
@@ -341,13 +332,21 @@ def median_interval(values: list[float], confidence: float = 0.9, resamples: int
 
 
 def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -> list[float]:
-    """megalite / HF tokens/s of the blocks that ran in the same round (seconds apart).
+    """mine / theirs tokens/s of the blocks that ran in the same round (seconds apart).
 
     Slow drifts of a shared machine (another job starting, the clock changing) fall
     on both blocks of a pair, so their ratio is steadier than one of medians.
     """
     their_rate_in = dict(zip(theirs["rounds"], their_rates))
     return [rate / their_rate_in[r] for r, rate in zip(mine["rounds"], my_rates) if r in their_rate_in]
+
+
+def megalite_variant(model, mode: str, batch):
+    """The step closure of `model` (its own optimizer) in `mode`; compile as --compile does in training:
+    each layer compiled on its own."""
+    if mode == "compile":
+        model.compile_layers()
+    return functools.partial(megalite_step, model, make_optimizer(model), batch)
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
@@ -360,16 +359,10 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
     steps = {}
     for mode in MODES[args.modes]:
         # Each variant owns a model copy and an optimizer, so they never share state.
-        mine = model if mode == "eager" else copy.deepcopy(model)
-        if mode == "compile":
-            mine.compile_layers()  # what --compile does in training: each layer compiled on its own
-        steps[f"megalite {mode}"] = functools.partial(megalite_step, mine, make_optimizer(mine), batch)
+        steps[f"megalite {mode}"] = megalite_variant(model if mode == "eager" else copy.deepcopy(model), mode, batch)
         if args.sdpa_variants:
-            twin = copy.deepcopy(model)
-            if mode == "compile":
-                twin.compile_layers()
             steps[f"megalite-sdpa {mode}"] = functools.partial(
-                with_sdpa_attention, functools.partial(megalite_step, twin, make_optimizer(twin), batch))
+                with_sdpa_attention, megalite_variant(copy.deepcopy(model), mode, batch))
             params["megalite-sdpa"] = params["megalite"]
     for mode in MODES[args.hf_modes]:
         theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
