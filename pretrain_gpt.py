@@ -13,9 +13,10 @@ The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The defa
 saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
 """
 
-from megalite.cpu_allocator import use_huge_pages
+from megalite.cpu_allocator import keep_freed_memory, use_huge_pages
 
 use_huge_pages()  # before torch is imported: its CPU allocator reads the setting once
+keep_freed_memory()
 
 import math  # noqa: E402
 import sys  # noqa: E402

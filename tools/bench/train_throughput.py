@@ -18,7 +18,8 @@ SDPA attention on both. One iteration is forward + backward + optimizer step wit
 same `torch.optim.AdamW(fused=True)` on both sides (megalite's own optimizer, with fp32
 main params and ZeRO, is measured by its training runs): this compares the models. The
 two models start from their own initialisations; values do not change the work. Both
-run in this one process, with the same allocator setting (huge pages, as pretrain_gpt.py).
+run in this one process, with the same allocator settings as pretrain_gpt.py (huge pages, freed
+memory kept for reuse: megalite/cpu_allocator.py).
 
 Modes: with `--modes best` (the default) each side runs eager and under torch.compile
 (megalite: its transformer layers compiled one by one, as `--compile` does in training;
@@ -55,9 +56,10 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from megalite.cpu_allocator import use_huge_pages  # noqa: E402
+from megalite.cpu_allocator import keep_freed_memory, use_huge_pages  # noqa: E402
 
 use_huge_pages()  # before torch is imported, as pretrain_gpt.py does; both sides run in this process
+keep_freed_memory()
 
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
