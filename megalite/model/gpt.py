@@ -80,6 +80,7 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.tp_size = tensor_parallel_rank_size(parallel)[1]
         self.tied = not config.untie_embeddings_and_output_weights
+        self.compiled_loss = False  # compile_layers turns it on
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
         if any(not 0 <= i < config.num_layers for i in layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)} are outside 0..{config.num_layers - 1}")
@@ -125,10 +126,12 @@ class GPTModel(nn.Module):
 
         The layers share one code path, so the compiler traces one graph and reuses it for
         every layer, which compiles far faster than the whole model; parameter names and
-        the state dict are unchanged (Module.compile keeps the module, not a wrapper).
+        the state dict are unchanged (Module.compile keeps the module, not a wrapper). The
+        loss's pass over the logits is compiled too (`vocab_parallel_cross_entropy(compiled=)`).
         """
         for layer in self.layers.values():
             layer.compile()
+        self.compiled_loss = True
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -171,7 +174,8 @@ class GPTModel(nn.Module):
         vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
         # The logits are this forward's own: the loss may overwrite them with their grad.
         losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                              self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
+                                              self.config.z_loss_weight, inplace=True,
+                                              compiled=self.compiled_loss).t()  # [b, s] fp32
         if loss_mask is not None:
             losses = losses * loss_mask
         return losses.contiguous()

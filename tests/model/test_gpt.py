@@ -147,7 +147,8 @@ def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_c
     model.compile_layers()  # lazy: nothing is traced until the first call, so this test stays fast
     assert list(model.state_dict()) == names
     assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
-    assert model.embedding._compiled_call_impl is None  # only the layers
+    assert model.embedding._compiled_call_impl is None  # only the layers, and the loss's pass
+    assert model.compiled_loss
 
 
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
