@@ -13,7 +13,8 @@ each first touch of each page is a page fault, and the kernel zeroes the page.
   blocks back to the kernel on free (unmapping them, or trimming the heap's top), so the
   next iteration's activations fault in and zero the same pages again. A forward GEMM
   writing its `[2048, 1376]` output into such memory took 13.4 ms, into memory kept by
-  the process 9.2 ms; a whole config-A step ran 8-10% faster for megalite and for HF.
+  the process 9.2 ms; the page faults' system time per step went from 0.14-0.19 s to
+  0.01-0.05 s on config B (docs/benchmarks.md).
 - A recycled buffer (`RecycledBuffer`) for the largest temporary, the output layer's
   logits `[tokens, vocab/tp]`: even with huge pages, writing them into fresh memory
   made config B's logits GEMM ~25% slower than into memory already touched.
