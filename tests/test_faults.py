@@ -94,7 +94,10 @@ def test_torchrun_restarts_after_a_rank_is_killed_mid_save_and_the_run_resumes_b
         if launcher.poll() is None:
             launcher.kill()
     output = open(log_path).read()
-    assert "error: rank 0 stopped during iteration" in output and "rank 1 died" in output
+    # Rank 0 names its dead peer, unless torchrun's agent saw the death first and stopped rank 0
+    # (SIGTERM) before it could: a race on a loaded machine; the agent then reports local rank 1.
+    assert ("error: rank 0 stopped during iteration" in output and "rank 1 died" in output) or \
+        "local_rank: 1" in output
     assert "(--load defaults to --save, which holds it)" in output
     assert campaign.read_losses(str(save)) == reference
     assert not [name for name in os.listdir(save) if ".tmp" in name]
