@@ -352,12 +352,13 @@ def megalite_variant(model, mode: str, batch):
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
-    """(variant name -> step closure, side -> parameter count) for --modes and --hf-modes."""
+    """(variant name -> step closure, side -> parameter count) for --modes and --hf-modes
+    (and megalite-sdpa, the same model, with --sdpa-variants)."""
     model = build_model(config, args.seed, device=device, dtype=dtype).train()
     torch.manual_seed(args.seed)
     hf_model = hf_llama(config).to(device=device, dtype=dtype).train()
-    params = {"megalite": sum(p.numel() for p in model.parameters()),
-              "HF": sum(p.numel() for p in hf_model.parameters())}
+    mine = sum(p.numel() for p in model.parameters())
+    params = {"megalite": mine, "megalite-sdpa": mine, "HF": sum(p.numel() for p in hf_model.parameters())}
     steps = {}
     for mode in MODES[args.modes]:
         # Each variant owns a model copy and an optimizer, so they never share state.
@@ -365,7 +366,6 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
         if args.sdpa_variants:
             steps[f"megalite-sdpa {mode}"] = functools.partial(
                 with_sdpa_attention, megalite_variant(copy.deepcopy(model), mode, batch))
-            params["megalite-sdpa"] = params["megalite"]
     for mode in MODES[args.hf_modes]:
         theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
         loss_theirs = functools.partial(hf_loss, theirs)
