@@ -55,12 +55,12 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         target_logits = target_logits.sub_(max_logits).masked_fill_(~owned, 0.0)
         all_reduce(target_logits, group)
 
-        in_place = inplace and logits.dtype == torch.float32  # no second [s, b, v/tp] tensor
-        if in_place and compiled:  # shift, exp, zeroed padding and row sums in one compiled pass
+        reuse_logits = inplace and logits.dtype == torch.float32  # no second [s, b, v/tp] tensor
+        if reuse_logits and compiled:  # shift, exp, zeroed padding and row sums in one compiled pass
             exp_logits, sum_exp = logits, _compiled_exp_rows()(logits, max_logits, real_columns)
         else:  # eager; not in place, the shift makes a new fp32 tensor (bf16 logits: promoted)
             shift = max_logits.unsqueeze(-1)
-            exp_logits = (logits.sub_(shift) if in_place else logits - shift).exp_()
+            exp_logits = (logits.sub_(shift) if reuse_logits else logits - shift).exp_()
             exp_logits[..., real_columns:] = 0.0
             sum_exp = exp_logits.sum(dim=-1)
         all_reduce(sum_exp, group)
