@@ -1,4 +1,4 @@
-"""End to end under torchrun on CPU: tensor, sequence and pipeline parallel runs match one
+"""End to end on CPU ranks (tools/fork_ranks.py): tensor, sequence and pipeline parallel runs match one
 process, and checkpoints move between layouts. tools/check_layouts.py runs the full layout
 matrix."""
 

@@ -178,8 +178,8 @@ def test_sigterm_without_the_handler_finishes_the_run_and_exits_143(wandb_env, t
 def test_under_pipeline_parallelism_only_the_last_rank_writes(wandb_env, tmp_path):
     """PP=2 on two processes: one wandb run, holding the loss that only the last stage computes."""
     save = tmp_path / "pp2"
-    command = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-               os.path.join(REPO_ROOT, "pretrain_gpt.py"), *SMALL, "--pipeline-model-parallel-size", "2",
+    command = [sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", "2", "--",
+               *SMALL, "--pipeline-model-parallel-size", "2",
                "--train-iters", "2", "--log-interval", "1", "--eval-interval", "0", "--eval-iters", "0",
                "--save", str(save), "--wandb-project", "megalite-tests"]
     result = subprocess.run(command, capture_output=True, text=True, timeout=300,

@@ -7,9 +7,10 @@ optimizer, with and without --overlap-grad-reduce) and their mixes, up to 8 proc
     python tools/check_layouts.py --layouts tp2 pp2-vp2 --models llama
 
 Each layout runs `pretrain_gpt.py --mock-data` for --train-iters iterations (fp32,
-dropout 0) through torchrun on CPU (gloo, one thread per rank) and writes a metrics
-file; tools/loss_compare.py's comparison against the single-process run gives the
-largest relative difference per layout. Exits 1 when any exceeds its tolerance (1e-6 for
+dropout 0) as ranks on CPU (gloo, one thread per rank, forked by tools/fork_ranks.py
+from one interpreter rather than started by torchrun) and writes a metrics file;
+tools/loss_compare.py's comparison against the single-process run gives the largest
+relative difference per layout. Exits 1 when any exceeds its tolerance (1e-6 for
 pipeline-only layouts, which change no arithmetic; 1e-5 with tensor parallelism).
 """
 
@@ -57,9 +58,10 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
 
 
 def run(processes: int, flags: list[str], metrics: str) -> None:
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(processes)]
-    command = (launcher if processes > 1 else [sys.executable]) + [os.path.join(REPO_ROOT, "pretrain_gpt.py"),
-                                                                  *flags, "--metrics-file", metrics]
+    # Ranks forked from one interpreter (tools/fork_ranks.py): torch is imported once per run, not once per rank.
+    launcher = [os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", str(processes), "--"]
+    command = [sys.executable, *(launcher if processes > 1 else [os.path.join(REPO_ROOT, "pretrain_gpt.py")]),
+               *flags, "--metrics-file", metrics]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     if result.returncode != 0:

@@ -25,7 +25,6 @@ import os
 import random
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -36,6 +35,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint  # noqa: E402
+from tools.fork_ranks import free_port, rank_environment  # noqa: E402
 
 TRAIN_ITERS = 12
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "2",
@@ -48,12 +48,6 @@ EXIT_TIMEOUT_S = 90  # a survivor must stop well within this (it is not --distri
 # sees a closed connection at once); a hang fails the trial
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def start_world(save: str, world_size: int = 2, flags=FLAGS, logs: str | None = None) -> list[subprocess.Popen]:
     """Start `pretrain_gpt.py flags --save save` as `world_size` ranks; output goes to <logs>/rank<r>.log."""
     logs = logs or save + "-logs"
@@ -61,9 +55,7 @@ def start_world(save: str, world_size: int = 2, flags=FLAGS, logs: str | None = 
     port = free_port()
     processes = []
     for rank in range(world_size):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
-               "OMP_NUM_THREADS": "1"}
+        env = {**os.environ, **rank_environment(rank, world_size, port), "OMP_NUM_THREADS": "1"}
         output = open(os.path.join(logs, f"rank{rank}.log"), "a")
         processes.append(subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *flags,
                                            "--save", save], stdout=output, stderr=subprocess.STDOUT, env=env,

@@ -1,0 +1,101 @@
+"""Run N ranks of pretrain_gpt.py on this machine, forked from one process that imported torch once.
+
+    python tools/fork_ranks.py --nproc-per-node 4 -- --mock-data --tokenizer-type NullTokenizer ...
+
+torchrun starts a fresh interpreter per rank (and one for itself), and each pays for importing
+torch and megalite: 2.5-3 s of CPU apiece on a 2-core machine, so an 8-rank run there spends
+~12 s in imports before its first step. This launcher imports pretrain_gpt.py once, then forks
+the ranks with the variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE,
+LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free local port). When a rank fails, the
+others are stopped, as torchrun does, and the launcher exits with that rank's code.
+
+It is for the CPU layout checks (tools/check_layouts.py) and the test suite: one node, no
+restarts, no elastic membership. Launch real runs with torchrun (scripts/).
+"""
+
+import argparse
+import multiprocessing
+import multiprocessing.connection
+import os
+import socket
+import sys
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO_ROOT)
+
+from megalite.errors import run_main  # noqa: E402
+
+STOP_GRACE_S = 10.0  # a failed run's other ranks get this long to exit on SIGTERM before SIGKILL
+
+
+def free_port() -> int:
+    """A TCP port on localhost that nothing listens on now (the rendezvous binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
+    """The variables torchrun sets for `rank` of a one-node world whose rendezvous is localhost:`port`."""
+    return {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(world_size),
+            "LOCAL_WORLD_SIZE": str(world_size), "GROUP_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port)}
+
+
+def _rank_main(main, rank: int, world_size: int, port: int, argv: list[str]) -> None:
+    """One forked rank: torchrun's environment, then pretrain_gpt.py's main (its exit code is ours)."""
+    os.environ.update(rank_environment(rank, world_size, port))
+    sys.exit(run_main(main, argv))
+
+
+def launch(world_size: int, argv: list[str]) -> int:
+    """Fork `world_size` ranks of pretrain_gpt.py with `argv`; 0, or the first failed rank's exit code."""
+    import pretrain_gpt  # torch and megalite, imported once here, before the fork
+
+    port = free_port()
+    context = multiprocessing.get_context("fork")
+    ranks = [context.Process(target=_rank_main, args=(pretrain_gpt.main, rank, world_size, port, argv),
+                             name=f"rank{rank}") for rank in range(world_size)]
+    for process in ranks:
+        process.start()
+    return _wait(ranks)
+
+
+def _wait(ranks: list) -> int:
+    """Wait for every rank; at the first non-zero exit, stop the others and return its code."""
+    running = list(ranks)
+    while running:
+        multiprocessing.connection.wait([process.sentinel for process in running])
+        for process in [p for p in running if p.exitcode is not None]:
+            running.remove(process)
+            if process.exitcode != 0:
+                _stop(running)
+                # A rank killed by signal N reads -N; report it as a shell would (128 + N).
+                return process.exitcode if process.exitcode > 0 else 128 - process.exitcode
+    return 0
+
+
+def _stop(processes: list) -> None:
+    for process in processes:
+        process.terminate()
+    for process in processes:
+        process.join(STOP_GRACE_S)
+        if process.is_alive():
+            process.kill()
+            process.join()
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True,
+                        help="how many ranks to fork (the world size)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="pretrain_gpt.py's flags, after --")
+    args = parser.parse_args(argv)
+    if args.nproc_per_node < 1:
+        parser.error(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
+    flags = args.args[1:] if args.args[:1] == ["--"] else args.args
+    return launch(args.nproc_per_node, flags)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
