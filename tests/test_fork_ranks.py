@@ -53,3 +53,44 @@ def test_ranks_get_torchruns_variables_and_bad_flags_stop_the_launcher_with_one_
                             capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert result.returncode == 1
     assert "error:" in result.stderr and "Traceback" not in result.stderr
+
+
+def _children(pid: int) -> list[int]:
+    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
+            for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
+
+
+def _gone(pid: int) -> bool:
+    """No such process, or a zombie: it has exited."""
+    try:
+        return open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def _until(condition, timeout: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def test_a_signal_to_the_launcher_reaches_every_rank_and_no_rank_outlives_it(tmp_path):
+    for signum in (signal.SIGTERM, signal.SIGKILL):  # forwarded; the kernel's parent-death signal
+        metrics = tmp_path / f"{signum}.jsonl"
+        launcher = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"),
+                                     "--nproc-per-node", "2", "--", *COMMON, "--train-iters", "100000",
+                                     "--metrics-file", str(metrics)], stdout=subprocess.DEVNULL,
+                                    stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        try:
+            assert _until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2)  # training
+            ranks = _children(launcher.pid)
+            assert len(ranks) == 2
+            os.kill(launcher.pid, signum)
+            assert launcher.wait(timeout=60) == (128 + signal.SIGTERM if signum == signal.SIGTERM else -signum)
+            assert _until(lambda: all(_gone(pid) for pid in ranks))
+        finally:
+            if launcher.poll() is None:
+                launcher.kill()

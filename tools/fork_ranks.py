@@ -7,16 +7,20 @@ torch and megalite: 2.5-3 s of CPU apiece on a 2-core machine, so an 8-rank run 
 ~12 s in imports before its first step. This launcher imports pretrain_gpt.py once, then forks
 the ranks with the variables torchrun would set (RANK, LOCAL_RANK, WORLD_SIZE,
 LOCAL_WORLD_SIZE, MASTER_ADDR, MASTER_PORT on a free local port). When a rank fails, the
-others are stopped, as torchrun does, and the launcher exits with that rank's code.
+others are stopped, as torchrun does, and the launcher exits with that rank's code. A
+SIGTERM or SIGINT to the launcher goes on to every rank, and the ranks get SIGTERM when
+the launcher dies (Linux), so no rank outlives it.
 
 It is for the CPU layout checks (tools/check_layouts.py) and the test suite: one node, no
 restarts, no elastic membership. Launch real runs with torchrun (scripts/).
 """
 
 import argparse
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
+import signal
 import socket
 import sys
 
@@ -26,6 +30,7 @@ sys.path.insert(0, REPO_ROOT)
 from megalite.errors import run_main  # noqa: E402
 
 STOP_GRACE_S = 10.0  # a failed run's other ranks get this long to exit on SIGTERM before SIGKILL
+PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): a signal for this process when its parent dies
 
 
 def free_port() -> int:
@@ -42,10 +47,21 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
             "MASTER_PORT": str(port)}
 
 
-def _rank_main(main, rank: int, world_size: int, port: int, argv: list[str]) -> None:
+def _rank_main(main, launcher_pid: int, rank: int, world_size: int, port: int, argv: list[str]) -> None:
     """One forked rank: torchrun's environment, then pretrain_gpt.py's main (its exit code is ours)."""
+    _stop_with_launcher(launcher_pid)
     os.environ.update(rank_environment(rank, world_size, port))
     sys.exit(run_main(main, argv))
+
+
+def _stop_with_launcher(launcher_pid: int) -> None:
+    """Ask the kernel for a SIGTERM when the launcher dies, even by SIGKILL (Linux; elsewhere nothing)."""
+    prctl = getattr(ctypes.CDLL(None), "prctl", None)
+    if prctl is None:
+        return
+    prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    if os.getppid() != launcher_pid:  # it died before the request: nobody would send the signal
+        os.kill(os.getpid(), signal.SIGTERM)
 
 
 def launch(world_size: int, argv: list[str]) -> int:
@@ -54,11 +70,23 @@ def launch(world_size: int, argv: list[str]) -> int:
 
     port = free_port()
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank_main, args=(pretrain_gpt.main, rank, world_size, port, argv),
+    ranks = [context.Process(target=_rank_main, args=(pretrain_gpt.main, os.getpid(), rank, world_size, port, argv),
                              name=f"rank{rank}") for rank in range(world_size)]
     for process in ranks:
         process.start()
+    _forward_signals(ranks)
     return _wait(ranks)
+
+
+def _forward_signals(ranks: list) -> None:
+    """SIGTERM and SIGINT to the launcher go on to every live rank; the launcher keeps waiting for them."""
+    def forward(signum, frame):
+        for process in ranks:
+            if process.exitcode is None:
+                os.kill(process.pid, signum)
+
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, forward)
 
 
 def _wait(ranks: list) -> int:
