@@ -10,7 +10,16 @@ import sys
 import time
 
 from tools.check_layouts import COMMON
+from tools.fault_campaign import child_pids, wait_for
 from tools.fork_ranks import REPO_ROOT, _wait, rank_environment
+
+ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
+
+
+def _fork_ranks(*flags: str) -> list[str]:
+    """The command that forks 2 ranks of pretrain_gpt.py with the tiny model's flags and `flags`."""
+    return [sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", "2", "--",
+            *COMMON, *flags]
 
 
 def _exit_with(code: int) -> None:
@@ -48,16 +57,10 @@ def test_ranks_get_torchruns_variables_and_bad_flags_stop_the_launcher_with_one_
     assert rank_environment(1, 4, 29501) == {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                                              "LOCAL_WORLD_SIZE": "4", "GROUP_RANK": "0",
                                              "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29501"}
-    result = subprocess.run([sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"),
-                             "--nproc-per-node", "2", "--", *COMMON, "--tensor-model-parallel-size", "3"],
-                            capture_output=True, text=True, timeout=120, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    result = subprocess.run(_fork_ranks("--tensor-model-parallel-size", "3"), capture_output=True, text=True,
+                            timeout=120, env=ONE_THREAD)
     assert result.returncode == 1
     assert "error:" in result.stderr and "Traceback" not in result.stderr
-
-
-def _children(pid: int) -> list[int]:
-    return [int(child) for task in os.listdir(f"/proc/{pid}/task")
-            for child in open(f"/proc/{pid}/task/{task}/children").read().split()]
 
 
 def _gone(pid: int) -> bool:
@@ -68,29 +71,19 @@ def _gone(pid: int) -> bool:
         return True
 
 
-def _until(condition, timeout: float = 60.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.1)
-    return True
-
-
 def test_a_signal_to_the_launcher_reaches_every_rank_and_no_rank_outlives_it(tmp_path):
     for signum in (signal.SIGTERM, signal.SIGKILL):  # forwarded; the kernel's parent-death signal
         metrics = tmp_path / f"{signum}.jsonl"
-        launcher = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"),
-                                     "--nproc-per-node", "2", "--", *COMMON, "--train-iters", "100000",
-                                     "--metrics-file", str(metrics)], stdout=subprocess.DEVNULL,
-                                    stderr=subprocess.DEVNULL, env={**os.environ, "OMP_NUM_THREADS": "1"})
+        launcher = subprocess.Popen(_fork_ranks("--train-iters", "100000", "--metrics-file", str(metrics)),
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=ONE_THREAD)
         try:
-            assert _until(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2)  # training
-            ranks = _children(launcher.pid)
+            assert wait_for(lambda: metrics.exists() and metrics.read_text().count("\n") >= 2, [launcher],
+                            timeout=60, poll=0.1)  # training
+            ranks = child_pids(launcher.pid)
             assert len(ranks) == 2
             os.kill(launcher.pid, signum)
             assert launcher.wait(timeout=60) == (128 + signal.SIGTERM if signum == signal.SIGTERM else -signum)
-            assert _until(lambda: all(_gone(pid) for pid in ranks))
+            assert wait_for(lambda: all(_gone(pid) for pid in ranks), [], timeout=60, poll=0.1)
         finally:
             if launcher.poll() is None:
                 launcher.kill()

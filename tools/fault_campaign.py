@@ -79,18 +79,23 @@ def wait_all(processes, timeout: float) -> list[int | None]:
     return codes
 
 
+def child_pids(parent_pid: int) -> list[int]:
+    """The pids of `parent_pid`'s child processes (Linux /proc)."""
+    return [int(pid) for task in os.listdir(f"/proc/{parent_pid}/task")
+            for pid in open(f"/proc/{parent_pid}/task/{task}/children").read().split()]
+
+
 def worker_pids(launcher_pid: int) -> dict[int, int]:
     """{rank: pid} of the worker processes a torchrun launcher started (Linux /proc)."""
     workers = {}
-    for task in os.listdir(f"/proc/{launcher_pid}/task"):
-        for pid in open(f"/proc/{launcher_pid}/task/{task}/children").read().split():
-            try:
-                environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
-            except FileNotFoundError:
-                continue
-            ranks = [item[len(b"RANK="):] for item in environ if item.startswith(b"RANK=")]
-            if ranks:
-                workers[int(ranks[0])] = int(pid)
+    for pid in child_pids(launcher_pid):
+        try:
+            environ = open(f"/proc/{pid}/environ", "rb").read().split(b"\0")
+        except FileNotFoundError:
+            continue
+        ranks = [item[len(b"RANK="):] for item in environ if item.startswith(b"RANK=")]
+        if ranks:
+            workers[int(ranks[0])] = pid
     return workers
 
 
