@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megalite.cpu_allocator import RecycledBuffer
+from megalite.cpu_allocator import RecycledBuffer, padded_row_length
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,6 +59,28 @@ def test_a_larger_request_gets_a_new_block_which_is_kept():
     pointer = larger.data_ptr()
     del larger
     assert buffer.take((5, 3), torch.float32, "cpu").data_ptr() == pointer
+
+
+def test_rows_a_whole_number_of_4_kib_apart_get_one_cache_line_more():
+    assert padded_row_length(8192, 4) == 8208  # config A's fp32 logits: 32 KiB rows
+    assert padded_row_length(1024, 4) == 1040 and padded_row_length(2048, 2) == 2080  # 4 KiB, in bf16 too
+    assert padded_row_length(32000, 4) == 32000  # 125 KiB: rows fall on different cache sets already
+    assert padded_row_length(1000, 4) == 1000 and padded_row_length(512, 4) == 512
+
+
+def test_a_padded_block_is_laid_out_in_padded_rows_and_handed_out_again():
+    buffer = RecycledBuffer()
+    first = buffer.take((3, 2, 1024), torch.float32, "cpu", pad_rows=True)
+    assert first.shape == (3, 2, 1024) and first.stride() == (2 * 1040, 1040, 1)
+    assert buffer._storage.nbytes() == 3 * 2 * 1040 * 4
+    assert first.view(-1, 1024).stride() == (1040, 1)  # token rows flatten into one GEMM output
+    pointer = first.data_ptr()
+    del first
+    again = buffer.take((3, 2, 1024), torch.float32, "cpu", pad_rows=True)
+    assert again.data_ptr() == pointer and again.stride() == (2 * 1040, 1040, 1)
+    del again
+    plain = buffer.take((3, 2, 1024), torch.float32, "cpu")  # fits in the padded block, contiguous
+    assert plain.data_ptr() == pointer and plain.is_contiguous()
 
 
 def test_other_devices_and_copies_get_plain_memory():

@@ -58,8 +58,8 @@ class _Linear(torch.autograd.Function):
     """y = x W^T + b for x `[*, in]`, W `[out, in]`, b `[out]`, with `matmul`'s fp32 products.
 
     Writes y `[*, out]` (x's dtype) into `out` when given (a tensor nothing else holds,
-    e.g. from a RecycledBuffer), else into new memory; every grad comes back in its
-    input's dtype.
+    e.g. from a RecycledBuffer, its rows maybe padded), else into new memory; every grad
+    comes back in its input's dtype.
     """
 
     @staticmethod
@@ -99,8 +99,9 @@ def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
            out: torch.Tensor | None = None) -> torch.Tensor:
     """F.linear(x, weight, bias), with fp32 products where `fp32_products(x)` says so.
 
-    out: a contiguous `[*, out_features]` tensor of x's dtype to write the result into and
-    return (autograd-tracked like F.linear's result); only for memory nothing else reads.
+    out: a `[*, out_features]` tensor of x's dtype, contiguous but for padding after each
+    row, to write the result into and return (autograd-tracked like F.linear's result);
+    only for memory nothing else reads.
     """
     if fp32_products(x) or out is not None:
         return _Linear.apply(x, weight, bias, out)
