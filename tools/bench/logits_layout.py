@@ -1,0 +1,148 @@
+"""The output layer's GEMMs with the logits' rows contiguous or padded, as megalite lays them out on a CPU.
+
+    python tools/bench/logits_layout.py [--config A|B] [--rounds 12] [--threads 2] [--steps N]
+
+A `[tokens, vocab]` logits matrix whose rows are a whole number of 4 KiB apart (config A:
+8,192 fp32 columns, 32 KiB rows) maps the start of every row to the same cache sets, and
+the GEMMs that write or read it lose time to their own evictions. megalite's output layer
+writes the logits with one cache line of padding after each such row
+(`megalite/cpu_allocator.py`, `padded_row_length`). This bench times the layer's three
+GEMMs, forward `x W^T`, input grad `G W` and weight grad `G^T x` (tokens = micro-batch x
+seq of the config), on both layouts in alternating rounds, and prints each GEMM's median
+time and the median of the same-round ratios contiguous / padded (above 1: padding is
+faster) with a 90% bootstrap interval. A config whose rows are not a multiple of 4 KiB
+(B: 32,000 columns) is not padded, and the bench says so.
+
+`--steps N` also trains config A's (or B's) model: two compiled copies, identical but for
+the logits layout (`output_layer.pad_output_rows`), N iterations each, alternating, and
+prints the same-iteration ratio: what the layout is worth in a whole training step.
+"""
+
+import argparse
+import copy
+import os
+import statistics
+import sys
+import time
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO_ROOT not in sys.path:  # run as a script from anywhere
+    sys.path.insert(0, REPO_ROOT)
+
+from tools.bench import train_throughput  # noqa: E402  (sets the allocator up before torch loads)
+
+import torch  # noqa: E402
+
+from megalite.cpu_allocator import RecycledBuffer, padded_row_length  # noqa: E402
+from megalite.errors import run_main  # noqa: E402
+
+
+def get_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--config", choices=("A", "B"), default="A", help="issue 10's config (shapes)")
+    parser.add_argument("--rounds", type=int, default=12, help="alternating timed rounds of each layout")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=0,
+                        help="also time N training iterations of two compiled models, padded against contiguous")
+    return parser.parse_args(argv)
+
+
+def gemms(x: torch.Tensor, weight: torch.Tensor, logits: torch.Tensor) -> dict:
+    """name -> a closure running that GEMM of the output layer with `logits` `[tokens, vocab]` as its
+    output (forward) or its grad operand (input and weight grads)."""
+    grad_x = torch.empty_like(x)
+    grad_weight = torch.empty_like(weight)
+    return {"forward x W^T": lambda: torch.mm(x, weight.t(), out=logits),
+            "input grad G W": lambda: torch.mm(logits, weight, out=grad_x),
+            "weight grad G^T x": lambda: torch.mm(logits.t(), x, out=grad_weight)}
+
+
+def time_gemms(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
+    """(gemm, layout) -> seconds per round, layouts "contiguous" and "padded" alternating."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    layouts = {}
+    for layout in ("contiguous", "padded"):
+        logits = RecycledBuffer().take((tokens, vocab), torch.float32, "cpu", pad_rows=layout == "padded")
+        layouts[layout] = gemms(x, weight, logits.normal_(generator=generator))
+    for closures in layouts.values():  # warm-up: MKL's buffers, the pages
+        for run in closures.values():
+            run()
+    times = {(name, layout): [] for layout in layouts for name in layouts[layout]}
+    for round_index in range(rounds):
+        order = list(layouts) if round_index % 2 == 0 else list(reversed(layouts))
+        for layout in order:
+            for name, run in layouts[layout].items():
+                start = time.perf_counter()
+                run()
+                times[(name, layout)].append(time.perf_counter() - start)
+    return times
+
+
+def ratio_text(slow: list[float], fast: list[float]) -> str:
+    """The median of the same-round ratios slow / fast, with its 90% bootstrap interval."""
+    ratios = [a / b for a, b in zip(slow, fast)]
+    text = f"{statistics.median(ratios):.3f}"
+    interval = train_throughput.median_interval(ratios)
+    return text + (f" ({interval[0]:.3f}-{interval[1]:.3f})" if interval else "")
+
+
+def time_steps(config_name: str, steps: int) -> dict:
+    """layout -> seconds of each training iteration of the config's model, compiled, the two alternating."""
+    args = train_throughput.get_args(["--config", config_name, "--dtype", "fp32"])
+    config = train_throughput.build_config(args)
+    model = train_throughput.build_model(config, args.seed, dtype=torch.float32).train()
+    generator = torch.Generator().manual_seed(args.seed)
+    shape = (args.micro_batch_size, config.seq_length)
+    tokens = torch.randint(0, config.vocab_size, shape, generator=generator)
+    batch = (tokens, tokens.roll(-1, dims=1), torch.arange(config.seq_length).expand(shape))
+    runs = {}
+    for layout in ("contiguous", "padded"):
+        copy_ = copy.deepcopy(model)
+        copy_.output_layer.pad_output_rows = layout == "padded"
+        runs[layout] = train_throughput.megalite_variant(copy_, "compile", batch)
+        for _ in range(2):  # compile, then one warm iteration
+            runs[layout]()
+    times = {layout: [] for layout in runs}
+    for step in range(steps):
+        for layout in (list(runs) if step % 2 == 0 else list(reversed(runs))):
+            start = time.perf_counter()
+            runs[layout]()
+            times[layout].append(time.perf_counter() - start)
+    return times
+
+
+def main(argv=None) -> dict:
+    args = get_args(argv)
+    torch.set_num_threads(args.threads)
+    settings = train_throughput.CONFIGS[args.config]
+    config = train_throughput.build_config(train_throughput.get_args(["--config", args.config]))
+    tokens, hidden, vocab = settings["micro_batch_size"] * config.seq_length, config.hidden_size, config.vocab_size
+    row = padded_row_length(vocab, 4)
+    print(f"torch {torch.__version__}, {args.threads} threads; config {args.config}: logits [{tokens}, {vocab}] "
+          f"fp32, hidden {hidden}; rows {vocab * 4} bytes apart, "
+          + (f"padded to {row * 4}" if row != vocab else "not a multiple of 4 KiB: megalite does not pad them"))
+    times = time_gemms(tokens, hidden, vocab, args.rounds)
+    summary = {}
+    print(f"{'GEMM':<20}{'contiguous ms':>15}{'padded ms':>12}  contiguous / padded, same-round median (90%)")
+    for name in dict.fromkeys(name for name, _ in times):
+        contiguous, padded = times[(name, "contiguous")], times[(name, "padded")]
+        summary[name] = statistics.median(a / b for a, b in zip(contiguous, padded))
+        print(f"{name:<20}{statistics.median(contiguous) * 1e3:>15.1f}{statistics.median(padded) * 1e3:>12.1f}"
+              f"  {ratio_text(contiguous, padded)}")
+    total = {layout: [sum(parts) for parts in zip(*(times[key] for key in times if key[1] == layout))]
+             for layout in ("contiguous", "padded")}
+    summary["all three"] = statistics.median(a / b for a, b in zip(total["contiguous"], total["padded"]))
+    print(f"{'all three':<20}{statistics.median(total['contiguous']) * 1e3:>15.1f}"
+          f"{statistics.median(total['padded']) * 1e3:>12.1f}  {ratio_text(total['contiguous'], total['padded'])}")
+    if args.steps:
+        steps = time_steps(args.config, args.steps)
+        summary["step"] = statistics.median(a / b for a, b in zip(steps["contiguous"], steps["padded"]))
+        print(f"training iteration, compiled, {args.steps} pairs: contiguous "
+              f"{statistics.median(steps['contiguous']) * 1e3:.1f} ms, padded {statistics.median(steps['padded']) * 1e3:.1f} ms;"
+              f" contiguous / padded {ratio_text(steps['contiguous'], steps['padded'])}")
+    return summary
+
+
+if __name__ == "__main__":
+    run_main(main)
