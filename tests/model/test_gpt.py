@@ -152,14 +152,15 @@ def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_c
     assert model.compiled_loss
 
 
-@pytest.mark.parametrize("family, vocab_size", [("llama", 256), ("gpt2", 256), ("llama", 1024)])
-def test_recycled_logits_train_bitwise_like_fresh_ones(llama_config, gpt2_config, family, vocab_size):
+@pytest.mark.parametrize("family, vocab_size, dtype", [("llama", 256, torch.float32), ("gpt2", 256, torch.float32),
+                                                      ("llama", 1024, torch.float32), ("llama", 2048, torch.bfloat16)])
+def test_recycled_logits_train_bitwise_like_fresh_ones(llama_config, gpt2_config, family, vocab_size, dtype):
     """The output layer writes the logits into one kept block (CPU), step after step, eval between;
-    with 1,024 fp32 columns (4 KiB rows) that block has padded rows."""
+    with 4 KiB rows (1,024 fp32 or 2,048 bf16 columns) that block has padded rows."""
     config = (llama_config if family == "llama" else gpt2_config)(vocab_size=vocab_size)
     runs = []
     for recycle in (True, False):
-        model = GPTModel(config, seed=6)
+        model = GPTModel(config, seed=6).to(dtype)
         if not recycle:
             model.output_layer.output_buffer = None
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -178,9 +179,9 @@ def test_recycled_logits_train_bitwise_like_fresh_ones(llama_config, gpt2_config
         runs.append((losses, model.state_dict()))
         if recycle:
             assert all(block() is model.output_layer.output_buffer._storage for block in blocks)  # one block
-            row = padded_row_length(vocab_size, 4)
-            assert row == (1040 if vocab_size == 1024 else vocab_size)
-            assert blocks[0]().nbytes() == 2 * config.seq_length * row * 4
+            row = padded_row_length(vocab_size, dtype.itemsize)
+            assert row == {256: 256, 1024: 1040, 2048: 2080}[vocab_size]
+            assert blocks[0]().nbytes() == 2 * config.seq_length * row * dtype.itemsize
     assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
     assert all(torch.equal(runs[0][1][name], runs[1][1][name]) for name in runs[0][1])
 
