@@ -133,6 +133,7 @@ class ColumnParallelLinear(nn.Module):
     such as the logits; fresh memory costs page faults (see megalite/cpu_allocator.py).
     Its rows are padded to a cache-friendly spacing there (`pad_output_rows`, on by
     default; cpu_allocator.padded_row_length), so that output need not be contiguous.
+    Eager only: traced by torch.compile, the layer returns F.linear's output.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
@@ -176,7 +177,8 @@ class ColumnParallelLinear(nn.Module):
         else:
             input = copy_to_tensor_parallel_region(input, self.tp_group)
         out = None
-        if self.output_buffer is not None and input.device.type == "cpu":
+        # Traced by torch.compile (a whole model compiled), the compiler plans the memory instead.
+        if self.output_buffer is not None and input.device.type == "cpu" and not torch.compiler.is_compiling():
             out = self.output_buffer.take((*input.shape[:-1], weight.shape[0]), input.dtype, input.device,
                                           pad_rows=self.pad_output_rows)
         output = linear(input, weight, self.bias, out=out)  # fp32 products for bf16 on CPUs without bf16 units

@@ -195,3 +195,20 @@ def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(l
         kept = logits.clone()
         other = model(tokens.flip(1), positions)
     assert torch.equal(logits, kept) and not torch.equal(other, kept)
+
+
+def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
+    """Traced whole (torch.compile(model), not only its layers), the output layer leaves the logits'
+    memory to the compiler: its recycled, row-padded block (1,024 fp32 columns) is an eager-only layout,
+    and traced it made dynamo refuse the in-place loss. aot_eager: dynamo and AOTAutograd, no C++ build."""
+    config = llama_config(num_layers=1, vocab_size=1024)
+    model, reference = GPTModel(config, seed=3), GPTModel(config, seed=3)
+    tokens, positions, labels = batch(config)
+    compiled = torch.compile(model, backend="aot_eager")
+    loss = compiled(tokens, positions, labels=labels).mean()
+    loss.backward()
+    expected = reference(tokens, positions, labels=labels).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, msg=name)
