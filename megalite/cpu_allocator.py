@@ -24,7 +24,8 @@ rows are a whole number of 4 KiB apart (logits of a power-of-two vocabulary, e.g
 fp32 columns = 32 KiB) puts every row's first bytes in the same cache sets, and the
 kernel's tiles of several rows evict one another. `padded_row_length` gives such rows one
 cache line more; `RecycledBuffer.take(..., pad_rows=True)` lays the logits out so (config
-A's logits GEMM: 1.2x, its three head GEMMs 1.13-1.15x; docs/benchmarks.md).
+A's output layer: forward GEMM 1.05-1.4x, its three GEMMs 1.04-1.15x, a whole step ~1.03x;
+`tools/bench/logits_layout.py`, docs/benchmarks.md).
 
 GPU memory is unaffected: PyTorch's CUDA caching allocator already reuses its blocks.
 """
