@@ -55,6 +55,16 @@ def padded_row_length(columns: int, itemsize: int) -> int:
     return columns + CACHE_LINE_BYTES // itemsize
 
 
+def empty_padded_rows(rows: int, columns: int, dtype, device):
+    """An uninitialised `[rows, columns]` tensor for a GEMM to write; on a CPU its rows are
+    `padded_row_length` apart (a view of a wider block), elsewhere contiguous."""
+    import torch
+
+    if torch.device(device).type != "cpu":
+        return torch.empty(rows, columns, dtype=dtype, device=device)
+    return torch.empty(rows, padded_row_length(columns, dtype.itemsize), dtype=dtype)[:, :columns]
+
+
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
 M_MMAP_MAX = -4
 

@@ -9,7 +9,7 @@ import sys
 import pytest
 import torch
 
-from megalite.cpu_allocator import RecycledBuffer, padded_row_length
+from megalite.cpu_allocator import RecycledBuffer, empty_padded_rows, padded_row_length
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -81,6 +81,13 @@ def test_a_padded_block_is_laid_out_in_padded_rows_and_handed_out_again():
     del again
     plain = buffer.take((3, 2, 1024), torch.float32, "cpu")  # fits in the padded block, contiguous
     assert plain.data_ptr() == pointer and plain.is_contiguous()
+
+
+def test_a_gemm_output_has_padded_rows_on_a_cpu_only():
+    chunk = empty_padded_rows(3, 1024, torch.float32, "cpu")
+    assert chunk.shape == (3, 1024) and chunk.stride() == (1040, 1)
+    assert empty_padded_rows(3, 1000, torch.float32, "cpu").is_contiguous()
+    assert empty_padded_rows(3, 1024, torch.float32, "meta").is_contiguous()
 
 
 def test_other_devices_and_copies_get_plain_memory():

@@ -10,6 +10,7 @@ from megalite.config import ModelConfig
 from megalite.errors import UserError
 from megalite.kernels import cross_entropy as ce_module
 from megalite.kernels.cross_entropy import IGNORE_INDEX
+from megalite.kernels import linear_cross_entropy as lce_module
 from megalite.kernels.linear_cross_entropy import _LinearCrossEntropy, chunk_size, linear_cross_entropy
 from megalite.model.gpt import build_model
 
@@ -62,6 +63,40 @@ def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, 
         assert relative_error(ours, reference) <= 2 * max(relative_error(theirs, reference), FLOOR[dtype]), name
     assert fused[0][4] == 0 and torch.all(fused[1][4] == 0)  # the ignored token
     assert torch.all(fused[2][real_vocab:] == 0)  # padding rows of the weight
+
+
+@pytest.mark.parametrize("chunk_elements", [5 * 1024, 12 * 1024])
+def test_chunks_with_padded_rows_give_the_contiguous_results(chunk_elements, monkeypatch, mode, one_thread):
+    """1,024 fp32 columns are 4 KiB rows: on a CPU the chunks' logits are laid out with padded rows
+    (cpu_allocator.padded_row_length), with the results of contiguous chunks, bit for bit. 5 x 1,024:
+    forward chunks of 5, 5 and 2 padded rows; 12 x 1,024: one chunk each way, both padded."""
+    mode("torch")
+    generator = torch.Generator().manual_seed(5)
+    hidden = torch.randn(12, 16, generator=generator, dtype=torch.float64)
+    weight = torch.randn(1024, 16, generator=generator, dtype=torch.float64) * 0.3
+    labels = torch.randint(0, 1024, (12,), generator=generator)
+    labels[3] = IGNORE_INDEX
+    grad = torch.rand(12, generator=generator, dtype=torch.float64)
+    padded_chunk, laid_out = lce_module.empty_padded_rows, []
+
+    def recording(rows, columns, dtype, device):
+        chunk = padded_chunk(rows, columns, dtype, device)
+        laid_out.append((columns, chunk.stride(0)))
+        return chunk
+
+    def contiguous(rows, columns, dtype, device):
+        return torch.empty(rows, columns, dtype=dtype, device=device)
+
+    results = []
+    for allocate in (contiguous, recording):
+        monkeypatch.setattr(lce_module, "empty_padded_rows", allocate)
+        results.append(run(linear_cross_entropy, hidden, weight, labels, grad, torch.float32,
+                           chunk_elements=chunk_elements))
+    assert laid_out[0] == (1024, 1040) and len(laid_out) == 2
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=0.0, real_vocab=1024)
+    for name, reference, ours in zip(("losses", "dhidden", "dweight"), expected, results[1]):
+        assert relative_error(ours, reference) <= 1e-5, name
 
 
 def test_fused_path_keeps_no_logits(one_thread):
