@@ -55,12 +55,12 @@ def padded_row_length(columns: int, itemsize: int) -> int:
     return columns + CACHE_LINE_BYTES // itemsize
 
 
-def empty_padded_rows(rows: int, columns: int, dtype, device):
-    """An uninitialised `[rows, columns]` tensor for a GEMM to write; on a CPU its rows are
-    `padded_row_length` apart (a view of a wider block), elsewhere contiguous."""
+def empty_padded_rows(rows: int, columns: int, dtype, device, pad: bool = True):
+    """An uninitialised `[rows, columns]` tensor for a GEMM to write; on a CPU (and with `pad`) its
+    rows are `padded_row_length` apart (a view of a wider block), else contiguous."""
     import torch
 
-    if torch.device(device).type != "cpu":
+    if torch.device(device).type != "cpu" or not pad:
         return torch.empty(rows, columns, dtype=dtype, device=device)
     return torch.empty(rows, padded_row_length(columns, dtype.itemsize), dtype=dtype)[:, :columns]
 

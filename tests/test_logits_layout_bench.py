@@ -17,7 +17,7 @@ def test_config_a_prints_the_ratios(capsys):
     summary = bench_main(["--config", "A", "--rounds", "1", "--threads", "1"])
     out = capsys.readouterr().out
     assert "rows 32768 bytes apart, padded to 32832" in out
-    assert set(summary) == {"forward x W^T", "input grad G W", "weight grad G^T x", "all three"}
+    assert set(summary) == {"forward x W^T", "input grad G W", "weight grad G^T x", "all three", "fused"}
     assert all(ratio > 0 for ratio in summary.values())
 
 

@@ -77,22 +77,20 @@ def test_chunks_with_padded_rows_give_the_contiguous_results(chunk_elements, mon
     labels = torch.randint(0, 1024, (12,), generator=generator)
     labels[3] = IGNORE_INDEX
     grad = torch.rand(12, generator=generator, dtype=torch.float64)
-    padded_chunk, laid_out = lce_module.empty_padded_rows, []
+    allocate, laid_out = lce_module.empty_padded_rows, []
 
-    def recording(rows, columns, dtype, device):
-        chunk = padded_chunk(rows, columns, dtype, device)
+    def recording(rows, columns, *args):
+        chunk = allocate(rows, columns, *args)
         laid_out.append((columns, chunk.stride(0)))
         return chunk
 
-    def contiguous(rows, columns, dtype, device):
-        return torch.empty(rows, columns, dtype=dtype, device=device)
-
+    monkeypatch.setattr(lce_module, "empty_padded_rows", recording)
     results = []
-    for allocate in (contiguous, recording):
-        monkeypatch.setattr(lce_module, "empty_padded_rows", allocate)
+    for pad_rows in (False, True):  # PAD_ROWS False: what tools/bench/logits_layout.py compares against
+        monkeypatch.setattr(lce_module, "PAD_ROWS", pad_rows)
         results.append(run(linear_cross_entropy, hidden, weight, labels, grad, torch.float32,
                            chunk_elements=chunk_elements))
-    assert laid_out[0] == (1024, 1040) and len(laid_out) == 2
+    assert laid_out[0] == (1024, 1024) and laid_out[2] == (1024, 1040) and len(laid_out) == 4
     assert all(torch.equal(a, b) for a, b in zip(*results))
     expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=0.0, real_vocab=1024)
     for name, reference, ours in zip(("losses", "dhidden", "dweight"), expected, results[1]):

@@ -13,6 +13,10 @@ time and the median of the same-round ratios contiguous / padded (above 1: paddi
 faster) with a 90% bootstrap interval. A config whose rows are not a multiple of 4 KiB
 (B: 32,000 columns) is not padded, and the bench says so.
 
+It then times the fused output layer + cross-entropy (`--fused-output-cross-entropy`,
+forward and backward at the same shapes, PyTorch path), whose chunks of logits follow
+the same rule (`megalite.kernels.linear_cross_entropy.PAD_ROWS`), both ways.
+
 `--steps N` also trains config A's (or B's) model: two compiled copies, identical but for
 the logits layout (`output_layer.pad_output_rows`), N iterations each, alternating, and
 prints the same-iteration ratio: what the layout is worth in a whole training step.
@@ -35,6 +39,7 @@ import torch  # noqa: E402
 
 from megalite.cpu_allocator import RecycledBuffer, padded_row_length  # noqa: E402
 from megalite.errors import run_main  # noqa: E402
+from megalite.kernels import kernels_mode, linear_cross_entropy as fused_module, set_kernels  # noqa: E402
 
 
 def get_args(argv):
@@ -76,6 +81,33 @@ def time_gemms(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
                 start = time.perf_counter()
                 run()
                 times[(name, layout)].append(time.perf_counter() - start)
+    return times
+
+
+def time_fused(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
+    """layout -> seconds of the fused output layer + cross-entropy's forward and backward, alternating."""
+    generator = torch.Generator().manual_seed(0)
+    x, weight = torch.randn(tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    labels = torch.randint(0, vocab, (tokens,), generator=generator)
+    mode = kernels_mode()
+    set_kernels("torch")  # the chunks' math in PyTorch: what a CPU runs
+
+    def run(pad_rows: bool) -> float:
+        fused_module.PAD_ROWS = pad_rows
+        leaves = [t.clone().mul_(0.02).requires_grad_() for t in (x, weight)]
+        start = time.perf_counter()
+        fused_module.linear_cross_entropy(*leaves, labels).mean().backward()
+        return time.perf_counter() - start
+
+    times = {"contiguous": [], "padded": []}
+    try:
+        run(False), run(True)  # warm-up
+        for round_index in range(rounds):
+            for layout in (("contiguous", "padded") if round_index % 2 == 0 else ("padded", "contiguous")):
+                times[layout].append(run(layout == "padded"))
+    finally:
+        fused_module.PAD_ROWS = True
+        set_kernels(mode)
     return times
 
 
@@ -135,6 +167,11 @@ def main(argv=None) -> dict:
     summary["all three"] = statistics.median(a / b for a, b in zip(total["contiguous"], total["padded"]))
     print(f"{'all three':<20}{statistics.median(total['contiguous']) * 1e3:>15.1f}"
           f"{statistics.median(total['padded']) * 1e3:>12.1f}  {ratio_text(total['contiguous'], total['padded'])}")
+    fused = time_fused(tokens, hidden, vocab, args.rounds)
+    summary["fused"] = statistics.median(a / b for a, b in zip(fused["contiguous"], fused["padded"]))
+    print(f"{'fused output + CE':<20}{statistics.median(fused['contiguous']) * 1e3:>15.1f}"
+          f"{statistics.median(fused['padded']) * 1e3:>12.1f}  {ratio_text(fused['contiguous'], fused['padded'])}"
+          f"  (forward + backward, chunks padded as the logits)")
     if args.steps:
         steps = time_steps(args.config, args.steps)
         summary["step"] = statistics.median(a / b for a, b in zip(steps["contiguous"], steps["padded"]))
