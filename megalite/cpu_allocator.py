@@ -55,14 +55,32 @@ def padded_row_length(columns: int, itemsize: int) -> int:
     return columns + CACHE_LINE_BYTES // itemsize
 
 
-def empty_padded_rows(rows: int, columns: int, dtype, device, pad: bool = True):
-    """An uninitialised `[rows, columns]` tensor for a GEMM to write; on a CPU (and with `pad`) its
-    rows are `padded_row_length` apart (a view of a wider block), else contiguous."""
+_row_padding = True  # set_row_padding
+
+
+def set_row_padding(enabled: bool) -> None:
+    """Pad GEMM outputs' rows as `padded_row_length` says (default), or lay them out contiguous
+    everywhere (tools/bench/logits_layout.py measures one against the other)."""
+    global _row_padding
+    _row_padding = enabled
+
+
+def _laid_out(shape, itemsize: int, pad_rows: bool):
+    """The memory's shape for a tensor `shape`: its last dimension `padded_row_length` long when
+    `pad_rows` and row padding is on, else `shape` itself."""
+    if not (pad_rows and _row_padding and len(shape) >= 2):
+        return tuple(shape)
+    return (*shape[:-1], padded_row_length(shape[-1], itemsize))
+
+
+def empty_padded_rows(rows: int, columns: int, dtype, device):
+    """An uninitialised `[rows, columns]` tensor for a GEMM to write; on a CPU its rows are
+    `padded_row_length` apart (a view of a wider block), elsewhere contiguous."""
     import torch
 
-    if torch.device(device).type != "cpu" or not pad:
+    if torch.device(device).type != "cpu":
         return torch.empty(rows, columns, dtype=dtype, device=device)
-    return torch.empty(rows, padded_row_length(columns, dtype.itemsize), dtype=dtype)[:, :columns]
+    return torch.empty(_laid_out((rows, columns), dtype.itemsize, True), dtype=dtype)[:, :columns]
 
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -112,8 +130,9 @@ class RecycledBuffer:
     def take(self, shape, dtype, device, pad_rows: bool = False):
         """An uninitialised tensor `shape` of `dtype` on `device`, over the kept block when free.
 
-        Contiguous, or with `pad_rows` (CPU) its rows `padded_row_length` elements apart:
-        a GEMM's output layout (`torch.mm(..., out=)` writes into it in place).
+        Contiguous, or with `pad_rows` its rows `padded_row_length` elements apart (unless
+        `set_row_padding(False)`): a GEMM's output layout (`torch.mm(..., out=)` writes into
+        it in place).
         """
         import torch
 
@@ -121,9 +140,7 @@ class RecycledBuffer:
         use_count = getattr(torch._C, "_storage_Use_Count", None)  # private: without it, no recycling
         if device.type != "cpu" or use_count is None:
             return torch.empty(shape, dtype=dtype, device=device)
-        laid_out = torch.Size(shape)  # the memory's shape: `shape`, or its rows padded
-        if pad_rows and len(shape) >= 2:
-            laid_out = torch.Size((*shape[:-1], padded_row_length(shape[-1], dtype.itemsize)))
+        laid_out = torch.Size(_laid_out(shape, dtype.itemsize, pad_rows))
         nbytes = laid_out.numel() * dtype.itemsize
         if self._storage is None or self._storage.nbytes() < nbytes or use_count(self._storage._cdata) > 1:
             self._storage = torch.empty(laid_out, dtype=dtype).untyped_storage()  # the old block, if busy, lives on

@@ -32,7 +32,6 @@ from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_fro
 from megalite.kernels.matmul import matmul
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
-PAD_ROWS = True  # chunk rows padded off a 4 KiB stride on a CPU (cpu_allocator); tools/bench/logits_layout.py turns it off
 
 
 def chunk_size(total: int, other: int, chunk_elements: int = CHUNK_ELEMENTS) -> int:
@@ -63,7 +62,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         losses = torch.empty_like(lse)
         rows = chunk_size(hidden.shape[0], vocab, chunk_elements)
-        chunk = empty_padded_rows(rows, vocab, hidden.dtype, hidden.device, PAD_ROWS)  # each chunk's logits in turn
+        chunk = empty_padded_rows(rows, vocab, hidden.dtype, hidden.device)  # each chunk's logits in turn
         for start in range(0, hidden.shape[0], rows):
             end = min(start + rows, hidden.shape[0])
             logits = matmul(hidden[start:end], weight[:vocab].t(), out=chunk[:end - start])  # [c, V]
@@ -84,7 +83,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight)
         grad_weight[vocab:] = 0
         columns = chunk_size(vocab, hidden.shape[0], chunk_elements)
-        chunk = empty_padded_rows(hidden.shape[0], columns, hidden.dtype, hidden.device, PAD_ROWS)
+        chunk = empty_padded_rows(hidden.shape[0], columns, hidden.dtype, hidden.device)
         for start in range(0, vocab, columns):
             end = min(start + columns, vocab)
             weight_block = weight[start:end]

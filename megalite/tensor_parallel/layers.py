@@ -131,8 +131,8 @@ class ColumnParallelLinear(nn.Module):
     `recycle_output`: on a CPU, write the local output into memory kept from call to call
     (a RecycledBuffer: reused once nothing holds the previous output), for a large output
     such as the logits; fresh memory costs page faults (see megalite/cpu_allocator.py).
-    Its rows are padded to a cache-friendly spacing there (`pad_output_rows`, on by
-    default; cpu_allocator.padded_row_length), so that output need not be contiguous.
+    Its rows are padded to a cache-friendly spacing there (cpu_allocator.padded_row_length),
+    so that output need not be contiguous.
     Eager only: traced by torch.compile, the layer returns F.linear's output.
     """
 
@@ -150,7 +150,6 @@ class ColumnParallelLinear(nn.Module):
         self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
         self.real_output_size = real_output_size
         self.output_buffer = RecycledBuffer() if recycle_output else None
-        self.pad_output_rows = True
         self.weight = None
         if not skip_weight_param:
             self.weight = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
@@ -180,7 +179,7 @@ class ColumnParallelLinear(nn.Module):
         # Traced by torch.compile (a whole model compiled), the compiler plans the memory instead.
         if self.output_buffer is not None and input.device.type == "cpu" and not torch.compiler.is_compiling():
             out = self.output_buffer.take((*input.shape[:-1], weight.shape[0]), input.dtype, input.device,
-                                          pad_rows=self.pad_output_rows)
+                                          pad_rows=True)
         output = linear(input, weight, self.bias, out=out)  # fp32 products for bf16 on CPUs without bf16 units
         if self.gather_output and self.tp_size > 1:
             output = gather_from_tensor_parallel_region(output, self.tp_group)  # [*, tp * out/tp]

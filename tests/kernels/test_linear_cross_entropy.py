@@ -7,6 +7,7 @@ import torch.nn.functional as F
 from megalite import kernels
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
+from megalite.cpu_allocator import set_row_padding
 from megalite.errors import UserError
 from megalite.kernels import cross_entropy as ce_module
 from megalite.kernels.cross_entropy import IGNORE_INDEX
@@ -86,10 +87,13 @@ def test_chunks_with_padded_rows_give_the_contiguous_results(chunk_elements, mon
 
     monkeypatch.setattr(lce_module, "empty_padded_rows", recording)
     results = []
-    for pad_rows in (False, True):  # PAD_ROWS False: what tools/bench/logits_layout.py compares against
-        monkeypatch.setattr(lce_module, "PAD_ROWS", pad_rows)
-        results.append(run(linear_cross_entropy, hidden, weight, labels, grad, torch.float32,
-                           chunk_elements=chunk_elements))
+    try:
+        for pad_rows in (False, True):  # off: what tools/bench/logits_layout.py compares against
+            set_row_padding(pad_rows)
+            results.append(run(linear_cross_entropy, hidden, weight, labels, grad, torch.float32,
+                               chunk_elements=chunk_elements))
+    finally:
+        set_row_padding(True)
     assert laid_out[0] == (1024, 1024) and laid_out[2] == (1024, 1040) and len(laid_out) == 4
     assert all(torch.equal(a, b) for a, b in zip(*results))
     expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=0.0, real_vocab=1024)

@@ -15,11 +15,12 @@ faster) with a 90% bootstrap interval. A config whose rows are not a multiple of
 
 It then times the fused output layer + cross-entropy (`--fused-output-cross-entropy`,
 forward and backward at the same shapes, PyTorch path), whose chunks of logits follow
-the same rule (`megalite.kernels.linear_cross_entropy.PAD_ROWS`), both ways.
+the same rule, both ways.
 
-`--steps N` also trains config A's (or B's) model: two compiled copies, identical but for
-the logits layout (`output_layer.pad_output_rows`), N iterations each, alternating, and
-prints the same-iteration ratio: what the layout is worth in a whole training step.
+`--steps N` also trains config A's (or B's) model: two compiled copies, N iterations each,
+alternating, and prints the same-iteration ratio: what the layout is worth in a whole
+training step. The contiguous runs (here and for the fused path) call
+`megalite.cpu_allocator.set_row_padding(False)`.
 """
 
 import argparse
@@ -37,7 +38,7 @@ from tools.bench import train_throughput  # noqa: E402  (sets the allocator up b
 
 import torch  # noqa: E402
 
-from megalite.cpu_allocator import RecycledBuffer, padded_row_length  # noqa: E402
+from megalite.cpu_allocator import empty_padded_rows, padded_row_length, set_row_padding  # noqa: E402
 from megalite.errors import run_main  # noqa: E402
 from megalite.kernels import kernels_mode, linear_cross_entropy as fused_module, set_kernels  # noqa: E402
 
@@ -68,7 +69,8 @@ def time_gemms(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
     x, weight = torch.randn(tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
     layouts = {}
     for layout in ("contiguous", "padded"):
-        logits = RecycledBuffer().take((tokens, vocab), torch.float32, "cpu", pad_rows=layout == "padded")
+        logits = empty_padded_rows(tokens, vocab, torch.float32, "cpu") if layout == "padded" else \
+            torch.empty(tokens, vocab)
         layouts[layout] = gemms(x, weight, logits.normal_(generator=generator))
     for closures in layouts.values():  # warm-up: MKL's buffers, the pages
         for run in closures.values():
@@ -87,27 +89,37 @@ def time_gemms(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
 def time_fused(tokens: int, hidden: int, vocab: int, rounds: int) -> dict:
     """layout -> seconds of the fused output layer + cross-entropy's forward and backward, alternating."""
     generator = torch.Generator().manual_seed(0)
-    x, weight = torch.randn(tokens, hidden, generator=generator), torch.randn(vocab, hidden, generator=generator)
+    leaves = [(torch.randn(shape, generator=generator) * 0.02).requires_grad_() for shape in ((tokens, hidden),
+                                                                                           (vocab, hidden))]
     labels = torch.randint(0, vocab, (tokens,), generator=generator)
+
+    def forward_backward():
+        for leaf in leaves:
+            leaf.grad = None
+        fused_module.linear_cross_entropy(*leaves, labels).mean().backward()
+
     mode = kernels_mode()
     set_kernels("torch")  # the chunks' math in PyTorch: what a CPU runs
-
-    def run(pad_rows: bool) -> float:
-        fused_module.PAD_ROWS = pad_rows
-        leaves = [t.clone().mul_(0.02).requires_grad_() for t in (x, weight)]
-        start = time.perf_counter()
-        fused_module.linear_cross_entropy(*leaves, labels).mean().backward()
-        return time.perf_counter() - start
-
-    times = {"contiguous": [], "padded": []}
     try:
-        run(False), run(True)  # warm-up
-        for round_index in range(rounds):
-            for layout in (("contiguous", "padded") if round_index % 2 == 0 else ("padded", "contiguous")):
-                times[layout].append(run(layout == "padded"))
+        return alternate({"contiguous": forward_backward, "padded": forward_backward}, rounds, warmup=1)
     finally:
-        fused_module.PAD_ROWS = True
         set_kernels(mode)
+
+
+def alternate(runs: dict, rounds: int, warmup: int) -> dict:
+    """layout -> seconds of each call of `runs[layout]` ("contiguous" with row padding off), the
+    layouts alternating round by round after `warmup` untimed calls each."""
+    times = {layout: [] for layout in runs}
+    try:
+        for round_index in range(-warmup, rounds):
+            for layout in (list(runs) if round_index % 2 == 0 else list(reversed(runs))):
+                set_row_padding(layout != "contiguous")
+                start = time.perf_counter()
+                runs[layout]()
+                if round_index >= 0:
+                    times[layout].append(time.perf_counter() - start)
+    finally:
+        set_row_padding(True)
     return times
 
 
@@ -128,56 +140,42 @@ def time_steps(config_name: str, steps: int) -> dict:
     shape = (args.micro_batch_size, config.seq_length)
     tokens = torch.randint(0, config.vocab_size, shape, generator=generator)
     batch = (tokens, tokens.roll(-1, dims=1), torch.arange(config.seq_length).expand(shape))
-    runs = {}
-    for layout in ("contiguous", "padded"):
-        copy_ = copy.deepcopy(model)
-        copy_.output_layer.pad_output_rows = layout == "padded"
-        runs[layout] = train_throughput.megalite_variant(copy_, "compile", batch)
-        for _ in range(2):  # compile, then one warm iteration
-            runs[layout]()
-    times = {layout: [] for layout in runs}
-    for step in range(steps):
-        for layout in (list(runs) if step % 2 == 0 else list(reversed(runs))):
-            start = time.perf_counter()
-            runs[layout]()
-            times[layout].append(time.perf_counter() - start)
-    return times
+    # Two copies, so that each keeps its own recycled logits block and compiled graphs.
+    runs = {layout: train_throughput.megalite_variant(copy.deepcopy(model), "compile", batch)
+            for layout in ("contiguous", "padded")}
+    return alternate(runs, steps, warmup=2)  # warm-up: compile, then one warm iteration
+
+
+def report(name: str, times: dict, note: str = "") -> float:
+    """Print one row (medians of both layouts, the same-round ratio); return that ratio's median."""
+    contiguous, padded = times["contiguous"], times["padded"]
+    print(f"{name:<20}{statistics.median(contiguous) * 1e3:>15.1f}{statistics.median(padded) * 1e3:>12.1f}"
+          f"  {ratio_text(contiguous, padded)}{note}")
+    return statistics.median(a / b for a, b in zip(contiguous, padded))
 
 
 def main(argv=None) -> dict:
     args = get_args(argv)
     torch.set_num_threads(args.threads)
-    settings = train_throughput.CONFIGS[args.config]
-    config = train_throughput.build_config(train_throughput.get_args(["--config", args.config]))
-    tokens, hidden, vocab = settings["micro_batch_size"] * config.seq_length, config.hidden_size, config.vocab_size
+    bench_args = train_throughput.get_args(["--config", args.config])
+    config = train_throughput.build_config(bench_args)
+    tokens, hidden, vocab = bench_args.micro_batch_size * config.seq_length, config.hidden_size, config.vocab_size
     row = padded_row_length(vocab, 4)
     print(f"torch {torch.__version__}, {args.threads} threads; config {args.config}: logits [{tokens}, {vocab}] "
           f"fp32, hidden {hidden}; rows {vocab * 4} bytes apart, "
           + (f"padded to {row * 4}" if row != vocab else "not a multiple of 4 KiB: megalite does not pad them"))
     times = time_gemms(tokens, hidden, vocab, args.rounds)
-    summary = {}
     print(f"{'GEMM':<20}{'contiguous ms':>15}{'padded ms':>12}  contiguous / padded, same-round median (90%)")
-    for name in dict.fromkeys(name for name, _ in times):
-        contiguous, padded = times[(name, "contiguous")], times[(name, "padded")]
-        summary[name] = statistics.median(a / b for a, b in zip(contiguous, padded))
-        print(f"{name:<20}{statistics.median(contiguous) * 1e3:>15.1f}{statistics.median(padded) * 1e3:>12.1f}"
-              f"  {ratio_text(contiguous, padded)}")
+    summary = {name: report(name, {layout: times[(name, layout)] for layout in ("contiguous", "padded")})
+               for name in dict.fromkeys(name for name, _ in times)}
     total = {layout: [sum(parts) for parts in zip(*(times[key] for key in times if key[1] == layout))]
              for layout in ("contiguous", "padded")}
-    summary["all three"] = statistics.median(a / b for a, b in zip(total["contiguous"], total["padded"]))
-    print(f"{'all three':<20}{statistics.median(total['contiguous']) * 1e3:>15.1f}"
-          f"{statistics.median(total['padded']) * 1e3:>12.1f}  {ratio_text(total['contiguous'], total['padded'])}")
-    fused = time_fused(tokens, hidden, vocab, args.rounds)
-    summary["fused"] = statistics.median(a / b for a, b in zip(fused["contiguous"], fused["padded"]))
-    print(f"{'fused output + CE':<20}{statistics.median(fused['contiguous']) * 1e3:>15.1f}"
-          f"{statistics.median(fused['padded']) * 1e3:>12.1f}  {ratio_text(fused['contiguous'], fused['padded'])}"
-          f"  (forward + backward, chunks padded as the logits)")
+    summary["all three"] = report("all three", total)
+    summary["fused"] = report("fused output + CE", time_fused(tokens, hidden, vocab, args.rounds),
+                              "  (forward + backward, chunks padded as the logits)")
     if args.steps:
-        steps = time_steps(args.config, args.steps)
-        summary["step"] = statistics.median(a / b for a, b in zip(steps["contiguous"], steps["padded"]))
-        print(f"training iteration, compiled, {args.steps} pairs: contiguous "
-              f"{statistics.median(steps['contiguous']) * 1e3:.1f} ms, padded {statistics.median(steps['padded']) * 1e3:.1f} ms;"
-              f" contiguous / padded {ratio_text(steps['contiguous'], steps['padded'])}")
+        summary["step"] = report(f"training step x{args.steps}", time_steps(args.config, args.steps),
+                                 "  (whole compiled iterations)")
     return summary
 
 
