@@ -188,30 +188,31 @@ def test_inplace_torch_path_refuses_logits_another_op_saved(mode, one_thread):
         (losses.sum() + other.sum()).backward()
 
 
-@pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
-def test_compiled_inplace_pass_equals_the_eager_one(z_loss_weight, mode, one_thread):
+@pytest.mark.parametrize("z_loss_weight, real_vocab", [(0.0, 45), (1e-2, 45), (0.0, 50)])
+def test_compiled_inplace_pass_equals_the_eager_one(z_loss_weight, real_vocab, mode, one_thread):
     """compiled=True (--compile runs): the fused shift/exp/sum pass gives the eager path's losses and grads,
-    with vocabulary padding and an ignored token, and still writes the grad over the logits."""
+    with and without vocabulary padding (zeroed outside the pass) and with an ignored token, and still
+    writes the grad over the logits."""
     mode("torch")
     logits, labels, grad = problem(6, 50, seed=5, ignored=1)
-    labels = torch.where(labels >= 45, labels - 10, labels)  # ids below the real vocabulary
+    labels = torch.where(labels >= real_vocab, labels - 10, labels)  # ids below the real vocabulary
     labels[2] = IGNORE_INDEX
     results = []
     for compiled in (False, True):
         produced = logits.float().requires_grad_()
         private = produced * 1.0
         storage = private.data_ptr()
-        losses = vocab_parallel_cross_entropy(private, labels, None, 0, 45, z_loss_weight, inplace=True,
+        losses = vocab_parallel_cross_entropy(private, labels, None, 0, real_vocab, z_loss_weight, inplace=True,
                                               compiled=compiled)
         seen = []
         private.register_hook(lambda g: seen.append(g.data_ptr()))
         losses.backward(grad.float())
         assert seen == [storage]
-        assert produced.grad[:, 45:].count_nonzero() == 0 and produced.grad[2].count_nonzero() == 0
+        assert produced.grad[:, real_vocab:].count_nonzero() == 0 and produced.grad[2].count_nonzero() == 0
         results.append((losses.detach(), produced.grad))
     torch.testing.assert_close(results[1][0], results[0][0], rtol=1e-6, atol=1e-6)
     torch.testing.assert_close(results[1][1], results[0][1], rtol=1e-6, atol=1e-7)
-    expected = reference_losses(logits, labels, 45, z_loss_weight)
+    expected = reference_losses(logits, labels, real_vocab, z_loss_weight)
     torch.testing.assert_close(results[1][0].double(), expected, rtol=1e-5, atol=1e-5)
 
 
