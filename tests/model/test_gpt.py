@@ -148,7 +148,8 @@ def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_c
     model.compile_layers()  # lazy: nothing is traced until the first call, so this test stays fast
     assert list(model.state_dict()) == names
     assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
-    assert model.embedding._compiled_call_impl is None  # only the layers, and the loss's pass
+    assert model.final_layernorm._compiled_call_impl is not None
+    assert model.embedding._compiled_call_impl is None  # only the layers, the final norm and the loss's pass
     assert model.compiled_loss
 
 
@@ -206,6 +207,22 @@ def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
     tokens, positions, labels = batch(config)
     compiled = torch.compile(model, backend="aot_eager")
     loss = compiled(tokens, positions, labels=labels).mean()
+    loss.backward()
+    expected = reference(tokens, positions, labels=labels).mean()
+    expected.backward()
+    torch.testing.assert_close(loss, expected)
+    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
+        torch.testing.assert_close(param.grad, other.grad, msg=name)
+
+
+def test_compiled_layers_train_like_eager(llama_config, one_thread):
+    """compile_layers (--compile): the layers, the final norm and the loss's pass under Inductor give the
+    eager model's loss and grads, vocabulary padding included (1,000 real ids of 1,024)."""
+    config = llama_config(num_layers=1, vocab_size=1024, tokenizer_vocab_size=1000)
+    model, reference = GPTModel(config, seed=4), GPTModel(config, seed=4)
+    model.compile_layers()
+    tokens, positions, labels = batch(config)
+    loss = model(tokens, positions, labels=labels).mean()
     loss.backward()
     expected = reference(tokens, positions, labels=labels).mean()
     expected.backward()
