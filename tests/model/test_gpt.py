@@ -198,34 +198,36 @@ def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(l
     assert torch.equal(logits, kept) and not torch.equal(other, kept)
 
 
-def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
-    """Traced whole (torch.compile(model), not only its layers), the output layer leaves the logits'
-    memory to the compiler: its recycled, row-padded block (1,024 fp32 columns) is an eager-only layout,
-    and traced it made dynamo refuse the in-place loss. aot_eager: dynamo and AOTAutograd, no C++ build."""
-    config = llama_config(num_layers=1, vocab_size=1024)
-    model, reference = GPTModel(config, seed=3), GPTModel(config, seed=3)
+def assert_trains_like_eager(config, seed, prepare):
+    """prepare(model) -> the callable to run (the model compiled some way): one step of it gives the loss
+    and parameter grads of the same model in eager."""
+    model, reference = GPTModel(config, seed=seed), GPTModel(config, seed=seed)
+    run = prepare(model)
     tokens, positions, labels = batch(config)
-    compiled = torch.compile(model, backend="aot_eager")
-    loss = compiled(tokens, positions, labels=labels).mean()
+    loss = run(tokens, positions, labels=labels).mean()
     loss.backward()
     expected = reference(tokens, positions, labels=labels).mean()
     expected.backward()
     torch.testing.assert_close(loss, expected)
     for (name, param), other in zip(model.named_parameters(), reference.parameters()):
         torch.testing.assert_close(param.grad, other.grad, msg=name)
+
+
+def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
+    """Traced whole (torch.compile(model), not only its layers), the output layer leaves the logits'
+    memory to the compiler: its recycled, row-padded block (1,024 fp32 columns) is an eager-only layout,
+    and traced it made dynamo refuse the in-place loss. aot_eager: dynamo and AOTAutograd, no C++ build."""
+    assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024), 3,
+                             lambda model: torch.compile(model, backend="aot_eager"))
+
+
+def _layers_compiled(model):
+    model.compile_layers()
+    return model
 
 
 def test_compiled_layers_train_like_eager(llama_config, one_thread):
     """compile_layers (--compile): the layers, the final norm and the loss's pass under Inductor give the
     eager model's loss and grads, vocabulary padding included (1,000 real ids of 1,024)."""
-    config = llama_config(num_layers=1, vocab_size=1024, tokenizer_vocab_size=1000)
-    model, reference = GPTModel(config, seed=4), GPTModel(config, seed=4)
-    model.compile_layers()
-    tokens, positions, labels = batch(config)
-    loss = model(tokens, positions, labels=labels).mean()
-    loss.backward()
-    expected = reference(tokens, positions, labels=labels).mean()
-    expected.backward()
-    torch.testing.assert_close(loss, expected)
-    for (name, param), other in zip(model.named_parameters(), reference.parameters()):
-        torch.testing.assert_close(param.grad, other.grad, msg=name)
+    assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024, tokenizer_vocab_size=1000), 4,
+                             _layers_compiled)
