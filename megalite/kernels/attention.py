@@ -148,7 +148,8 @@ def _attention_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                                beta=0.0, alpha=scale)  # [b*g, r*rows, end]
         scores.view(b, groups, -1, rows, end)[..., first:end].add_(causal_bias[:rows, :rows])
         p = torch.softmax(scores, dim=-1, out=scores)  # in place
-        out5[..., first:end, :] = torch.bmm(p, values[:, :end]).view(out5[..., first:end, :].shape)
+        out_rows = out5[..., first:end, :]
+        out_rows.copy_(torch.bmm(p, values[:, :end]).view(out_rows.shape))
         if keep_probs:
             probs.append(p)
     return out, probs

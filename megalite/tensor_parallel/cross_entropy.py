@@ -58,13 +58,11 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
         reuse_logits = inplace and logits.dtype == torch.float32  # no second [s, b, v/tp] tensor
         if reuse_logits and compiled:  # shift, exp and row sums in one compiled pass
             exp_logits, sum_exp = logits, _compiled_exp_rows()(logits, max_logits, real_columns)
-            if real_columns < local_vocab:  # here, not in the pass: its kernel ran 2.6x slower with it
-                exp_logits[..., real_columns:] = 0.0
         else:  # eager; not in place, the shift makes a new fp32 tensor (bf16 logits: promoted)
             shift = max_logits.unsqueeze(-1)
             exp_logits = (logits.sub_(shift) if reuse_logits else logits - shift).exp_()
-            exp_logits[..., real_columns:] = 0.0
-            sum_exp = exp_logits.sum(dim=-1)
+            sum_exp = exp_logits[..., :real_columns].sum(dim=-1)
+        exp_logits[..., real_columns:] = 0.0  # padding: no probability (not in the compiled pass, see _exp_rows)
         all_reduce(sum_exp, group)
         log_sum_exp = sum_exp.log()  # of the shifted logits: lse - max
         losses = log_sum_exp - target_logits
