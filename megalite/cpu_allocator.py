@@ -80,7 +80,7 @@ def empty_padded_rows(rows: int, columns: int, dtype, device):
 
     if torch.device(device).type != "cpu":
         return torch.empty(rows, columns, dtype=dtype, device=device)
-    return torch.empty(_laid_out((rows, columns), dtype.itemsize, True), dtype=dtype)[:, :columns]
+    return torch.empty(_laid_out((rows, columns), dtype.itemsize, True), dtype=dtype, device=device)[:, :columns]
 
 
 M_TRIM_THRESHOLD = -1  # glibc's mallopt parameters (malloc.h)
@@ -143,6 +143,7 @@ class RecycledBuffer:
         laid_out = torch.Size(_laid_out(shape, dtype.itemsize, pad_rows))
         nbytes = laid_out.numel() * dtype.itemsize
         if self._storage is None or self._storage.nbytes() < nbytes or use_count(self._storage._cdata) > 1:
-            self._storage = torch.empty(laid_out, dtype=dtype).untyped_storage()  # the old block, if busy, lives on
+            # The old block, if busy, lives on with whoever holds it.
+            self._storage = torch.empty(laid_out, dtype=dtype, device=device).untyped_storage()
         stride = torch.empty(laid_out, device="meta").stride()  # a padded row keeps its spacing in `shape`
         return torch.empty(0, dtype=dtype).set_(self._storage, 0, shape, stride)

@@ -120,8 +120,7 @@ def _causal_bias(size: int, device: torch.device) -> torch.Tensor:
 
     An add of this (0.02 ms per config-A block) where a masked_fill_ with a bool mask took 0.18 ms.
     """
-    return torch.zeros(size, size, device=device).masked_fill_(
-        torch.ones(size, size, dtype=torch.bool, device=device).triu_(1), float("-inf"))
+    return torch.full((size, size), float("-inf"), device=device).triu_(1)
 
 
 def _by_group(x: torch.Tensor) -> torch.Tensor:
