@@ -146,4 +146,4 @@ class RecycledBuffer:
             # The old block, if busy, lives on with whoever holds it.
             self._storage = torch.empty(laid_out, dtype=dtype, device=device).untyped_storage()
         stride = torch.empty(laid_out, device="meta").stride()  # a padded row keeps its spacing in `shape`
-        return torch.empty(0, dtype=dtype).set_(self._storage, 0, shape, stride)
+        return torch.empty(0, dtype=dtype, device=device).set_(self._storage, 0, shape, stride)
