@@ -106,8 +106,11 @@ def _add_training_args(group) -> None:
     group.add_argument("--adam-eps", type=float, default=1e-8)
     group.add_argument("--clip-grad", type=float, default=1.0, help="0 turns clipping off")
     group.add_argument("--seed", type=int, default=1234)
-    group.add_argument("--bf16", action="store_true", help="bf16 params and compute, fp32 main params")
+    group.add_argument("--bf16", action="store_true",
+                       help="bf16 params and compute, fp32 main params (the default on GPUs with bf16 units)")
     group.add_argument("--fp16", action="store_true", help="fp16 params and compute with dynamic loss scaling")
+    group.add_argument("--fp32", action="store_true",
+                       help="fp32 params and compute (the default on CPUs and on GPUs without bf16 units)")
     group.add_argument("--initial-loss-scale", type=float, help="fp16 only; default 2^32")
     group.add_argument("--min-loss-scale", type=float, default=1.0, help="fp16: the scale never goes below")
     group.add_argument("--loss-scale-window", type=int, default=1000, help="fp16: clean steps before the scale grows")
@@ -408,8 +411,12 @@ def _data_config(args) -> DataConfig:
 def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
     _check_positive(("--micro-batch-size", args.micro_batch_size), ("--global-batch-size", args.global_batch_size))
     train_iters = _train_iters(args)
-    if args.bf16 and args.fp16:
-        raise UserError("--bf16 and --fp16 both given; pick one")
+    precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
+    if len(precisions) > 1:
+        raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
+    from megalite.parallel_state import bf16_is_default
+
+    bf16_default = not precisions and bf16_is_default(parallel.distributed_backend)
     if args.initial_loss_scale is not None and not args.fp16:
         raise UserError("--initial-loss-scale only applies with --fp16; add --fp16 or drop it")
     if args.initial_loss_scale is not None and args.initial_loss_scale <= 0:
@@ -455,7 +462,8 @@ def _train_config(args, parallel: ParallelConfig) -> TrainConfig:
         override_opt_param_scheduler=args.override_opt_param_scheduler,
         use_checkpoint_opt_param_scheduler=args.use_checkpoint_opt_param_scheduler,
         weight_decay=args.weight_decay, adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed, bf16=args.bf16, fp16=args.fp16,
+        adam_eps=args.adam_eps, clip_grad=args.clip_grad, seed=args.seed, bf16=args.bf16 or bf16_default,
+        bf16_default=bf16_default, fp16=args.fp16,
         initial_loss_scale=args.initial_loss_scale or 2.0 ** 32, min_loss_scale=args.min_loss_scale,
         loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis, compile=args.compile,
         kernels=args.kernels,

@@ -286,6 +286,7 @@ class TrainConfig:
     clip_grad: float = 1.0
     seed: int = 1234
     bf16: bool = False
+    bf16_default: bool = False  # bf16 because no precision flag was given and the run is on a bf16 GPU
     fp16: bool = False
     initial_loss_scale: float = 2.0 ** 32
     min_loss_scale: float = 1.0

@@ -516,8 +516,11 @@ def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
     trainer = Trainer(run, log)
     model = run.model
+    dtype = str(run.train.params_dtype).split('.')[-1]
+    if run.train.bf16_default:
+        dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
     log(f"model {run.model_name}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
         f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.real_vocab_size} "
-        f"(padded {model.vocab_size}), seq {model.seq_length}, {str(run.train.params_dtype).split('.')[-1]} "
+        f"(padded {model.vocab_size}), seq {model.seq_length}, {dtype} "
         f"on {trainer.device.type} with {torch.get_num_threads()} threads")
     return trainer, trainer.train()

@@ -1,6 +1,7 @@
 """The command line: presets and overrides, derived values, and one test per validation rule."""
 
 import pytest
+import torch
 
 from megalite.arguments import list_models, parse_args, with_tokenizer_vocab
 from megalite.errors import UserError
@@ -141,3 +142,25 @@ def test_each_rule_names_the_flags(flags, world_size, words):
     for word in words:
         assert word in message, message
     assert "\n" not in message
+
+
+@pytest.mark.parametrize("cuda, bf16_units, flags, expected", [
+    (True, True, [], torch.bfloat16),  # the default on a bf16 GPU
+    (True, True, ["--fp32"], torch.float32),
+    (True, True, ["--fp16"], torch.float16),
+    (True, True, ["--distributed-backend", "gloo"], torch.float32),  # gloo trains on the CPU
+    (True, False, [], torch.float32),  # a GPU without bf16 units (V100)
+    (False, False, [], torch.float32),  # CPUs
+    (False, False, ["--bf16"], torch.bfloat16),
+])
+def test_precision_defaults_to_bf16_only_on_a_gpu_with_bf16_units(monkeypatch, cuda, bf16_units, flags, expected):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: bf16_units)
+    train = parse_args([*MOCK, *flags]).train
+    assert train.params_dtype == expected
+    assert train.bf16_default == (expected == torch.bfloat16 and not flags)
+
+
+def test_two_precision_flags_are_refused():
+    with pytest.raises(UserError, match="--bf16 and --fp32 both given; pick one"):
+        parse_args([*MOCK, "--bf16", "--fp32"])

@@ -106,7 +106,7 @@ def test_lr_schedule_change_on_resume_needs_a_flag(tmp_path):
 
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]])
 def test_half_precision_tracks_fp32_with_fp32_main_params(precision):
-    _, reference, _ = train(*MOCK, "--train-iters", "10")
+    _, reference, _ = train(*MOCK, "--train-iters", "10", "--fp32")  # bf16 is the default on a GPU
     trainer, state, _ = train(*MOCK, "--train-iters", "10", *precision)
     dtype = torch.bfloat16 if precision[0] == "--bf16" else torch.float16
     assert all(p.dtype == dtype for p in trainer.model.parameters())

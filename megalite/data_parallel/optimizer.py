@@ -322,11 +322,8 @@ class MixedPrecisionOptimizer:
             main.copy_(tensors[f"{name}.main_param"])
             self.adam.state.pop(main, None)
             if steps > 0:
-                # Adam's own state layout: a float32 step count beside fp32 moments.
-                self.adam.state[main] = {
-                    "step": torch.tensor(float(steps), dtype=torch.float32),
-                    "exp_avg": tensors[f"{name}.exp_avg"].to(main.device, torch.float32, copy=True),
-                    "exp_avg_sq": tensors[f"{name}.exp_avg_sq"].to(main.device, torch.float32, copy=True)}
+                self.adam.state[main] = _adam_state(
+                    self.adam, main, steps, tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"])
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self._copy_main_params_to_model_params()
@@ -404,8 +401,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         states = []
         for main in self.main_params:
             if main not in self.adam.state:
-                self.adam.state[main] = {"step": torch.tensor(0.0, dtype=torch.float32),
-                                         "exp_avg": torch.zeros_like(main), "exp_avg_sq": torch.zeros_like(main)}
+                self.adam.state[main] = _adam_state(self.adam, main, 0)
             states.append(self.adam.state[main])
         return states
 
@@ -445,6 +441,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
         self._copy_main_params_to_model_params()
+
+
+def _adam_state(adam: torch.optim.AdamW, main: torch.Tensor, steps: int, exp_avg: torch.Tensor | None = None,
+                exp_avg_sq: torch.Tensor | None = None) -> dict:
+    """Adam's state for `main` as torch builds it: fp32 moments (copies, zeros when None) beside a
+    float32 step count, which the fused and capturable kernels read on the param's device (a
+    checkpoint written on a CPU resumes on a GPU) and the others on the CPU."""
+    group = next(group for group in adam.param_groups if any(p is main for p in group["params"]))
+    on_device = group.get("fused") or group.get("capturable")
+    moments = [torch.zeros_like(main, dtype=torch.float32) if values is None
+               else values.to(main.device, torch.float32, copy=True) for values in (exp_avg, exp_avg_sq)]
+    return {"step": torch.tensor(float(steps), dtype=torch.float32, device=main.device if on_device else "cpu"),
+            "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
 
 def _main_param(param: nn.Parameter) -> torch.Tensor:

@@ -7,6 +7,12 @@ positions (offsets, --reset-position-ids). Channel i pairs with channel i + d/2:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
 The backward is the rotation by the opposite angle, so the kernel serves both with a
 sign; nothing but cos and sin is saved. Arithmetic is fp32; offsets are int64.
+
+Triton path: one launch rotates q and k of a block of tokens per program (all their
+heads at once, the token's cos/sin read once), reading q and k where they lie (the
+strided views attention splits from the fused QKV output, or the permuted grads SDPA's
+backward returns: only the channel stride must be 1) and writing contiguous outputs.
+Memory traffic is one read and one write of q and k, forward and backward.
 """
 
 import torch
@@ -19,6 +25,8 @@ try:
     import triton.language as tl
 except ImportError:  # the PyTorch path needs no Triton
     triton = None
+
+TOKENS_PER_PROGRAM = 4
 
 
 def apply_rotary_reference(q, k, cos, sin):
@@ -35,34 +43,62 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch
 if triton is not None:
 
     @triton.jit
-    def _rotate_kernel(x_ptr, y_ptr, cos_ptr, sin_ptr, batch, heads, half, cos_stride_s, cos_stride_b, sign,
-                       BLOCK: tl.constexpr):
-        program = tl.program_id(0).to(tl.int64)  # one head vector: (position, batch, head)
-        token = program // heads
-        position, sample = token // batch, token % batch
-        cols = tl.arange(0, BLOCK)
-        mask = cols < half
-        table = position * cos_stride_s + sample * cos_stride_b + cols
-        cos = tl.load(cos_ptr + table, mask=mask, other=0.0).to(tl.float32)
-        sin = tl.load(sin_ptr + table, mask=mask, other=0.0).to(tl.float32) * sign
-        base = program * 2 * half
-        x1 = tl.load(x_ptr + base + cols, mask=mask, other=0.0).to(tl.float32)
-        x2 = tl.load(x_ptr + base + half + cols, mask=mask, other=0.0).to(tl.float32)
+    def _rotate_heads(x_ptr, y_ptr, position, sample, token, cos, sin, x_stride_s, x_stride_b, x_stride_h, heads,
+                      half, BLOCK_HEADS: tl.constexpr, BLOCK: tl.constexpr):
+        """One token's `heads` head vectors of x rotated into y (contiguous `[tokens, heads, 2 half]`)."""
+        rows = tl.arange(0, BLOCK_HEADS)[:, None]
+        cols = tl.arange(0, BLOCK)[None, :]
+        mask = (rows < heads) & (cols < half)
+        source = x_ptr + position * x_stride_s + sample * x_stride_b + rows * x_stride_h + cols
+        x1 = tl.load(source, mask=mask, other=0.0).to(tl.float32)
+        x2 = tl.load(source + half, mask=mask, other=0.0).to(tl.float32)
+        target = y_ptr + token * heads * 2 * half + rows * 2 * half + cols
         out = y_ptr.dtype.element_ty
-        tl.store(y_ptr + base + cols, (x1 * cos - x2 * sin).to(out), mask=mask)
-        tl.store(y_ptr + base + half + cols, (x2 * cos + x1 * sin).to(out), mask=mask)
+        tl.store(target, (x1 * cos - x2 * sin).to(out), mask=mask)
+        tl.store(target + half, (x2 * cos + x1 * sin).to(out), mask=mask)
+
+    @triton.jit
+    def _rotate_kernel(q_ptr, k_ptr, q_out_ptr, k_out_ptr, cos_ptr, sin_ptr, tokens, batch, q_heads, k_heads,
+                       half, q_stride_s, q_stride_b, q_stride_h, k_stride_s, k_stride_b, k_stride_h,
+                       cos_stride_s, cos_stride_b, sign, TOKENS: tl.constexpr, BLOCK_Q: tl.constexpr,
+                       BLOCK_K: tl.constexpr, BLOCK: tl.constexpr):
+        first = tl.program_id(0).to(tl.int64) * TOKENS
+        cols = tl.arange(0, BLOCK)[None, :]
+        for i in range(TOKENS):
+            token = first + i  # tokens are (position, sample) pairs in [s, b] order
+            if token < tokens:
+                position, sample = token // batch, token % batch
+                table = position * cos_stride_s + sample * cos_stride_b + cols
+                cos = tl.load(cos_ptr + table, mask=cols < half, other=0.0)
+                sin = tl.load(sin_ptr + table, mask=cols < half, other=0.0) * sign
+                _rotate_heads(q_ptr, q_out_ptr, position, sample, token, cos, sin, q_stride_s, q_stride_b,
+                              q_stride_h, q_heads, half, BLOCK_Q, BLOCK)
+                _rotate_heads(k_ptr, k_out_ptr, position, sample, token, cos, sin, k_stride_s, k_stride_b,
+                              k_stride_h, k_heads, half, BLOCK_K, BLOCK)
 
 
-def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    """x `[s, b, heads, d]` rotated by `sign` times the angles of cos/sin `[s, b or 1, 1, d]`."""
-    x = x.contiguous()
-    s, b, heads, d = x.shape
-    y = torch.empty_like(x)
+def _channels_last(x: torch.Tensor) -> torch.Tensor:
+    """x itself when its channels are contiguous (any other strides are read as they are)."""
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float):
+    """q `[s, b, heads, d]` and k `[s, b, groups, d]` rotated by `sign` times the angles of cos/sin
+    `[s, b or 1, 1, d]`; contiguous outputs in the inputs' dtypes."""
+    q, k = _channels_last(q), _channels_last(k)
+    s, b, q_heads, d = q.shape
+    k_heads = k.shape[2]
+    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
+                                                                                       device=k.device)
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     stride_b = cos.stride(1) if cos.shape[1] > 1 else 0
-    _rotate_kernel[(s * b * heads,)](x, y, cos, sin, b, heads, d // 2, cos.stride(0), stride_b, sign,
-                                     BLOCK=triton.next_power_of_2(d // 2))
-    return y
+    tokens = s * b
+    _rotate_kernel[(triton.cdiv(tokens, TOKENS_PER_PROGRAM),)](
+        q, k, q_out, k_out, cos, sin, tokens, b, q_heads, k_heads, d // 2, q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2), cos.stride(0), stride_b, sign, TOKENS=TOKENS_PER_PROGRAM,
+        BLOCK_Q=triton.next_power_of_2(q_heads), BLOCK_K=triton.next_power_of_2(k_heads),
+        BLOCK=triton.next_power_of_2(d // 2))
+    return q_out, k_out
 
 
 class _Rotary(torch.autograd.Function):
@@ -71,10 +107,10 @@ class _Rotary(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)
-        return _rotate(q, cos, sin, 1.0), _rotate(k, cos, sin, 1.0)
+        return _rotate(q, k, cos, sin, 1.0)
 
     @staticmethod
     def backward(ctx, dq, dk):
         cos, sin = ctx.saved_tensors
-        grads = [None if grad is None else _rotate(grad, cos, sin, -1.0) for grad in (dq, dk)]
-        return *grads, None, None
+        # An unused output's grad arrives as zeros (materialize_grads is on), never None.
+        return *_rotate(dq, dk, cos, sin, -1.0), None, None
