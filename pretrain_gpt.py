@@ -28,6 +28,7 @@ from megalite.arguments import parse_args  # noqa: E402
 from megalite.errors import run_main  # noqa: E402
 from megalite.generation import generate  # noqa: E402
 from megalite.parallel_state import world_size_from_env  # noqa: E402
+from megalite.reliability import hold_signals_until_exit  # noqa: E402
 from megalite.training import pretrain  # noqa: E402
 
 SAMPLE_PROMPT = "def "
@@ -41,6 +42,8 @@ def main(argv) -> None:
 
         dry_run(run)
         return
+    # Held until the process exits: a SIGTERM in the last moments still saves (or is ignored once all is saved).
+    hold_signals_until_exit(run.train.exit_signal_handler)
     trainer, state = pretrain(run)
     if not state.losses or not trainer.parallel.is_logging_rank:
         return

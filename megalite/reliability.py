@@ -2,20 +2,22 @@
 
 The training loop (megalite/training.py) uses these pieces:
 
-    signals = ExitSignalHandler()                  # SIGTERM / SIGINT -> save at the next iteration boundary
-    signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
+    with owned_signals(save_and_exit) as signals:  # SIGTERM / SIGINT -> save at the next boundary
+        signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
     save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))        # a failed save stops all ranks
     peers = PeerWatch(parallel)                    # who the other ranks are, to name a dead one later
     raise peers.failure(error, iteration, ckpt)    # a collective failed: one sentence, not a hang
     spikes = LossSpikeDetector(1.5)                # a warning line per spike
     batches = checked_token_ids(loader, vocab, source)  # token ids beyond the vocabulary stop the run
 
-Preemption: the first SIGTERM or SIGINT only sets a flag. At the end of each iteration
-every rank contributes its flag to one all-reduce (MAX over two ints), so a signal that
-reached any single rank makes all of them save the same checkpoint and exit 0. A second
-signal stops at once, as if there were no handler.
+Preemption: one owner (`RunSignals`) holds SIGTERM and SIGINT for the whole run; the
+first signal only sets a flag. At each boundary (after every iteration, before every
+evaluation batch, after the last save) every rank contributes its flag to one all-reduce
+(MAX), so a signal that reached any single rank, at any moment, makes all of them stop at
+the same boundary, save the same checkpoint and exit 0.
 """
 
+import contextlib
 import math
 import os
 import re
@@ -34,34 +36,106 @@ from megalite.errors import UserError
 EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 
-class ExitSignalHandler:
-    """Remembers the first SIGTERM or SIGINT so the loop can save and stop at an iteration boundary.
+class RunSignals:
+    """The one owner of SIGTERM and SIGINT for a run: from before its first iteration until it
+    returns, or, under `hold_until_exit` (pretrain_gpt.py), until the process exits.
 
-    A second one (an impatient Ctrl-C, a scheduler's repeated TERM) is not deferred:
-    SIGINT raises KeyboardInterrupt and SIGTERM exits with 143, as without the handler.
-    Only the main thread can set handlers; elsewhere this does nothing.
+    The handler records the first signal and does nothing else. What follows depends on
+    `save_and_exit` (--exit-signal-handler, on whenever --save is set):
+    - on: the loop agrees on the record across ranks at every boundary (after each
+      iteration, before each evaluation batch, after the last save), and all ranks save the
+      same checkpoint and exit 0. Repeated SIGTERMs change nothing (a scheduler and torchrun
+      may each send one to a rank); a second SIGINT (Ctrl-C again) raises KeyboardInterrupt.
+    - off: the signal ends the run at once as SystemExit(128 + signum), or KeyboardInterrupt
+      for SIGINT, which unwinds the loop's `finally` so tracking is finished, and the process
+      exits with that code; inside `deferred()` (a call into wandb) it is raised when the block ends.
+    Only the main thread can own signals; elsewhere `install` does nothing.
     """
 
-    def __init__(self):
+    def __init__(self, save_and_exit: bool):
+        self.save_and_exit = save_and_exit
         self.received: int | None = None  # the first signal's number
-        self._previous = {}
-        if threading.current_thread() is threading.main_thread():
+        self._previous: dict = {}
+        self._deferring, self._pending = 0, None
+        self._interrupts = 0  # SIGINTs seen: the second one raises
+        self._held = False
+
+    def install(self) -> "RunSignals":
+        if threading.current_thread() is threading.main_thread() and not self._previous:
             for signum in EXIT_SIGNALS:
                 self._previous[signum] = signal.signal(signum, self._handle)
+        return self
+
+    def restore(self) -> None:
+        """Give the signals back to whoever had them (nothing under `hold_until_exit`)."""
+        if self._held:
+            return
+        for signum, previous in self._previous.items():
+            signal.signal(signum, previous)
+        self._previous = {}
 
     def _handle(self, signum, frame):
         if self.received is None:
             self.received = signum
+        if self.save_and_exit:
+            if signum == signal.SIGINT:
+                self._interrupts += 1
+                if self._interrupts > 1:
+                    raise KeyboardInterrupt
             return
-        self.restore()
-        if signum == signal.SIGINT:
-            raise KeyboardInterrupt
-        raise SystemExit(128 + signum)
+        stop = KeyboardInterrupt() if signum == signal.SIGINT else SystemExit(128 + signum)
+        if self._deferring:
+            self._pending = stop
+            return
+        raise stop
 
-    def restore(self) -> None:
-        for signum, previous in self._previous.items():
-            signal.signal(signum, previous)
-        self._previous = {}
+    @contextlib.contextmanager
+    def deferred(self):
+        """A block a signal must not interrupt (a call into wandb): an exit it asks for comes after."""
+        self._deferring += 1
+        try:
+            yield
+        finally:
+            self._deferring -= 1
+        if not self._deferring and self._pending is not None:
+            stop, self._pending = self._pending, None
+            raise stop
+
+
+_owner: RunSignals | None = None  # the owner installed in this process, if any
+
+
+def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
+    """The process's signal owner, installed now and never given back: a signal at any later
+    moment, down to the interpreter's exit, is handled as `RunSignals` says (pretrain_gpt.py)."""
+    global _owner
+    if _owner is None:
+        _owner = RunSignals(save_and_exit).install()
+    _owner.save_and_exit, _owner._held = save_and_exit, True
+    _owner.received, _owner._interrupts = None, 0  # a new run's record
+    return _owner
+
+
+@contextlib.contextmanager
+def owned_signals(save_and_exit: bool):
+    """The signal owner of one run: the process's (its mode set to this run's), else a new one
+    installed for the block and restored after it (runs started from Python, tests)."""
+    global _owner
+    if _owner is not None:
+        _owner.save_and_exit = save_and_exit
+        yield _owner
+        return
+    _owner = RunSignals(save_and_exit).install()
+    try:
+        yield _owner
+    finally:
+        _owner.restore()
+        _owner = None
+
+
+def deferred_signals():
+    """`RunSignals.deferred` of the active owner; nothing to defer without one."""
+    return _owner.deferred() if _owner is not None else contextlib.nullcontext()
 
 
 def agreed_stop(received_signal: int, overtime: bool, parallel) -> tuple[int, bool]:

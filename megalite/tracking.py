@@ -32,12 +32,12 @@ without it. Each of these says so in one warning line.
 import math
 import netrc
 import os
-import signal
 import socket
-import threading
 import time
 from typing import Callable
 from urllib.parse import urlparse
+
+from megalite.reliability import deferred_signals
 
 WANDB_MODES = ("online", "offline", "disabled")
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"
@@ -109,8 +109,6 @@ class Tracker:
 
     def __init__(self, wandb_run=None, tensorboard=None, warn: Callable[[str], None] = print):
         self._wandb, self._tensorboard, self._warn = wandb_run, tensorboard, warn
-        self.writing = False  # SigtermExit waits while this is set
-        self.exit_after_write: int | None = None
 
     @property
     def active(self) -> bool:
@@ -124,13 +122,8 @@ class Tracker:
         self._write({"checkpoint/iteration": iteration}, iteration)
 
     def _write(self, scalars: dict, step: int) -> None:
-        self.writing = True
-        try:
+        with deferred_signals():  # a SIGTERM that ends the run at once waits for wandb's call to return
             self._write_now(scalars, step)
-        finally:
-            self.writing = False
-        if self.exit_after_write is not None:
-            raise SystemExit(self.exit_after_write)
 
     def _write_now(self, scalars: dict, step: int) -> None:
         if self._wandb is not None:
@@ -169,40 +162,13 @@ class Tracker:
         import wandb
 
         try:
-            wandb_run.finish(exit_code=exit_code)
+            with deferred_signals():  # finishing, once begun, is not cut short by the exit it is part of
+                wandb_run.finish(exit_code=exit_code)
             # finish() can return before wandb's service has written the run file out; its
             # teardown waits for that, so the offline run is complete once training returns.
             wandb.teardown()
         except Exception as error:  # noqa: BLE001 - e.g. its service process was killed with ours
             self._warn(f"wandb: finishing the run failed ({_first_line(error)}); its local files may lack the end")
-
-
-class SigtermExit:
-    """SIGTERM raises SystemExit(143) until `restore()`, so finally blocks finish the tracking.
-
-    Without --exit-signal-handler a SIGTERM would kill the process where it stands and
-    leave the wandb run unfinished; as an exception it unwinds the training loop, whose
-    finally closes the run with exit code 143 (128 + SIGTERM), and the process still exits
-    with that code. A signal that arrives while `tracker` hands wandb a record raises once
-    that call is done, never inside wandb. Only the main thread can set a handler;
-    elsewhere this does nothing.
-    """
-
-    def __init__(self, tracker: Tracker):
-        self._tracker, self._previous = tracker, None
-        if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._raise)
-
-    def _raise(self, signum, frame):
-        if self._tracker.writing:
-            self._tracker.exit_after_write = 128 + signum
-            return
-        raise SystemExit(128 + signum)
-
-    def restore(self) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
-            self._previous = None
 
 
 def start_tracking(run, config: dict, logger, is_logging_rank: bool,

@@ -47,9 +47,9 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
 from megalite.errors import UserError
 from megalite.kernels import set_kernels
 from megalite.logging import TrainingLogger
-from megalite.tracking import SigtermExit, exit_code_of, start_tracking
+from megalite.tracking import exit_code_of, start_tracking
 from megalite.lr_schedule import LRSchedule
-from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, ExitSignalHandler, LossSpikeDetector,
+from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, RunSignals, owned_signals,
                                   PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
                                   divergence_message, failed_ranks_across, is_collective_failure, signal_name,
                                   skipped_message)
@@ -179,13 +179,22 @@ def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=N
 
 @torch.no_grad()
 def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int, parallel=None,
-             comm=None) -> float:
-    """Mean over `eval_iters` global batches of their mean token loss (dropout off)."""
+             comm=None, should_stop=None) -> float | None:
+    """Mean over `eval_iters` global batches of their mean token loss (dropout off).
+
+    `should_stop()`, asked before each batch (a boundary every rank reaches, so it must give
+    every rank the same answer), may cut the evaluation short: then None.
+    """
     model.eval()
-    losses = [forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches),
-                               parallel=parallel, comm=comm)
-              for _ in range(eval_iters)]
-    model.train()
+    try:
+        losses = []
+        for _ in range(eval_iters):
+            if should_stop is not None and should_stop():
+                return None
+            losses.append(forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches),
+                                           parallel=parallel, comm=comm))
+    finally:
+        model.train()
     return sum(losses) / len(losses)
 
 
@@ -199,22 +208,17 @@ def allreduce_embedding_grads(model, parallel) -> None:
             torch.distributed.all_reduce(param.main_grad, group=parallel.embedding_group)
 
 
-def exit_reason(run: RunConfig, state: TrainState, start_time: float, signals: ExitSignalHandler | None,
-                parallel=None) -> str | None:
+def exit_reason(run: RunConfig, state: TrainState, stop_signal: int, overtime: bool) -> str | None:
     """Why the loop should stop after the iteration just finished, or None to go on.
 
-    The same answer on every rank: a signal or the clock seen by any rank counts for all
-    (one all-reduce per iteration when a handler or --exit-duration-in-mins is on).
+    stop_signal / overtime: `Trainer.agreed_stop`'s answer, the same on every rank, so every
+    rank takes the same decision.
     """
     train = run.train
     if state.iteration >= train.train_iters:
         return "finished"
-    received = (signals.received or 0) if signals is not None else 0
-    overtime = bool(train.exit_duration_in_mins) and (time.time() - start_time) / 60 > train.exit_duration_in_mins
-    if signals is not None or train.exit_duration_in_mins:
-        received, overtime = agreed_stop(received, overtime, parallel)
-    if received:
-        return signal_name(received)
+    if stop_signal:
+        return signal_name(stop_signal)
     if train.exit_interval and state.iteration % train.exit_interval == 0:
         return f"--exit-interval {train.exit_interval}"
     if overtime:
@@ -233,6 +237,9 @@ class Trainer:
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.last_checkpoint = None  # the newest complete checkpoint of this run: loaded or saved
         self.resumed_from = None  # its iteration when loaded; --keep-last-n-checkpoints never deletes it
+        self.signals = RunSignals(run.train.exit_signal_handler)  # train() takes the run's installed owner
+        self.stop_signal = 0  # an exit signal every rank has agreed on (agreed_stop)
+        self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         seed_everything(train.seed, self.parallel)
         set_kernels(train.kernels)
         resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
@@ -344,6 +351,7 @@ class Trainer:
         self.state.iteration = loaded["iteration"]
         self.state.consumed_train_samples = loaded["consumed_samples"]
         self.state.consumed_valid_samples = loaded.get("consumed_valid_samples") or 0
+        self.evaluation_pending = bool(extra.get("evaluation_pending"))
         if "lr_schedule" in extra:
             train = self.run.train
             self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
@@ -377,7 +385,7 @@ class Trainer:
             return
         start = time.perf_counter()
         extra = {"lr_schedule": self.schedule.state_dict(), "model_name": self.run.model_name,
-                 "run": _json_able(dataclasses.asdict(self.run))}
+                 "run": _json_able(dataclasses.asdict(self.run)), "evaluation_pending": self.evaluation_pending}
         path = checkpointing.save_checkpoint(save, self.state.iteration, self.model, self.optimizer,
                                              consumed_samples=self.state.consumed_train_samples,
                                              consumed_valid_samples=self.state.consumed_valid_samples,
@@ -425,25 +433,48 @@ class Trainer:
             updated, grad_norm = False, math.nan  # --no-check-for-nan-in-loss-and-grad: skip the step
         return loss, grad_norm, updated, lr
 
-    def evaluate_split(self, split: str, iterator) -> None:
+    def agreed_stop(self, start_time: float | None = None) -> tuple[int, bool]:
+        """(the exit signal any rank has received, 0 for none; whether any rank's clock is past
+        --exit-duration-in-mins, asked only with the loop's `start_time`), the same on every rank.
+
+        Called at boundaries every rank reaches alike: one all-reduce, none when the run has no
+        exit signal handler and no time limit. A signal once agreed stays agreed.
+        """
+        train = self.run.train
+        timed = start_time is not None and bool(train.exit_duration_in_mins)
+        overtime = timed and (time.time() - start_time) / 60 > train.exit_duration_in_mins
+        if self.stop_signal or not (self.signals.save_and_exit or timed):
+            return self.stop_signal, overtime
+        self.stop_signal, overtime = agreed_stop(self.signals.received or 0, overtime, self.parallel)
+        return self.stop_signal, overtime
+
+    def evaluate_split(self, split: str, iterator) -> bool:
+        """Evaluate `split` and log it; False when an exit signal cut it short (nothing logged, no
+        samples counted: a resumed run evaluates the same batches again)."""
         if iterator is None or self.run.train.eval_iters == 0:
-            return
+            return True
         loss = evaluate(self.model, iterator, self.num_microbatches, self.run.train.eval_iters,
-                        self.parallel, self.comm)
+                        self.parallel, self.comm, should_stop=lambda: bool(self.agreed_stop()[0]))
+        if loss is None:
+            return False
         if split == "valid":
             self.state.consumed_valid_samples += self.run.train.eval_iters * self.run.train.global_batch_size
         self.logger.log_evaluation(self.state.iteration, split, loss)
+        return True
 
     def train(self) -> TrainState:
+        with owned_signals(self.run.train.exit_signal_handler) as self.signals:
+            return self._train()
+
+    def _train(self) -> TrainState:
         run, state = self.run, self.state
-        signals = ExitSignalHandler() if run.train.exit_signal_handler else None
-        # Without the handler a SIGTERM still unwinds through the finally below, to finish the tracking.
-        sigterm_exit = SigtermExit(self.tracker) if signals is None and self.tracker.active else None
         start_time = time.time()
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
         spikes, skipped_in_a_row = LossSpikeDetector(run.train.loss_spike_threshold), 0
         exit_code, failure = 0, None
         try:
+            if self.evaluation_pending:  # the checkpoint's own evaluation was cut short by a signal
+                self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
             reason = "finished" if state.iteration >= run.train.train_iters else None
             if reason and self.resumed_from is not None:
                 self.log(f"the checkpoint is at iteration {state.iteration} of --train-iters {run.train.train_iters}: "
@@ -467,22 +498,22 @@ class Trainer:
                 if warning:
                     self.log(warning)
                 if run.train.eval_interval and state.iteration % run.train.eval_interval == 0:
-                    self.evaluate_split("valid", self.valid_iterator)
+                    # Cut short by a signal: the checkpoint below says so, and the resumed run evaluates first.
+                    self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
                 interval = run.checkpoint.save_interval
                 if interval and state.iteration % interval == 0:
                     self.save()
                     saved_at = state.iteration
-                reason = exit_reason(run, state, start_time, signals, self.parallel)
-            state.exit_reason = reason
+                reason = exit_reason(run, state, *self.agreed_stop(start_time))
             if reason == "finished":
-                if not (run.train.eval_interval and state.iteration % run.train.eval_interval == 0):
-                    self.evaluate_split("valid", self.valid_iterator)
-                test_iterator = self._iterator(self.test_ds, 0)
-                self.evaluate_split("test", test_iterator)
-            else:
-                self.log(f"exiting at iteration {state.iteration}: {reason}")
+                self._final_evaluation()
             if saved_at != state.iteration:
                 self.save()
+            if self.agreed_stop()[0]:  # a signal up to the last save: say that it was heard
+                reason = signal_name(self.stop_signal)
+            state.exit_reason = reason
+            if reason != "finished":
+                self.log(f"exiting at iteration {state.iteration}: {reason}")
         except BaseException as error:
             exit_code, failure = exit_code_of(error), f"{type(error).__name__}: {error}"
             if is_collective_failure(error):
@@ -490,15 +521,20 @@ class Trainer:
                 raise self.peers.failure(error, state.iteration + 1, self.last_checkpoint) from error
             raise
         finally:
-            if sigterm_exit is not None:
-                sigterm_exit.restore()
             self.tracker.finish(exit_code, {"exit_reason": failure or state.exit_reason,
                                             "final_iteration": state.iteration})
             self.logger.close()
-            if signals is not None:
-                signals.restore()
             parallel_state.destroy(self.parallel)
         return state
+
+    def _final_evaluation(self) -> None:
+        """The end of the run: validation (unless the last iteration just had it), then the test
+        split; a signal stops it (the same command again repeats it from the final checkpoint)."""
+        train = self.run.train
+        if not (train.eval_interval and self.state.iteration % train.eval_interval == 0):
+            if not self.evaluate_split("valid", self.valid_iterator):
+                return
+        self.evaluate_split("test", self._iterator(self.test_ds, 0))
 
 
 def _json_able(value):
@@ -514,13 +550,14 @@ def _json_able(value):
 
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
-    trainer = Trainer(run, log)
-    model = run.model
-    dtype = str(run.train.params_dtype).split('.')[-1]
-    if run.train.bf16_default:
-        dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
-    log(f"model {run.model_name}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
-        f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.real_vocab_size} "
-        f"(padded {model.vocab_size}), seq {model.seq_length}, {dtype} "
-        f"on {trainer.device.type} with {torch.get_num_threads()} threads")
-    return trainer, trainer.train()
+    with owned_signals(run.train.exit_signal_handler):  # from before wandb starts until the run returns
+        trainer = Trainer(run, log)
+        model = run.model
+        dtype = str(run.train.params_dtype).split('.')[-1]
+        if run.train.bf16_default:
+            dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
+        log(f"model {run.model_name}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
+            f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.real_vocab_size} "
+            f"(padded {model.vocab_size}), seq {model.seq_length}, {dtype} "
+            f"on {trainer.device.type} with {torch.get_num_threads()} threads")
+        return trainer, trainer.train()

@@ -25,7 +25,7 @@ from megalite.arguments import parse_args
 from megalite.checkpointing import CheckpointSaveError, choose_checkpoint, read_latest_iteration
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
-from megalite.reliability import ExitSignalHandler, LossSpikeDetector
+from megalite.reliability import LossSpikeDetector, owned_signals
 from megalite.training import pretrain
 from tools import fault_campaign as campaign
 
@@ -350,17 +350,19 @@ def test_loss_spike_detector_compares_with_the_median_of_recent_losses():
     assert LossSpikeDetector(0).check(1, 1e9) is None
 
 
-def test_the_first_exit_signal_is_deferred_the_second_is_not():
-    before = signal.getsignal(signal.SIGINT)
-    handler = ExitSignalHandler()
-    try:
+def test_the_first_exit_signal_is_recorded_repeated_sigterms_too_and_a_second_sigint_raises():
+    before = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    with owned_signals(save_and_exit=True) as signals:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert signals.received == signal.SIGTERM
+        os.kill(os.getpid(), signal.SIGTERM)  # a scheduler's and torchrun's: still one request
         os.kill(os.getpid(), signal.SIGINT)
-        assert handler.received == signal.SIGINT
-        with pytest.raises(KeyboardInterrupt):
+        assert signals.received == signal.SIGTERM
+        with owned_signals(save_and_exit=True) as inner:  # a nested run reuses the owner
+            assert inner is signals
+        with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: a person wants out now
             os.kill(os.getpid(), signal.SIGINT)
-    finally:
-        handler.restore()
-    assert signal.getsignal(signal.SIGINT) is before
+    assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
 
 
 def failing(real, error: OSError, calls_before: int = 0):

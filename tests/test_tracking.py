@@ -20,7 +20,8 @@ import pytest
 
 from megalite.arguments import parse_args
 from megalite.errors import UserError
-from megalite.tracking import SigtermExit, Tracker, default_wandb_mode, scalars_of, start_tracking
+from megalite.reliability import RunSignals, owned_signals
+from megalite.tracking import Tracker, default_wandb_mode, scalars_of, start_tracking
 from megalite.training import pretrain
 
 wandb = pytest.importorskip("wandb")
@@ -162,7 +163,7 @@ def test_sigterm_without_the_handler_finishes_the_run_and_exits_143(wandb_env, t
         if sum(line.startswith(" iteration") for line in lines) == 2:  # iteration 1 went to wandb already
             handler = signal.getsignal(signal.SIGTERM)
             # Without the tracker's handler the signal would end pytest itself: fail instead.
-            assert isinstance(getattr(handler, "__self__", None), SigtermExit), handler
+            assert isinstance(getattr(handler, "__self__", None), RunSignals), handler
             os.kill(os.getpid(), signal.SIGTERM)
 
     with pytest.raises(SystemExit) as stopped:
@@ -308,13 +309,9 @@ def test_a_sigterm_during_a_wandb_call_waits_for_the_call_to_return():
             calls.append(step)  # reached: the handler did not raise inside wandb's code
 
     tracker = Tracker(wandb_run=Run())
-    guard = SigtermExit(tracker)
-    try:
-        assert isinstance(getattr(signal.getsignal(signal.SIGTERM), "__self__", None), SigtermExit)
+    with owned_signals(save_and_exit=False):  # no --exit-signal-handler: a SIGTERM ends the run at once
         with pytest.raises(SystemExit) as stopped:
             tracker.log_checkpoint(3)
-    finally:
-        guard.restore()
     assert calls == [3] and stopped.value.code == 143
 
 
