@@ -17,16 +17,24 @@ The ranks are forked from multiprocessing's fork server, which imports torch and
 once for the whole session: a `spawn` process per rank paid ~3 s of imports apiece, 4-8
 ranks sharing 2 cores. The server is a fresh interpreter, so no rank inherits the test
 process's threads or state.
+
+The world is a CPU world on any machine: the fork server starts with a CPU world's
+environment (tools/fork_ranks.py's `cpu_world_environment`: no GPU visible, Triton in its
+interpreter), so a body's default device is the CPU and `--kernels triton` runs there as on
+a machine without a GPU, while the test process itself keeps the GPU.
 """
 
 import os
 import tempfile
 import time
 import traceback
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from tools.fork_ranks import cpu_world_environment
 
 
 def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> None:
@@ -34,6 +42,9 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     try:
+        if os.environ.get("CUDA_VISIBLE_DEVICES") != "":
+            raise RuntimeError("this rank of a CPU world may see a GPU: the session's fork server was started "
+                               "before run_world, without its CPU world's environment")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
             results.put((rank, "ok", body(rank, world_size, *args)))
@@ -47,10 +58,30 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
 PRELOAD = ["torch", "torch.distributed", "megalite.training", "tests.distributed"]
 
 
+def _start_fork_server() -> None:
+    """Start the session's fork server (if not running) with a CPU world's environment.
+
+    The server inherits this process's environment when it starts, and the ranks inherit the
+    server's; the variables are set only while it starts, so the test process is unchanged.
+    """
+    overrides = {name: value for name, value in cpu_world_environment().items() if os.environ.get(name) != value}
+    before = {name: os.environ.get(name) for name in overrides}
+    os.environ.update(overrides)
+    try:
+        forkserver.ensure_running()
+    finally:
+        for name, value in before.items():
+            if value is None:
+                os.environ.pop(name, None)
+            else:
+                os.environ[name] = value
+
+
 def run_world(world_size: int, body, *args, timeout: float = 240.0) -> list:
-    """`body(rank, world_size, *args)` on each of `world_size` gloo ranks; its results by rank."""
+    """`body(rank, world_size, *args)` on each of `world_size` gloo ranks on the CPU; its results by rank."""
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(PRELOAD)
+    _start_fork_server()
     results = context.SimpleQueue()
     with tempfile.TemporaryDirectory() as folder:
         init_file = os.path.join(folder, "init")

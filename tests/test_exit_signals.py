@@ -29,9 +29,9 @@ FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "25
 LAUNCHER = r"""
 import os, signal, sys
 sys.path.insert(0, sys.argv[1])
-import torch
-from megalite import checkpointing, parallel_state, training
 from tools import fork_ranks
+os.environ.update(fork_ranks.cpu_world_environment())  # before torch: a CPU world on any machine
+from megalite import checkpointing, parallel_state, training
 
 moment, iteration, target = os.environ.pop("MEGALITE_TEST_SIGNAL").split(":")
 iteration, target = int(iteration), int(target)

@@ -34,7 +34,7 @@ STDLIB = os.path.dirname(os.__file__)
 TINY = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32",
         "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--lr", "1e-2",
         "--init-method-std", "0.1", "--eval-interval", "0", "--eval-iters", "0", "--log-interval", "1",
-        "--hidden-dropout", "0", "--attention-dropout", "0"]
+        "--hidden-dropout", "0", "--attention-dropout", "0", "--fp32"]  # fp32 also where bf16 is the default
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
 LLAMA_GQA = ["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"]  # tiny: untied
 # tied output, biases, LayerNorm, GELU, learned positions

@@ -84,7 +84,9 @@ def test_world_of_one_without_torch_distributed():
                                            state.mp_group, state.embedding_group))
     assert state.embedding_ranks == [0] and state.in_embedding_group
     assert state.is_first_stage and state.is_last_stage and state.is_logging_rank
-    if not torch.cuda.is_available():
+    if torch.cuda.is_available():  # a world of one takes the GPU when there is one
+        assert state.device == torch.device("cuda", torch.cuda.current_device()) and state.backend == "nccl"
+    else:
         assert state.device == torch.device("cpu") and state.backend == "gloo"
     with pytest.raises(UserError, match="does not divide the world size 1"):
         build_parallel_state(tp=2)

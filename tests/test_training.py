@@ -19,7 +19,8 @@ SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
 
 
-pytestmark = pytest.mark.usefixtures("one_thread")
+# On a GPU, bitwise resume needs deterministic kernels (attention and embedding grads use atomics).
+pytestmark = pytest.mark.usefixtures("one_thread", *(["deterministic"] if torch.cuda.is_available() else []))
 
 
 @pytest.fixture(scope="module")

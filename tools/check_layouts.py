@@ -8,7 +8,9 @@ optimizer, with and without --overlap-grad-reduce) and their mixes, up to 8 proc
 
 Each layout runs `pretrain_gpt.py --mock-data` for --train-iters iterations (fp32,
 dropout 0) as ranks on CPU (gloo, one thread per rank, forked by tools/fork_ranks.py
-from one interpreter rather than started by torchrun) and writes a metrics file;
+from one interpreter rather than started by torchrun) and writes a metrics file; the
+single-process reference runs on the CPU too (no GPU visible), so the comparison is CPU
+against CPU on any machine;
 tools/loss_compare.py's comparison against the single-process run gives the largest
 relative difference per layout. Exits 1 when any exceeds its tolerance (1e-6 for
 pipeline-only layouts, which change no arithmetic; 1e-5 with tensor parallelism).
@@ -23,6 +25,7 @@ import tempfile
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
+from tools.fork_ranks import cpu_world_environment  # noqa: E402
 from tools.loss_compare import compare, read_losses  # noqa: E402
 
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "4",
@@ -58,11 +61,13 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
 
 
 def run(processes: int, flags: list[str], metrics: str) -> None:
+    """`pretrain_gpt.py flags --metrics-file metrics` as `processes` CPU ranks (one: a plain process,
+    also on the CPU); SystemExit with the run's output tail if it fails."""
     # Ranks forked from one interpreter (tools/fork_ranks.py): torch is imported once per run, not once per rank.
     launcher = [os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", str(processes), "--"]
     command = [sys.executable, *(launcher if processes > 1 else [os.path.join(REPO_ROOT, "pretrain_gpt.py")]),
                *flags, "--metrics-file", metrics]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = cpu_world_environment(OMP_NUM_THREADS="1")
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")

@@ -16,7 +16,8 @@ name the dead rank. Then the folder's latest checkpoint must be complete, and th
 command again (no --load: it defaults to --save) must finish the run with every logged
 loss bitwise equal to the reference. One line per trial; exits 1 when any trial fails.
 The ranks are started directly (RANK, WORLD_SIZE, MASTER_ADDR/PORT, as torchrun would),
-so that the campaign knows each rank's process.
+so that the campaign knows each rank's process, with no GPU visible (CPU and gloo on any
+machine).
 """
 
 import argparse
@@ -35,7 +36,7 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
 from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint  # noqa: E402
-from tools.fork_ranks import free_port, rank_environment  # noqa: E402
+from tools.fork_ranks import cpu_world_environment, free_port, rank_environment  # noqa: E402
 
 TRAIN_ITERS = 12
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "2",
@@ -55,7 +56,7 @@ def start_world(save: str, world_size: int = 2, flags=FLAGS, logs: str | None = 
     port = free_port()
     processes = []
     for rank in range(world_size):
-        env = {**os.environ, **rank_environment(rank, world_size, port), "OMP_NUM_THREADS": "1"}
+        env = cpu_world_environment(**rank_environment(rank, world_size, port), OMP_NUM_THREADS="1")
         output = open(os.path.join(logs, f"rank{rank}.log"), "a")
         processes.append(subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *flags,
                                            "--save", save], stdout=output, stderr=subprocess.STDOUT, env=env,

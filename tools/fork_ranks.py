@@ -11,8 +11,13 @@ others are stopped, as torchrun does, and the launcher exits with that rank's co
 SIGTERM or SIGINT to the launcher goes on to every rank, and the ranks get SIGTERM when
 the launcher dies (Linux), so no rank outlives it.
 
-It is for the CPU layout checks (tools/check_layouts.py) and the test suite: one node, no
-restarts, no elastic membership. Launch real runs with torchrun (scripts/).
+It is a CPU launcher, for the CPU layout checks (tools/check_layouts.py) and the test suite:
+one node, no restarts, no elastic membership. Its ranks see no GPU, whatever the machine has:
+before torch is imported it sets CUDA_VISIBLE_DEVICES="" (so every rank takes gloo and the CPU,
+as on a machine without one; forking a process that has used CUDA would be unsafe anyway) and,
+unless already set, TRITON_INTERPRET=1 (the only way Triton kernels run on CPU tensors, for
+`--kernels triton`). `cpu_world_environment()` gives the same variables to other launchers'
+children. Launch real runs, and GPU runs, with torchrun (scripts/).
 """
 
 import argparse
@@ -31,6 +36,18 @@ from megalite.errors import run_main  # noqa: E402
 
 STOP_GRACE_S = 10.0  # a failed run's other ranks get this long to exit on SIGTERM before SIGKILL
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): a signal for this process when its parent dies
+
+
+def cpu_world_environment(base=None, **extra: str) -> dict[str, str]:
+    """`base` (default: os.environ) as a CPU world's environment, plus `extra`: no GPU visible
+    (CUDA_VISIBLE_DEVICES=""), so torch picks gloo and the CPU even on a GPU machine, and Triton in
+    its CPU interpreter (TRITON_INTERPRET=1, unless `base` sets it). For the children of a launcher
+    that must train on the CPU whatever the machine has."""
+    environment = dict(os.environ if base is None else base)
+    environment["CUDA_VISIBLE_DEVICES"] = ""
+    environment.setdefault("TRITON_INTERPRET", "1")
+    environment.update(extra)
+    return environment
 
 
 def free_port() -> int:
@@ -65,7 +82,8 @@ def _stop_with_launcher(launcher_pid: int) -> None:
 
 
 def launch(world_size: int, argv: list[str]) -> int:
-    """Fork `world_size` ranks of pretrain_gpt.py with `argv`; 0, or the first failed rank's exit code."""
+    """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code."""
+    os.environ.update(cpu_world_environment())  # before torch initialises CUDA: the ranks see no GPU
     import pretrain_gpt  # torch and megalite, imported once here, before the fork
 
     port = free_port()

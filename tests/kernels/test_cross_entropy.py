@@ -1,8 +1,10 @@
-"""Cross-entropy: the Triton kernels (interpreter on CPU) and the PyTorch path against float64.
+"""Cross-entropy: the Triton kernels and the PyTorch path against float64.
 
 Covers z-loss, the ignore index (including a batch where every target is ignored),
 vocabulary padding, odd vocabulary sizes spanning several blocks, bf16 inputs, and the
-vocab-sharded case in a 4-rank gloo world whose last shard is all padding.
+vocab-sharded case in a 4-rank gloo world whose last shard is all padding (a CPU world,
+Triton in its interpreter, on any machine). The one-process kernel tests run on `device`
+(tests/kernels/conftest.py: the GPU when there is one, else the CPU with the interpreter).
 """
 
 import pytest
@@ -75,8 +77,8 @@ def problem(rows, vocab, seed, ignored=2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,real_vocab,z_loss_weight", [(1000, 1000, 0.0), (1003, 997, 1e-3), (7, 5, 0.1)])
 def test_triton_cross_entropy_matches_float64_within_twice_torch_error(vocab, real_vocab, z_loss_weight, dtype,
-                                                                       small_blocks, mode, one_thread):
-    logits, labels, grad = problem(6, vocab, seed=vocab)
+                                                                       small_blocks, mode, one_thread, device):
+    logits, labels, grad = (t.to(device) for t in problem(6, vocab, seed=vocab))
     logits[:, real_vocab:] = 40.0  # padding would dominate if it were not excluded
     expected = run(logits, labels, grad, torch.float64, real_vocab, z_loss_weight, use_reference=True)
     mode("torch")
@@ -91,13 +93,13 @@ def test_triton_cross_entropy_matches_float64_within_twice_torch_error(vocab, re
 
 
 @pytest.mark.parametrize("kernel_mode", ["torch", "triton"])
-def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, mode, one_thread):
+def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, mode, one_thread, device):
     """reduction="none" losses are 0 with zero grads; the mean over no tokens is NaN, as in PyTorch."""
     mode(kernel_mode)
-    logits = torch.randn(4, 33, requires_grad=True)
-    labels = torch.full((4,), IGNORE_INDEX)
+    logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
+    labels = torch.full((4,), IGNORE_INDEX, device=device)
     losses = vocab_parallel_cross_entropy(logits, labels, None, 0, 33, 1e-4)
-    assert torch.equal(losses, torch.zeros(4))
+    assert torch.equal(losses, torch.zeros(4, device=device))
     mask = labels != IGNORE_INDEX
     mean = losses.sum() / mask.sum()
     expected = F.cross_entropy(logits.detach(), labels, ignore_index=IGNORE_INDEX)
@@ -106,13 +108,13 @@ def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, mode, one_thr
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
-def test_triton_saves_no_softmax(mode, one_thread):
+def test_triton_saves_no_softmax(mode, one_thread, device):
     """The Triton path keeps the logits (no copy) and one fp32 number per row, nothing vocab-sized else."""
     mode("triton")
-    logits = torch.randn(5, 40, requires_grad=True)
+    logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        vocab_parallel_cross_entropy(logits, torch.arange(5), None, 0)
+        vocab_parallel_cross_entropy(logits, torch.arange(5, device=device), None, 0)
     vocab_sized = [t for t in saved if t.numel() >= logits.numel()]
     assert len(vocab_sized) == 1 and vocab_sized[0].data_ptr() == logits.data_ptr()
     assert sum(t.numel() for t in saved) == logits.numel() + 2 * 5  # logits, labels, lse

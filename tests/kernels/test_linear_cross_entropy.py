@@ -1,4 +1,7 @@
-"""The chunked output layer + cross-entropy against the unfused float64 computation, and in the model."""
+"""The chunked output layer + cross-entropy against the unfused float64 computation, and in the model.
+
+The kernel comparisons run on `device` (tests/kernels/conftest.py: the GPU when there is one, else
+the CPU with Triton's interpreter); the padded-row layout and the model are CPU matters."""
 
 import pytest
 import torch
@@ -45,7 +48,7 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("kernel_mode", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, mode, one_thread):
+def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, mode, one_thread, device):
     generator = torch.Generator().manual_seed(3)
     rows, hidden_size, vocab, real_vocab, z_loss_weight = 10, 24, 80, 75, 1e-3
     hidden = torch.randn(rows, hidden_size, generator=generator, dtype=torch.float64)
@@ -53,6 +56,7 @@ def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, 
     labels = torch.randint(0, real_vocab, (rows,), generator=generator)
     labels[4] = IGNORE_INDEX
     grad = torch.rand(rows, generator=generator, dtype=torch.float64)
+    hidden, weight, labels, grad = (t.to(device) for t in (hidden, weight, labels, grad))
     expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=z_loss_weight,
                    real_vocab=real_vocab)
     eager = run(unfused, hidden, weight, labels, grad, dtype, z_loss_weight=z_loss_weight, real_vocab=real_vocab)
@@ -101,13 +105,14 @@ def test_chunks_with_padded_rows_give_the_contiguous_results(chunk_elements, mon
         assert relative_error(ours, reference) <= 1e-5, name
 
 
-def test_fused_path_keeps_no_logits(one_thread):
+def test_fused_path_keeps_no_logits(one_thread, device):
     """Saved for backward: hidden, weight (not copies), labels and one fp32 lse per token."""
-    hidden = torch.randn(12, 8, requires_grad=True)
-    weight = torch.randn(50, 8, requires_grad=True)
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(12, 8, generator=generator).to(device).requires_grad_()
+    weight = torch.randn(50, 8, generator=generator).to(device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        _LinearCrossEntropy.apply(hidden, weight, torch.arange(12), 50, 0.0, IGNORE_INDEX, 200)
+        _LinearCrossEntropy.apply(hidden, weight, torch.arange(12, device=device), 50, 0.0, IGNORE_INDEX, 200)
     assert sorted(t.numel() for t in saved) == sorted([12, 12, weight.numel(), hidden.numel()])
     assert {t.data_ptr() for t in saved} >= {hidden.data_ptr(), weight.data_ptr()}
 

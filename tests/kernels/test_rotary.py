@@ -1,4 +1,5 @@
-"""The Triton rotary embedding (interpreter on CPU) for q and k together, against float64."""
+"""The Triton rotary embedding for q and k together, against float64, on `device` (tests/kernels/conftest.py:
+the GPU when there is one, else the CPU through Triton's interpreter)."""
 
 import pytest
 import torch
@@ -6,10 +7,11 @@ import torch
 from megalite import kernels
 from megalite.kernels.rotary import _Rotary, apply_rotary_reference
 from megalite.model.rotary import RotaryEmbedding
+from tests.kernels.device import FP32_FLOOR
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
-FLOOR = {torch.float32: 1e-7, torch.bfloat16: 4e-3}
+FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/kernels/device.py
 
 
 def run(function, q, k, cos, sin, grads, dtype):
@@ -27,7 +29,7 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("positions", ["offset", "per-sample"])
-def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype, one_thread):
+def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype, one_thread, device):
     s, b, heads, groups, d = 5, 3, 6, 2, 10  # grouped-query: 6 query heads, 2 key heads; d/2 odd
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(s, b, heads, d, generator=generator, dtype=torch.float64)
@@ -39,6 +41,8 @@ def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype
         cos, sin = rotary(s, offset=11)  # [s, 1, 1, d]
     else:
         cos, sin = rotary(s, torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]))  # [s, b, 1, d]
+    q, k, cos, sin = (t.to(device) for t in (q, k, cos, sin))  # tables made on the CPU: the same values
+    grads = tuple(g.to(device) for g in grads)
     reference = run(apply_rotary_reference, q, k, cos.double(), sin.double(), grads, torch.float64)
     torch_path = run(apply_rotary_reference, q, k, cos, sin, grads, dtype)
     triton_path = run(_Rotary.apply, q, k, cos, sin, grads, dtype)

@@ -114,7 +114,8 @@ def worker(args) -> None:
     from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megalite.parallel_state import destroy, initialize, world_size_from_env
 
-    parallel = initialize(ParallelConfig(world_size=world_size_from_env()))
+    # gloo: the ranks are CPU processes on any machine (a one-GPU machine could not hold DP ranks apart).
+    parallel = initialize(ParallelConfig(world_size=world_size_from_env(), distributed_backend="gloo"))
     config, dtype = model_config(args.small), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     figures = {kind.__name__: measure(kind, config, dtype, parallel)
                for kind in (MixedPrecisionOptimizer, DistributedOptimizer)}

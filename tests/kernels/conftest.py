@@ -1,0 +1,16 @@
+"""The `device` every kernel test builds its tensors on: the GPU when there is one, else the CPU
+with Triton's interpreter (tests/kernels/device.py says how and why)."""
+
+import pytest
+import torch
+
+from megalite import kernels
+from tests.kernels.device import DEVICE
+
+
+@pytest.fixture
+def device() -> torch.device:
+    """The GPU when there is one, else the CPU with Triton's interpreter."""
+    if DEVICE.type == "cpu" and kernels.triton_available() and not kernels.interpreting():
+        pytest.fail("no GPU and TRITON_INTERPRET is not 1: tests/conftest.py sets it before megalite is imported")
+    return DEVICE
