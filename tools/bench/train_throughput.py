@@ -2,7 +2,8 @@
 
     python tools/bench/train_throughput.py [--config A|B|1B|preset] [--dtype fp32|bf16]
         [--modes best|eager|compile] [--iters 10] [--warmup-iters 2] [--rounds 5] [--threads 2]
-        [--hf-iters N] [--hf-warmup-iters N] [--sdpa-variants] [--device cpu|cuda] [--model tiny] ...
+        [--peers hf,minimal] [--hf-iters N] [--hf-warmup-iters N] [--sdpa-variants] [--device cpu|cuda]
+        [--model tiny] ...
 
 Configs (issue 10): A = hidden 256, 4 layers, 4 heads, FFN 688, vocab 8192, seq 256,
 micro-batch 8; B = hidden 512, 8 layers, 8 heads, FFN 1376, vocab 32000, seq 512,
@@ -11,33 +12,44 @@ preset (1.1B parameters) at seq 2048, micro-batch 4, for a GPU (`--device cuda -
 bf16`, MFU against the GPU's datasheet bf16 peak); `--config preset` takes --model and the
 override flags instead.
 
-Both sides train the same LLaMA-style model: HF's config is built from megalite's, on
+Peers (`--peers`, default both): HF's LlamaForCausalLM, and a minimal PyTorch LLaMA of
+about 100 lines (tools/bench/minimal_llama.py: nn.Linear projections, F.rms_norm, rotary,
+SDPA with enable_gqa, SwiGLU, F.cross_entropy on fp32 logits; what a user writes instead
+of using a framework), whose variants are `minimal eager` / `minimal compile` (the whole
+model and its loss under torch.compile). It has the same shapes, real vocabulary, dtype,
+batch and iteration; its parameter count and its loss at init (about ln(vocab)) are
+printed beside megalite's.
+
+Every side trains the same LLaMA-style model: HF's config is built from megalite's, on
 the tokenizer's vocabulary (megalite's padding is turned off, so both compute the same
 logits), with the same tokens, batch, sequence length, dtype and thread count, and
-SDPA attention on both. One iteration is forward + backward + optimizer step with the
-same `torch.optim.AdamW(fused=True)` on both sides (megalite's own optimizer, with fp32
+SDPA attention on all. One iteration is forward + backward + optimizer step with the
+same `torch.optim.AdamW(fused=True)` on every side (megalite's own optimizer, with fp32
 main params and ZeRO, is measured by its training runs): this compares the models. The
-two models start from their own initialisations; values do not change the work. Both
+models start from their own initialisations; values do not change the work. All
 run in this one process, with the same allocator settings as pretrain_gpt.py (huge pages, freed
 memory kept for reuse: megalite/cpu_allocator.py).
 
 Modes: with `--modes best` (the default) each side runs eager and under torch.compile
 (megalite: its transformer layers compiled one by one, as `--compile` does in training;
-HF: the whole model and its loss in one graph), all four timed side by side, and each
-side is judged by its faster mode. Compile time (the warm-up iterations' extra time over eager) is reported
-apart and never counted in tokens/s.
+HF and the minimal model: the whole model and its loss in one graph), all timed side by
+side, and each side is judged by its faster mode: megalite's best against each peer's
+best. Compile time (the warm-up iterations' extra time over eager) is reported apart and
+never counted in tokens/s.
 
 Timing: each variant first runs --warmup-iters untimed iterations; then --rounds measured
 blocks alternate between them (forward order, then reversed, ...), so that whatever else
 the machine does falls on all. tokens/s is given per block: median, min and max; the
-ratio megalite / HF is given between the medians, between the fastest blocks, and as
+ratio megalite / HF (and megalite / minimal) is given between the medians, between the fastest blocks, and as
 the median of same-round pairs (blocks seconds apart, so slow drifts of a shared machine
 cancel), with a 90% bootstrap interval for that median from 4 pairs on. Where HF is
 very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs), --hf-iters /
---hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds.
+--hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds. The
+--hf-* flags (iterations, warm-up, modes) hold for the minimal model too: it runs the
+same PyTorch GEMMs as HF.
 `--sdpa-variants` adds megalite with PyTorch's SDPA in place of its blocked CPU attention
 (`megalite-sdpa MODE`, never counted as megalite's best) and prints the same-model ratio.
-TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for both) and
+TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for all) and
 peak: a datasheet value on a known GPU; on a CPU the fastest 1024^3 matmul measured in
 this run (at startup and after every round) by megalite.logging.peak_flops: for bf16 the
 faster of bf16 and fp32 (fp32 alone on a CPU without bf16 units).
@@ -46,6 +58,7 @@ faster of bf16 and fp32 (fp32 alone on a CPU without bf16 units).
 import argparse
 import copy
 import functools
+import math
 import os
 import random
 import statistics
@@ -70,6 +83,8 @@ from megalite.hf import llama_config_to_hf  # noqa: E402
 from megalite.kernels.attention import set_blocked_attention  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
+from megalite.model.rotary import llama3_scaled_inv_freq  # noqa: E402
+from tools.bench.minimal_llama import MinimalLlama  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The issue's two configs; `preset` keeps --model and the override flags.
@@ -83,6 +98,7 @@ CONFIGS = {
     "1B": dict(model="llama-1b", seq_length=2048, micro_batch_size=4),
 }
 MODES = {"best": ("eager", "compile"), "eager": ("eager",), "compile": ("compile",)}
+PEERS = {"hf": "HF", "minimal": "minimal"}  # --peers name -> the prefix of its variants
 OVERRIDE_FLAGS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                   "num_query_groups", "seq_length", "vocab_size")
 
@@ -101,15 +117,18 @@ def get_args(argv):
     parser.add_argument("--iters", type=int, default=10, help="measured iterations per model")
     parser.add_argument("--warmup-iters", type=int, default=2, help="untimed iterations per model")
     parser.add_argument("--rounds", type=int, default=5, help="alternating measured blocks per model")
+    parser.add_argument("--peers", default="hf,minimal",
+                        help="comma-separated peers to time beside megalite: hf (HF's LlamaForCausalLM), minimal "
+                             "(a ~100-line PyTorch LLaMA, tools/bench/minimal_llama.py); default both")
     parser.add_argument("--hf-iters", type=int, default=None,
-                        help="measured iterations of each HF variant (default: --iters); fewer where HF is very "
-                             "slow, e.g. bf16 on a CPU without bf16 units")
+                        help="measured iterations of each HF (and minimal) variant (default: --iters); fewer where "
+                             "HF is very slow, e.g. bf16 on a CPU without bf16 units")
     parser.add_argument("--hf-warmup-iters", type=int, default=None,
-                        help="untimed iterations of each HF variant (default: --warmup-iters); 0 where one "
-                             "iteration takes minutes and its one-off costs are noise")
+                        help="untimed iterations of each HF (and minimal) variant (default: --warmup-iters); 0 where "
+                             "one iteration takes minutes and its one-off costs are noise")
     parser.add_argument("--hf-modes", default=None, choices=sorted(MODES),
-                        help="HF's modes (default: --modes); eager alone where its compile cannot help, e.g. "
-                             "bf16 GEMMs at ~1 GFLOP/s on a CPU without bf16 units")
+                        help="HF's (and minimal's) modes (default: --modes); eager alone where its compile cannot "
+                             "help, e.g. bf16 GEMMs at ~1 GFLOP/s on a CPU without bf16 units")
     parser.add_argument("--dtype", choices=sorted(DTYPES), default="fp32")
     parser.add_argument("--threads", type=int, default=2, help="torch intra-op threads (CPU)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
@@ -121,6 +140,7 @@ def get_args(argv):
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timing, print the top ROWS ops of one iteration of each side's best mode")
     args = parser.parse_args(argv)
+    args.peers = parse_peers(args.peers)
     args.hf_modes = args.modes if args.hf_modes is None else args.hf_modes
     args.hf_iters = args.iters if args.hf_iters is None else args.hf_iters
     args.hf_warmup_iters = args.warmup_iters if args.hf_warmup_iters is None else args.hf_warmup_iters
@@ -128,6 +148,16 @@ def get_args(argv):
         for name, value in CONFIGS[args.config].items():
             setattr(args, name, value)
     return args
+
+
+def parse_peers(text: str) -> tuple[str, ...]:
+    """`--peers hf,minimal` -> ("hf", "minimal"); UserError on an unknown or empty list."""
+    peers = tuple(dict.fromkeys(name.strip().lower() for name in text.split(",") if name.strip()))
+    unknown = [name for name in peers if name not in PEERS]
+    if unknown or not peers:
+        raise UserError(f"--peers {text!r}: give one or more of {', '.join(PEERS)}, comma-separated "
+                        f"(e.g. --peers hf,minimal)")
+    return peers
 
 
 def build_config(args) -> ModelConfig:
@@ -148,6 +178,19 @@ def hf_llama(config: ModelConfig):
     import transformers
 
     return transformers.LlamaForCausalLM(llama_config_to_hf(config, attn_implementation="sdpa", use_cache=False))
+
+
+def minimal_llama(config: ModelConfig, device, dtype) -> MinimalLlama:
+    """The minimal PyTorch LLaMA with megalite's dimensions (real vocabulary), built in `dtype` on `device`."""
+    inv_freq = None
+    if config.use_rope_scaling:  # Llama 3.1's scaled frequencies: other values, the same work
+        head_dim = config.head_dim
+        base = 1.0 / config.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
+        inv_freq = llama3_scaled_inv_freq(base, config.rope_scaling_factor)
+    return MinimalLlama(config.real_vocab_size, config.hidden_size, config.num_layers, config.num_attention_heads,
+                        config.query_groups, config.ffn_hidden_size, rope_theta=config.rotary_base,
+                        eps=config.norm_epsilon, tied=not config.untie_embeddings_and_output_weights,
+                        inv_freq=inv_freq, device=device, dtype=dtype)
 
 
 def make_optimizer(model):
@@ -182,8 +225,9 @@ def hf_loss(model, tokens, labels, positions) -> torch.Tensor:
     return F.cross_entropy(logits.float().flatten(0, 1), labels.flatten())
 
 
-def hf_step(loss_fn, optimizer, batch) -> float:
-    """One iteration; loss_fn is hf_loss on the model, compiled whole (loss included) in compile mode."""
+def peer_step(loss_fn, optimizer, batch) -> float:
+    """One iteration of a peer; loss_fn is hf_loss on HF's model, or the minimal model (its loss inside),
+    compiled whole (loss included) in compile mode."""
     tokens, labels, positions = batch
     loss = loss_fn(tokens, labels, positions)
     loss.backward()
@@ -197,14 +241,17 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def time_block(step, iters: int, device: torch.device) -> tuple[float, float]:
-    """(seconds for `iters` calls of step(), the last loss), with the GPU drained at both ends."""
+def time_block(step, iters: int, device: torch.device) -> tuple[float, float, float]:
+    """(seconds for `iters` calls of step(), the last loss, the first loss), with the GPU drained at both
+    ends; the losses are read after the clock stops (no host sync inside the block)."""
     synchronize(device)
-    start, loss = time.perf_counter(), float("nan")
+    start, first, loss = time.perf_counter(), None, float("nan")
     for _ in range(iters):
         loss = step()
+        first = loss if first is None else first
     synchronize(device)
-    return time.perf_counter() - start, float(loss)
+    seconds = time.perf_counter() - start
+    return seconds, float(loss), float("nan") if first is None else float(first)
 
 
 def block_sizes(iters: int, rounds: int) -> list[int]:
@@ -222,18 +269,21 @@ def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tupl
     other work held the cores does not stand for the machine's.
     """
     peaks = []
-    warmup = {}
+    warmup, first_loss = {}, {}
     for name, step in steps.items():
-        warmup[name], _ = time_block(step, warmup_iters(args, name), device)
+        warmup[name], _, first_loss[name] = time_block(step, warmup_iters(args, name), device)
         print(f"warm-up {name}: {warmup[name]:.1f} s", flush=True)  # progress on slow machines
-    results = {name: {"seconds": [], "iters": [], "rounds": [], "loss": float("nan")} for name in steps}
+    results = {name: {"seconds": [], "iters": [], "rounds": [], "loss": float("nan"), "first_loss": first_loss[name]}
+               for name in steps}
     blocks = {name: block_sizes(measured_iters(args, name), args.rounds) for name in steps}
     for round_index in range(args.rounds):
         order = list(steps) if round_index % 2 == 0 else list(reversed(steps))
         for name in order:
             if round_index >= len(blocks[name]):  # fewer iterations than rounds: no block this round
                 continue
-            seconds, loss = time_block(steps[name], blocks[name][round_index], device)
+            seconds, loss, first = time_block(steps[name], blocks[name][round_index], device)
+            if math.isnan(results[name]["first_loss"]):  # no warm-up: the first measured iteration's
+                results[name]["first_loss"] = first
             results[name]["seconds"].append(seconds)
             results[name]["iters"].append(blocks[name][round_index])
             results[name]["rounds"].append(round_index)
@@ -243,14 +293,19 @@ def measure(steps: dict, args, device: torch.device, dtype: torch.dtype) -> tupl
     return results, warmup, peaks
 
 
+def is_peer(name: str) -> bool:
+    """Whether the variant `name` is a peer's (HF or minimal), not megalite's."""
+    return name.split()[0] in PEERS.values()
+
+
 def warmup_iters(args, name: str) -> int:
-    """Untimed iterations of the variant `name` (HF's own count with --hf-warmup-iters)."""
-    return args.hf_warmup_iters if name.startswith("HF") else args.warmup_iters
+    """Untimed iterations of the variant `name` (the peers' own count with --hf-warmup-iters)."""
+    return args.hf_warmup_iters if is_peer(name) else args.warmup_iters
 
 
 def measured_iters(args, name: str) -> int:
-    """Timed iterations of the variant `name` (HF's own count with --hf-iters)."""
-    return args.hf_iters if name.startswith("HF") else args.iters
+    """Timed iterations of the variant `name` (the peers' own count with --hf-iters)."""
+    return args.hf_iters if is_peer(name) else args.iters
 
 
 def block_rates(result: dict, tokens_per_iter: int) -> list[float]:
@@ -271,7 +326,8 @@ def compile_seconds(warmup: dict, name: str, median_seconds_per_iter: dict, iter
 
 
 def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args, peak) -> dict:
-    """The table, and the megalite / HF ratio between each side's best mode; returns the summary."""
+    """The table, and the ratio megalite / peer (HF, minimal) between each side's best mode; returns the
+    summary: the HF comparison at the top level (None without HF) and every peer's under "peers"."""
     tokens_per_iter = args.micro_batch_size * config.seq_length
     flops = flops_per_iteration(config, args.micro_batch_size, config.seq_length)
     rates = {name: block_rates(result, tokens_per_iter) for name, result in results.items()}
@@ -286,25 +342,46 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
         print(f"{name:21s} {params[name.split()[0]]:11,d} {medians[name]:12.0f} {min(rates[name]):8.0f} "
               f"{max(rates[name]):8.0f} {1000 * seconds_per_iter[name]:8.1f} {achieved / 1e12:8.4f} {mfu:>6s} "
               f"{'-' if extra is None else f'{extra:.1f}':>9s} {result['loss']:9.4f}")
-    best = {side: max((n for n in results if n.startswith(side + " ")), key=lambda n: medians[n])
-            for side in ("megalite", "HF")}
-    ratio = medians[best["megalite"]] / medians[best["HF"]]
-    # The fastest block is the least disturbed by other work on a shared machine.
-    fastest_ratio = max(rates[best["megalite"]]) / max(rates[best["HF"]])
-    paired, paired_ratio, interval, pairs_text = compare_pairs(results, rates, best["megalite"], best["HF"])
+    sides = [side for side in ("megalite", *PEERS.values()) if any(n.startswith(side + " ") for n in results)]
+    best = {side: max((n for n in results if n.startswith(side + " ")), key=lambda n: medians[n]) for side in sides}
+    print_checks(results, params, config, best)
     mfu = None if peak[0] is None else flops * medians[best["megalite"]] / tokens_per_iter / peak[0]
-    if paired:
-        print("same-round ratios: " + " ".join(f"{r:.3f}" for r in paired))
-    print(f"best modes: {best['megalite']} vs {best['HF']}; ratio megalite / HF tokens/s: {ratio:.3f} "
-          f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {pairs_text}; megalite MFU "
-          f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
+    peers = {}
+    for side in sides[1:]:
+        ratio = medians[best["megalite"]] / medians[best[side]]
+        # The fastest block is the least disturbed by other work on a shared machine.
+        fastest_ratio = max(rates[best["megalite"]]) / max(rates[best[side]])
+        paired, paired_ratio, interval, pairs_text = compare_pairs(results, rates, best["megalite"], best[side])
+        if paired:  # HF's line keeps its original wording
+            print(f"same-round ratios{'' if side == 'HF' else f' megalite / {side}'}: "
+                  + " ".join(f"{r:.3f}" for r in paired))
+        print(f"best modes: {best['megalite']} vs {best[side]}; ratio megalite / {side} tokens/s: {ratio:.3f} "
+              f"between the medians, {fastest_ratio:.3f} between the fastest blocks, {pairs_text}; megalite MFU "
+              f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
+        peers[side] = {"ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
+                       "paired_interval": interval}
     attention = {}  # mode -> megalite with its blocked attention / with SDPA, same-round median
     for name in (n for n in results if n.startswith("megalite-sdpa ")):
         mode = name.split()[1]
         _, attention[mode], _, text = compare_pairs(results, rates, f"megalite {mode}", name)
         print(f"megalite {mode}, blocked attention / SDPA (same model): {text}")
-    return {"best": best, "ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
-            "paired_interval": interval, "mfu": mfu, "medians": medians, "attention": attention}
+    hf = peers.get("HF", dict.fromkeys(("ratio", "fastest_ratio", "paired_ratio", "paired_interval")))
+    return {"best": best, **hf, "peers": peers, "mfu": mfu, "medians": medians, "attention": attention,
+            "init_loss": {name: result["first_loss"] for name, result in results.items()}}
+
+
+def print_checks(results: dict, params: dict, config: ModelConfig, best: dict) -> None:
+    """Same model on every side: each side's parameter count beside megalite's, and the loss of each best
+    variant's first iteration (at init: about ln(vocab), a bit above it as the logits' spread grows)."""
+    mine = params["megalite"]
+    counts = ", ".join(f"{side} {params[side]:,d}" for side in best)
+    same = all(params[side] == mine for side in best)
+    print(f"parameters: {counts} ({'equal' if same else 'DIFFERENT: not the same model'})")
+    expected = math.log(config.real_vocab_size)
+    losses = ", ".join(f"{name} {results[name]['first_loss']:.4f}" for name in best.values())
+    far = [name for name in best.values() if not abs(results[name]["first_loss"] - expected) <= 0.1 * expected]
+    print(f"loss at init (first iteration): {losses}; ln(vocab {config.real_vocab_size}) = {expected:.4f}"
+          + (f"; more than 10% away: {', '.join(far)} (check its init)" if far else ""))
 
 
 def compare_pairs(results: dict, rates: dict, mine: str, theirs: str) -> tuple:
@@ -352,13 +429,19 @@ def megalite_variant(model, mode: str, batch):
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
-    """(variant name -> step closure, side -> parameter count) for --modes and --hf-modes
-    (and megalite-sdpa, the same model, with --sdpa-variants)."""
+    """(variant name -> step closure, side -> parameter count) for --modes, and --hf-modes of each of
+    --peers (and megalite-sdpa, the same model, with --sdpa-variants)."""
     model = build_model(config, args.seed, device=device, dtype=dtype).train()
-    torch.manual_seed(args.seed)
-    hf_model = hf_llama(config).to(device=device, dtype=dtype).train()
     mine = sum(p.numel() for p in model.parameters())
-    params = {"megalite": mine, "megalite-sdpa": mine, "HF": sum(p.numel() for p in hf_model.parameters())}
+    params = {"megalite": mine, "megalite-sdpa": mine}
+    peer_models = {}
+    if "hf" in args.peers:
+        torch.manual_seed(args.seed)
+        peer_models["HF"] = hf_llama(config).to(device=device, dtype=dtype).train()
+    if "minimal" in args.peers:
+        torch.manual_seed(args.seed)
+        peer_models["minimal"] = minimal_llama(config, device, dtype).train()
+    params.update({side: sum(p.numel() for p in peer.parameters()) for side, peer in peer_models.items()})
     steps = {}
     for mode in MODES[args.modes]:
         # Each variant owns a model copy and an optimizer, so they never share state.
@@ -366,13 +449,14 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
         if args.sdpa_variants:
             steps[f"megalite-sdpa {mode}"] = functools.partial(
                 with_sdpa_attention, megalite_variant(copy.deepcopy(model), mode, batch))
-    for mode in MODES[args.hf_modes]:
-        theirs = hf_model if mode == "eager" else copy.deepcopy(hf_model)
-        loss_theirs = functools.partial(hf_loss, theirs)
-        if mode == "compile":
-            # HF's best case: the model and its loss in one graph, so the cross-entropy is fused too.
-            loss_theirs = torch.compile(loss_theirs)
-        steps[f"HF {mode}"] = functools.partial(hf_step, loss_theirs, make_optimizer(theirs), batch)
+    for side, peer in peer_models.items():
+        for mode in MODES[args.hf_modes]:
+            theirs = peer if mode == "eager" else copy.deepcopy(peer)
+            loss_theirs = functools.partial(hf_loss, theirs) if side == "HF" else theirs  # minimal: loss inside
+            if mode == "compile":
+                # Each peer's best case: the model and its loss in one graph, so the cross-entropy is fused too.
+                loss_theirs = torch.compile(loss_theirs)
+            steps[f"{side} {mode}"] = functools.partial(peer_step, loss_theirs, make_optimizer(theirs), batch)
     return steps, params
 
 
@@ -406,7 +490,8 @@ def main(argv=None):
           f"{config.ffn_hidden_size}, {config.num_attention_heads} heads / {config.query_groups} groups, "
           f"vocab {config.real_vocab_size}; batch {args.micro_batch_size} x seq {config.seq_length}, "
           f"{args.dtype}; {args.warmup_iters} warm-up + {args.iters} measured iterations per megalite variant"
-          f" ({args.hf_warmup_iters} + {args.hf_iters} per HF variant) in up to {args.rounds} alternating blocks")
+          f" ({args.hf_warmup_iters} + {args.hf_iters} per {' and '.join(PEERS[p] for p in args.peers)} variant) in up "
+          f"to {args.rounds} alternating blocks")
     print(f"model FLOPs per iteration: {flops_per_iteration(config, args.micro_batch_size, config.seq_length):.4E}"
           f" | peak: {peak[1]}")
     results, warmup, peaks = measure(steps, args, device, dtype)
