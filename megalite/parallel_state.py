@@ -237,16 +237,11 @@ def choose_backend(requested: str | None) -> str:
     return requested
 
 
-def trains_on_cuda(requested_backend: str | None) -> bool:
-    """Whether `initialize` will put this rank on a GPU for --distributed-backend `requested_backend`:
-    nccl, the default with CUDA, binds cuda:LOCAL_RANK; gloo keeps the CPU."""
-    return torch.cuda.is_available() and requested_backend != "gloo"
-
-
 def bf16_is_default(requested_backend: str | None) -> bool:
     """With no precision flag, bf16 where the run trains on a GPU with bf16 units, fp32 elsewhere
-    (CPUs: their bf16 products would run as fp32 GEMMs anyway, kernels/matmul.py)."""
-    return trains_on_cuda(requested_backend) and torch.cuda.is_bf16_supported()
+    (CPUs: their bf16 products would run as fp32 GEMMs anyway, kernels/matmul.py). The run is on a
+    GPU when CUDA is present and the backend is not gloo (`choose_backend`, `_bind_device`)."""
+    return torch.cuda.is_available() and requested_backend != "gloo" and torch.cuda.is_bf16_supported()
 
 
 def _bind_device(backend: str, local_rank: int) -> torch.device:

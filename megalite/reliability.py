@@ -38,7 +38,7 @@ EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
 class RunSignals:
     """The one owner of SIGTERM and SIGINT for a run: from before its first iteration until it
-    returns, or, under `hold_until_exit` (pretrain_gpt.py), until the process exits.
+    returns, or, under `hold_signals_until_exit` (pretrain_gpt.py), until the process exits.
 
     The handler records the first signal and does nothing else. What follows depends on
     `save_and_exit` (--exit-signal-handler, on whenever --save is set):
@@ -58,7 +58,6 @@ class RunSignals:
         self._previous: dict = {}
         self._deferring, self._pending = 0, None
         self._interrupts = 0  # SIGINTs seen: the second one raises
-        self._held = False
 
     def install(self) -> "RunSignals":
         if threading.current_thread() is threading.main_thread() and not self._previous:
@@ -67,9 +66,7 @@ class RunSignals:
         return self
 
     def restore(self) -> None:
-        """Give the signals back to whoever had them (nothing under `hold_until_exit`)."""
-        if self._held:
-            return
+        """Give the signals back to whoever had them."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
@@ -111,8 +108,7 @@ def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
     global _owner
     if _owner is None:
         _owner = RunSignals(save_and_exit).install()
-    _owner.save_and_exit, _owner._held = save_and_exit, True
-    _owner.received, _owner._interrupts = None, 0  # a new run's record
+    _owner.save_and_exit, _owner.received, _owner._interrupts = save_and_exit, None, 0  # a new run's record
     return _owner
 
 

@@ -49,7 +49,7 @@ from megalite.kernels import set_kernels
 from megalite.logging import TrainingLogger
 from megalite.tracking import exit_code_of, start_tracking
 from megalite.lr_schedule import LRSchedule
-from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, RunSignals, owned_signals,
+from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, owned_signals,
                                   PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
                                   divergence_message, failed_ranks_across, is_collective_failure, signal_name,
                                   skipped_message)
@@ -237,7 +237,6 @@ class Trainer:
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.last_checkpoint = None  # the newest complete checkpoint of this run: loaded or saved
         self.resumed_from = None  # its iteration when loaded; --keep-last-n-checkpoints never deletes it
-        self.signals = RunSignals(run.train.exit_signal_handler)  # train() takes the run's installed owner
         self.stop_signal = 0  # an exit signal every rank has agreed on (agreed_stop)
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         seed_everything(train.seed, self.parallel)
@@ -463,6 +462,7 @@ class Trainer:
         return True
 
     def train(self) -> TrainState:
+        # self.signals: the run's signal owner (pretrain's, or one installed for this call).
         with owned_signals(self.run.train.exit_signal_handler) as self.signals:
             return self._train()
 

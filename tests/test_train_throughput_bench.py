@@ -59,7 +59,7 @@ def test_peers_pick_the_sides(capsys):
 
 def test_the_minimal_peer_compiled_whole(monkeypatch):
     """`minimal compile`: the model and its loss in one torch.compile graph; traced by Dynamo and AOTAutograd
-    here, without Inductor's code generation (tens of seconds on 2 cores; the bench itself uses Inductor)."""
+    here, without Inductor's code generation (slow on a CPU; the bench itself uses Inductor)."""
     monkeypatch.setattr(torch, "compile", functools.partial(torch.compile, backend="aot_eager"))
     summary = bench_main(TINY + ["--modes", "eager", "--peers", "minimal", "--hf-modes", "compile"])
     assert set(summary["medians"]) == {"megalite eager", "minimal compile"}

@@ -1,14 +1,9 @@
 """tools/bench/memory.py on real torchrun worlds: the distributed optimizer halves optimizer state at DP=2."""
 
 from tools.bench.memory import main as bench_main
-from tools.fork_ranks import cpu_world_environment
 
 
-def test_memory_bench_shards_optimizer_state_over_data_parallel_ranks(capsys, monkeypatch):
-    # The bench's torchrun worlds are CPU worlds (gloo, "gloo on the CPU" in its docstring), but it
-    # passes its children this process's environment as it is: hide the GPU there. (This process
-    # has already asked CUDA for its devices, in tests/conftest.py, so it keeps its GPU.)
-    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", cpu_world_environment()["CUDA_VISIBLE_DEVICES"])
+def test_memory_bench_shards_optimizer_state_over_data_parallel_ranks(capsys):
     assert bench_main(["--dp", "1", "2", "--dtype", "bf16", "--small"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]

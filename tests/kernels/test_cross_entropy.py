@@ -31,14 +31,6 @@ def small_blocks(monkeypatch):
     monkeypatch.setattr(ce_module, "BLOCK", 64)
 
 
-@pytest.fixture
-def mode():
-    """Restore the process-wide kernel mode after the test."""
-    before = kernels.kernels_mode()
-    yield kernels.set_kernels
-    kernels.set_kernels(before)
-
-
 def reference_losses(logits, labels, real_vocab, z_loss_weight):
     """float64 F.cross_entropy (+ z-loss), padding columns dropped, ignored labels 0."""
     logits = logits[..., :real_vocab].double()

@@ -55,7 +55,7 @@ def test_the_bench_runs_end_to_end_on_a_cpu(capsys, one_thread):
 
 @pytest.mark.slow
 def test_the_compile_column_on_a_cpu(one_thread):
-    """torch.compile of the reference (one small Inductor compile, ~10 s on 2 cores)."""
+    """torch.compile of the reference (one small Inductor compile)."""
     reference = bench.IMPLEMENTATIONS["swiglu"][1]
     implementations = [bench.Implementation("eager", reference),
                        bench.Implementation("compile", torch.compile(reference, dynamic=False))]

@@ -14,7 +14,6 @@ output layer's float64 reference).
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from megalite import kernels
 from megalite.kernels.cross_entropy import IGNORE_INDEX
@@ -24,7 +23,8 @@ from megalite.kernels.rmsnorm import _RMSNorm, rms_norm_reference
 from megalite.kernels.rotary import _Rotary, apply_rotary_reference
 from megalite.kernels.swiglu import _SwiGLU, swiglu_reference
 from megalite.model.rotary import RotaryEmbedding
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from tests.kernels.test_cross_entropy import reference_losses
+from tests.kernels.test_cross_entropy import run as run_cross_entropy
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")]
@@ -40,14 +40,6 @@ def cuda():
     """The GPU, its caching allocator emptied after the test (these tensors are gigabytes)."""
     yield torch.device("cuda")
     torch.cuda.empty_cache()
-
-
-@pytest.fixture
-def mode():
-    """kernels.set_kernels, the process-wide mode restored after the test."""
-    before = kernels.kernels_mode()
-    yield kernels.set_kernels
-    kernels.set_kernels(before)
 
 
 def generator(seed: int) -> torch.Generator:
@@ -169,13 +161,6 @@ def test_swiglu_at_model_shapes(ffn, dtype, cuda):
 # -- vocab-parallel cross-entropy, one process ------------------------------------------------------------------
 
 
-def reference_losses(logits, labels, real_vocab, z_loss_weight):
-    """float64 F.cross_entropy (+ z-loss) of `[N, V]` logits, padding columns dropped, ignored labels 0."""
-    logits = logits[:, :real_vocab].double()
-    losses = F.cross_entropy(logits, labels, reduction="none", ignore_index=IGNORE_INDEX)
-    return losses + z_loss_weight * logits.logsumexp(-1).square() * (labels != IGNORE_INDEX)
-
-
 def labels_for(tokens: int, real_vocab: int, seed: int) -> torch.Tensor:
     labels = torch.randint(0, real_vocab, (tokens,), generator=generator(seed), device="cuda")
     labels[::97] = IGNORE_INDEX  # some ignored tokens
@@ -193,23 +178,11 @@ def test_cross_entropy_at_model_shapes(tokens, vocab, real_vocab, z_loss_weight,
     logits[:, real_vocab:] = 40.0  # padding would dominate if it were not excluded
     labels = labels_for(tokens, real_vocab, seed=vocab + 1)
     grad = torch.rand(tokens, generator=generator(vocab + 2), dtype=torch.float64, device="cuda")
-
-    def run(dtype, reference=False):
-        (leaf,) = leaves((logits,), dtype)
-        if reference:
-            losses = reference_losses(leaf, labels, real_vocab, z_loss_weight)
-        else:
-            losses = vocab_parallel_cross_entropy(leaf, labels, None, 0, real_vocab, z_loss_weight)
-            assert losses.dtype == torch.float32
-        losses.backward(grad.to(losses.dtype))
-        assert leaf.grad.dtype == dtype
-        return [losses.detach(), leaf.grad]
-
-    expected = run(torch.float64, reference=True)
+    expected = run_cross_entropy(logits, labels, grad, torch.float64, real_vocab, z_loss_weight, use_reference=True)
     mode("torch")
-    torch_path = run(dtype)
+    torch_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight)
     mode("triton")
-    triton_path = run(dtype)
+    triton_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight)
     check(("losses", "dlogits"), expected, triton_path, torch_path, dtype)
     ignored = labels == IGNORE_INDEX
     assert torch.all(triton_path[0][ignored] == 0) and torch.all(triton_path[1][ignored] == 0)

@@ -1,6 +1,6 @@
 """Fused kernels against PyTorch eager and torch.compile: GPU time, bandwidth, peak memory.
 
-    python tools/bench/kernels.py                 # CUDA: the 1B and 8B shapes (about 2-3 minutes on an H100)
+    python tools/bench/kernels.py                 # CUDA: the 1B and 8B shapes
     python tools/bench/kernels.py --sizes 8b --kernels rmsnorm cross_entropy
     python tools/bench/kernels.py --no-compile    # skip torch.compile (it takes a while per shape)
     python tools/bench/kernels.py --device cpu --sizes tiny   # the CPU path (PyTorch only; Triton's
@@ -70,7 +70,7 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy 
 
 MB = 2 ** 20
 DEFAULT_TOKENS = 4 * 2048  # micro-batch 4 x sequence 2048, as the throughput bench's 1B config
-FLUSH_BYTES = 256 * MB  # zeroed before each timed replay: more than any GPU's L2 (H100: 50 MB)
+FLUSH_BYTES = 256 * MB  # zeroed before each timed replay: larger than any GPU's L2 cache
 TIME_BUDGET_MS = 1000.0  # per row: fewer repeats where one call is slow (at least MIN_REPEATS)
 MIN_REPEATS = 10
 

@@ -83,7 +83,7 @@ from megalite.hf import llama_config_to_hf  # noqa: E402
 from megalite.kernels.attention import set_blocked_attention  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
-from megalite.model.rotary import llama3_scaled_inv_freq  # noqa: E402
+from megalite.model.rotary import RotaryEmbedding  # noqa: E402
 from tools.bench.minimal_llama import MinimalLlama  # noqa: E402
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -183,10 +183,8 @@ def hf_llama(config: ModelConfig):
 def minimal_llama(config: ModelConfig, device, dtype) -> MinimalLlama:
     """The minimal PyTorch LLaMA with megalite's dimensions (real vocabulary), built in `dtype` on `device`."""
     inv_freq = None
-    if config.use_rope_scaling:  # Llama 3.1's scaled frequencies: other values, the same work
-        head_dim = config.head_dim
-        base = 1.0 / config.rotary_base ** (torch.arange(0, head_dim, 2, dtype=torch.float32) / head_dim)
-        inv_freq = llama3_scaled_inv_freq(base, config.rope_scaling_factor)
+    if config.use_rope_scaling:  # Llama 3.1's scaled frequencies, as megalite's model draws them
+        inv_freq = RotaryEmbedding(config.head_dim, config.rotary_base, config.rope_scaling_factor).inv_freq
     return MinimalLlama(config.real_vocab_size, config.hidden_size, config.num_layers, config.num_attention_heads,
                         config.query_groups, config.ffn_hidden_size, rope_theta=config.rotary_base,
                         eps=config.norm_epsilon, tied=not config.untie_embeddings_and_output_weights,
