@@ -5,6 +5,9 @@ The suite passes on a machine without a GPU and on one with a CUDA GPU:
   compiled on CUDA tensors where there is one (tests/kernels/conftest.py picks the device);
 - CPU worlds (tests/distributed.py, tools/fork_ranks.py, tools/check_layouts.py) hide the
   GPU from their ranks, so they are CPU worlds on any machine;
+- every other test that is not marked `gpu` and not a kernel test sees no GPU either (the
+  `cpu_unless_marked_gpu` fixture): an in-process world of one is a CPU world too, so its
+  numbers match the CPU references on any machine; what only a GPU shows is in `gpu` tests;
 - tests marked `gpu` need CUDA: they are skipped without it ("needs a CUDA GPU"), and the
   summary ends with one line counting how many ran, passed and were skipped.
 """
@@ -35,6 +38,17 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+@pytest.fixture(autouse=True)
+def cpu_unless_marked_gpu(request, monkeypatch):
+    """On a GPU machine, hide the GPU from a test not marked `gpu`: megalite (torch.cuda.is_available)
+    and any process it starts (CUDA_VISIBLE_DEVICES) then train on the CPU with gloo and fp32, as on a
+    CPU-only machine. tests/kernels overrides this: kernel tests run on the GPU where there is one."""
+    if torch.cuda.is_available() and request.node.get_closest_marker("gpu") is None:
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
+
+
 @pytest.fixture
 def deterministic():
     """Deterministic kernels for the test (on a GPU: no atomics in attention or embedding grads), so
@@ -46,13 +60,15 @@ def deterministic():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked gpu are skipped where CUDA is not available."""
-    if torch.cuda.is_available():
-        return
-    skip = pytest.mark.skip(reason=GPU_SKIP_REASON)
-    for item in items:
-        if item.get_closest_marker("gpu") is not None:
-            item.add_marker(skip)
+    """Tests marked gpu are skipped where CUDA is not available, and tests marked interpreter where
+    Triton's CPU interpreter cannot run the kernels (tests/triton_interpreter.py)."""
+    from tests import triton_interpreter  # here: it defines a kernel, after TRITON_INTERPRET is set above
+    for marker, reason in (("gpu", lambda: None if torch.cuda.is_available() else GPU_SKIP_REASON),
+                           ("interpreter", triton_interpreter.problem)):
+        marked = [item for item in items if item.get_closest_marker(marker) is not None]
+        why = reason() if marked else None
+        for item in marked if why else ():
+            item.add_marker(pytest.mark.skip(reason=why))
 
 
 def pytest_runtest_logreport(report):

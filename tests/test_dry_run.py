@@ -79,6 +79,7 @@ def _live_rank(rank, world_size, flags):
 
 # The ranks are a CPU world with Triton in its interpreter on any machine (tests/distributed.py).
 @pytest.mark.skipif(not triton_available(), reason="needs Triton's CPU interpreter: triton is not installed")
+@pytest.mark.interpreter
 def test_dry_run_figures_equal_a_live_tp2_dp2_run():
     """Params, grads and optimizer bytes, and the activation estimate of one micro-batch, to the byte,
     on each of 4 ranks: TP 2 (SP) x DP 2, distributed optimizer, padded buckets, bf16."""
@@ -133,6 +134,7 @@ def test_llama2_7b_on_64_ranks_plans_in_seconds(capsys):
     ("tiny", None, {}), ("tiny", "selective", {}), ("tiny", "full", {}), ("gpt2-124m", None, {}),
     ("tiny", None, {"fused_output_cross_entropy": True})])
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton's CPU interpreter")
+@pytest.mark.interpreter
 def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute, extra):
     """One process, the GPU code path (Triton kernels in the interpreter): per-micro-batch bytes to the byte."""
     # Shapes this small keep Triton's interpreter quick; tiny's GQA keeps 2 heads per key/value group.

@@ -133,6 +133,7 @@ def check_sharded(rank, world_size):
 
 
 @pytest.mark.slow
+@pytest.mark.interpreter
 def test_sharded_cross_entropy_in_a_four_rank_world():
     logits, labels, grad = problem(9, 16, seed=5)
     labels = labels.clamp(max=10).masked_fill(labels == IGNORE_INDEX, IGNORE_INDEX)

@@ -25,6 +25,7 @@ def test_every_kernel_row_runs_and_reports_its_traffic(kernel, one_thread):
 
 @pytest.mark.skipif(not (kernels.triton_available() and kernels.interpreting()),
                     reason="Triton on a CPU needs its interpreter (TRITON_INTERPRET=1, set by conftest without a GPU)")
+@pytest.mark.interpreter
 def test_the_triton_column_runs_in_the_interpreter_on_a_cpu(one_thread):
     triton_function, reference = bench.IMPLEMENTATIONS["rmsnorm"]
     implementations = [bench.Implementation("eager", reference),
@@ -43,7 +44,7 @@ def test_the_bench_runs_end_to_end_on_a_cpu(capsys, one_thread):
                        "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     triton = kernels.triton_available() and kernels.interpreting()
-    assert "copy" in out and "GB/s" in out and ("interpreter" in out) == triton
+    assert "copy" in out and "GB/s" in out and ("Triton rows in Triton's interpreter" in out) == triton
     summary = out.split("by implementation")[1].splitlines()
     assert summary[1].split()[:3] == ["kernel", "size", "triton" if triton else "eager"]
     assert summary[2].split()[:2] == ["rmsnorm", "tiny"] and summary[3].split()[:2] == ["swiglu", "tiny"]

@@ -6,7 +6,8 @@ from megalite import kernels
 from tools.check_layouts import COMMON, MODELS, run
 from tools.loss_compare import compare, read_losses
 
-pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
+pytestmark = [pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed"),
+              pytest.mark.interpreter]  # the runs are CPU worlds (tools/check_layouts.py)
 
 
 # llama: RMSNorm, rotary, SwiGLU, the chunked output layer + loss with z-loss;
