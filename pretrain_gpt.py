@@ -13,23 +13,18 @@ The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The defa
 saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
 """
 
-from megalite.cpu_allocator import keep_freed_memory, use_huge_pages
+import math
+import sys
+import time
 
-use_huge_pages()  # before torch is imported: its CPU allocator reads the setting once
-keep_freed_memory()
+import torch
 
-import math  # noqa: E402
-import sys  # noqa: E402
-import time  # noqa: E402
-
-import torch  # noqa: E402
-
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.errors import run_main  # noqa: E402
-from megalite.generation import generate  # noqa: E402
-from megalite.parallel_state import world_size_from_env  # noqa: E402
-from megalite.reliability import hold_signals_until_exit  # noqa: E402
-from megalite.training import pretrain  # noqa: E402
+from megalite.arguments import parse_args
+from megalite.errors import run_main
+from megalite.generation import generate
+from megalite.parallel_state import world_size_from_env
+from megalite.reliability import hold_signals_until_exit
+from megalite.training import pretrain
 
 SAMPLE_PROMPT = "def "
 

@@ -29,7 +29,6 @@ from typing import Callable
 import torch
 
 from megalite.config import ModelConfig
-from megalite.kernels.matmul import cpu_has_gemm_units
 
 # ----------------------------------------------------------------------------- FLOPs
 
@@ -217,9 +216,9 @@ def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32=cuda_tf32_enabled())
     if device.type == "cpu":
         name = DTYPE_NAMES.get(dtype, dtype)
-        if not cpu_has_gemm_units(dtype):
-            # No bf16/fp16 units: such matmuls crawl (~1 GFLOP/s, seconds per 1024^3 product) and
-            # the model computes its bf16/fp16 products in fp32 (megalite/kernels/matmul.py).
+        if not _cpu_has_matrix_units(dtype):
+            # No bf16/fp16 units: such matmuls crawl (~1 GFLOP/s, seconds per 1024^3 product), so the
+            # fp32 rate stands in for this CPU's best.
             value = measure_cpu_flops(torch.float32, cpu_matmul_size, cpu_seconds)
             source = f"a {cpu_matmul_size}^3 fp32 matmul (this CPU has no {name} matrix units)"
         else:
@@ -233,6 +232,19 @@ def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
         return value, (f"CPU peak measured by {source} at startup on {torch.get_num_threads()} threads: "
                        f"{value / 1e9:.1f} GFLOP/s")
     return None, f"no peak known for device type {device.type!r}: MFU unknown"
+
+
+def _cpu_has_matrix_units(dtype: torch.dtype) -> bool:
+    """Whether oneDNN has fast `dtype` matmul kernels on this CPU (fp32 always; bf16 / fp16 with
+    AVX-512-BF16 / AMX / AVX-512-FP16)."""
+    try:
+        if dtype == torch.bfloat16:
+            return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        if dtype == torch.float16:
+            return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except (AttributeError, RuntimeError):  # a torch built without oneDNN: its fallback is the slow one
+        return False
+    return True
 
 
 def peak_memory_bytes(device) -> int:

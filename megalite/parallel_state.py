@@ -239,7 +239,7 @@ def choose_backend(requested: str | None) -> str:
 
 def bf16_is_default(requested_backend: str | None) -> bool:
     """With no precision flag, bf16 where the run trains on a GPU with bf16 units, fp32 elsewhere
-    (CPUs: their bf16 products would run as fp32 GEMMs anyway, kernels/matmul.py). The run is on a
+    (many CPUs have no bf16 matrix units, and fp32 is the reference arithmetic). The run is on a
     GPU when CUDA is present and the backend is not gloo (`choose_backend`, `_bind_device`)."""
     return torch.cuda.is_available() and requested_backend != "gloo" and torch.cuda.is_bf16_supported()
 

@@ -55,6 +55,7 @@ from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, o
                                   skipped_message)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
+from megalite.model.options import apply_options
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import sequence_parallel_enabled
@@ -251,9 +252,8 @@ class Trainer:
                                         parallel.virtual_pipeline_model_parallel_size,
                                         parallel.decoder_first_pipeline_num_layers,
                                         parallel.decoder_last_pipeline_num_layers)
-        if train.compile:  # regional: each transformer layer compiled in place, one graph shared by all
-            for chunk in self.model:
-                chunk.compile_layers()
+        for chunk in self.model:
+            apply_options(chunk, recompute_granularity=run.model.recompute_granularity, compile=train.compile)
         self.comm = None
         if self.parallel.pp_size > 1:
             tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)

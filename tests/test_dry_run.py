@@ -10,9 +10,9 @@ from megalite.config import model_config_from_preset
 from megalite.dry_run import dry_run, format_ranks, plan
 from megalite.errors import UserError
 from megalite.kernels import kernels_mode, set_kernels, triton_available
-from megalite.kernels.matmul import set_fp32_products
 from megalite.memory_estimate import ActivationModel, chunk_activation_bytes
 from megalite.model.gpt import build_model
+from megalite.model.options import apply_options
 from tests.distributed import run_world
 
 # A GPT-2-shaped model small enough for 4 CPU ranks, TP 2 (SP) x DP 2: odd head size (11) and FFN
@@ -63,10 +63,8 @@ def _live_rank(rank, world_size, flags):
     model, optimizer = trainer.model, trainer.optimizer
     live = {"params": sum(tensor_bytes(param) for param in model.parameters()),
             "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
-    # What autograd keeps of one micro-batch, on the GPU code path (Triton kernels, here in the interpreter;
-    # native bf16 products, not the fp32 ones of a CPU without bf16 units).
+    # What autograd keeps of one micro-batch, on the GPU code path (Triton kernels, here in the interpreter).
     set_kernels("triton")
-    set_fp32_products(False)
     config, micro_batch_size = run.model, run.train.micro_batch_size
     tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
     positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as batches hold
@@ -145,15 +143,14 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
                                       recompute_granularity=recompute)
     previous = kernels_mode()
     set_kernels("triton")
-    set_fp32_products(False)  # the GPU path: native bf16 products (megalite/kernels/matmul.py)
     try:
-        model = build_model(config, seed=1, dtype=torch.bfloat16)
+        model = apply_options(build_model(config, seed=1, dtype=torch.bfloat16),
+                              recompute_granularity=config.recompute_granularity)
         tokens = torch.randint(0, 100, (3, 8))
         positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
         saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
     finally:
         set_kernels(previous)
-        set_fp32_products(None)
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
     measured = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     estimate = ActivationModel(config, micro_batch_size=3, element_size=2)

@@ -146,14 +146,3 @@ def test_the_paired_median_gets_a_bootstrap_interval_from_four_pairs(capsys):
     summary = bench_main(TINY + ["--modes", "eager", "--iters", "4", "--rounds", "4"])
     assert "90% bootstrap interval" in capsys.readouterr().out
     assert summary["paired_interval"][0] <= summary["paired_ratio"] <= summary["paired_interval"][1]
-
-
-def test_sdpa_variants_time_the_same_model_and_never_count_as_its_best(capsys):
-    summary = bench_main(TINY + ["--modes", "eager", "--sdpa-variants", "--peers", "hf"])
-    out = capsys.readouterr().out
-    assert set(summary["medians"]) == {"megalite eager", "megalite-sdpa eager", "HF eager"}
-    assert summary["best"]["megalite"] == "megalite eager"
-    assert summary["attention"]["eager"] > 0
-    assert "megalite eager, blocked attention / SDPA (same model):" in out
-    from megalite.kernels.attention import _enabled  # the switch is restored after each SDPA step
-    assert _enabled

@@ -14,16 +14,19 @@ Rows whose label is `ignore_index` have loss 0 and zero grad (PyTorch's reductio
 Softmax probabilities are never stored: the forward keeps the logits and one fp32 lse per
 row; the backward recomputes exp(z - lse) block by block while writing the grad.
 
-`row_stats` and `logit_grads` are the building blocks (Triton or PyTorch per
-`--kernels`); `cross_entropy` is the autograd Function over them; the fused output
-layer (`megalite/kernels/linear_cross_entropy.py`) reuses the blocks chunk by chunk.
+`row_stats` and `logit_grads` are the per-shard building blocks (Triton or PyTorch per
+`--kernels`); the one autograd Function over them, which combines the shards' stats over
+the TP group, is `megalite/tensor_parallel/cross_entropy.py`; the fused output layer
+(`megalite/kernels/linear_cross_entropy.py`) reuses the blocks chunk by chunk.
+
+The PyTorch path can take Megatron's in-place route for fp32 logits that nothing else reads
+(`keep_exp`): the stats pass leaves exp(z - m) in the logits' own memory, and the grad pass
+scales it in place, so the loss needs no second `[rows, v]` buffer and no recomputed exp.
 """
 
 import torch
-import torch.distributed as dist
 
 from megalite.kernels import use_triton
-from megalite.tensor_parallel.comm import all_reduce
 
 try:
     import triton
@@ -42,27 +45,33 @@ def local_targets(labels: torch.Tensor, vocab_start: int, real_columns: int, ign
     return local.masked_fill(~owned, 0), owned
 
 
-def _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index):
-    z = logits[:, :real_columns].float()
+def _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp):
     local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
     if real_columns == 0:
         empty = torch.zeros(logits.shape[0], device=logits.device)
         return torch.full_like(empty, float("-inf")), empty, empty
-    m = z.amax(dim=-1)
-    s = (z - m.unsqueeze(-1)).exp_().sum(dim=-1)
-    t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).masked_fill(~owned, 0.0)
-    return m, s, t
+    z = logits[:, :real_columns]
+    m = z.amax(dim=-1).float()
+    t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)  # before keep_exp writes
+    exp = z.sub_(m.unsqueeze(-1)).exp_() if keep_exp else (z.float() - m.unsqueeze(-1)).exp_()
+    return m, exp.sum(dim=-1), t
 
 
 def _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                       ignore_index, out):
+                       ignore_index, out, shift, exp_in_logits):
+    """softmax = exp(z - shift) * exp(shift - lse): the same arithmetic whether the exponentials are
+    computed here or were kept in `logits` by row_stats (then they become the grad in place)."""
     if real_columns == 0:
         return out.zero_()
-    scale = grad_losses * (1.0 + 2.0 * z_loss_weight * lse)  # [rows]
-    grad = (logits[:, :real_columns].float() - lse.unsqueeze(-1)).exp_().mul_(scale.unsqueeze(-1))
+    shift = lse if shift is None else shift
+    scale = grad_losses * (1.0 + 2.0 * z_loss_weight * lse) * torch.exp(shift - lse).nan_to_num_(0.0)  # [rows]
+    real = logits[:, :real_columns]
+    grad = real if exp_in_logits else (real.float() - shift.unsqueeze(-1)).exp_()
+    grad.mul_(scale.unsqueeze(-1))
     local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
     grad.scatter_add_(-1, local.unsqueeze(-1), -(grad_losses * owned).unsqueeze(-1))
-    out[:, :real_columns] = grad
+    if grad.data_ptr() != out.data_ptr():
+        out[:, :real_columns] = grad
     out[:, real_columns:] = 0
     return out
 
@@ -113,19 +122,22 @@ if triton is not None:
             tl.store(grad_ptr + row * grad_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_columns)
 
 
-def _rows_view(logits: torch.Tensor) -> torch.Tensor:
+def rows_view(logits: torch.Tensor) -> torch.Tensor:
     """`[..., v]` -> `[rows, v]` with unit column stride (copies only when it must)."""
     rows = logits.reshape(-1, logits.shape[-1])
     return rows if rows.stride(-1) == 1 else rows.contiguous()
 
 
-def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index: int = IGNORE_INDEX):
+def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index: int = IGNORE_INDEX,
+              keep_exp: bool = False):
     """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32.
 
     logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids.
+    keep_exp: fp32 `logits` nothing else reads, on the PyTorch path (`exp_kept` says when):
+    exp(z - max) overwrites their real columns, for `logit_grads(exp_max=max)`.
     """
     if not use_triton(logits):
-        return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index)
+        return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp)
     rows = logits.shape[0]
     m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
     if rows:
@@ -134,16 +146,27 @@ def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index:
     return m, s, t
 
 
+def exp_kept(logits: torch.Tensor, inplace: bool) -> bool:
+    """Whether `row_stats(keep_exp=True)` may overwrite `logits` (the caller allows it with `inplace`)."""
+    return inplace and logits.dtype == torch.float32 and not use_triton(logits)
+
+
 def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_start: int, real_columns: int,
-                ignore_index: int = IGNORE_INDEX, out: torch.Tensor | None = None) -> torch.Tensor:
+                ignore_index: int = IGNORE_INDEX, out: torch.Tensor | None = None, shift: torch.Tensor | None = None,
+                exp_in_logits: bool = False) -> torch.Tensor:
     """d loss / d logits `[rows, v_local]` in the logits' dtype (into `out` if given, which may be `logits`).
 
     lse, grad_losses: `[rows]` fp32 (grad_losses already zero on ignored rows).
+    shift: `[rows]`, the row max the PyTorch path exponentiates against (row_stats' first value;
+    default lse). exp_in_logits: `logits` hold exp(z - shift) from `row_stats(keep_exp=True)`; the
+    grad is written over them.
     """
+    if exp_in_logits:
+        out = logits
     out = torch.empty_like(logits) if out is None else out
     if not use_triton(logits):
         return _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                                  ignore_index, out)
+                                  ignore_index, out, shift, exp_in_logits)
     rows, columns = logits.shape
     if rows:
         _grad_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), lse.contiguous(),
@@ -153,50 +176,9 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
     return out
 
 
-def combine_stats(m, s, t, group):
-    """(lse, target logit) `[rows]` over the whole vocabulary from every TP rank's shard stats."""
-    if group is not None and dist.get_world_size(group) > 1:
-        global_m = all_reduce(m.clone(), group, dist.ReduceOp.MAX)
-        # A rank whose shard is all padding has m = -inf and s = 0: its term is 0.
-        s = all_reduce(s * torch.exp(m - global_m).nan_to_num_(0.0), group)
-        t = all_reduce(t.clone(), group)
-        m = global_m
-    return m + s.log(), t
-
-
 def losses_from_stats(lse, target, labels, z_loss_weight: float, ignore_index: int):
     """Per-row fp32 losses: lse - target (+ w lse^2), 0 where the label is ignored."""
     losses = lse - target
     if z_loss_weight:
         losses = losses + z_loss_weight * lse.square()
     return losses.masked_fill(labels == ignore_index, 0.0)
-
-
-class CrossEntropy(torch.autograd.Function):
-    """Cross-entropy over vocab-sharded logits from `row_stats` and `logit_grads`.
-
-    Saves the logits (the input, not a copy when it has unit column stride), the labels
-    and one fp32 lse per row; see the module docstring.
-    """
-
-    @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, real_vocab_size, z_loss_weight, ignore_index):
-        shape = labels.shape
-        rows_logits, rows_labels = _rows_view(logits), labels.reshape(-1)
-        local_vocab = rows_logits.shape[-1]
-        real_columns = local_vocab if real_vocab_size is None else \
-            min(max(real_vocab_size - vocab_start, 0), local_vocab)
-        lse, target = combine_stats(*row_stats(rows_logits, rows_labels, vocab_start, real_columns, ignore_index),
-                                    group)
-        ctx.save_for_backward(rows_logits, rows_labels, lse)
-        ctx.args = (logits.shape, z_loss_weight, vocab_start, real_columns, ignore_index)
-        return losses_from_stats(lse, target, rows_labels, z_loss_weight, ignore_index).view(shape)
-
-    @staticmethod
-    def backward(ctx, grad_losses):
-        rows_logits, rows_labels, lse = ctx.saved_tensors
-        shape, z_loss_weight, vocab_start, real_columns, ignore_index = ctx.args
-        grad_losses = grad_losses.reshape(-1).float().masked_fill(rows_labels == ignore_index, 0.0)
-        grad = logit_grads(rows_logits, rows_labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                           ignore_index)
-        return grad.view(shape), None, None, None, None, None, None

@@ -27,9 +27,7 @@ or their PyTorch twins).
 
 import torch
 
-from megalite.cpu_allocator import empty_padded_rows
 from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
-from megalite.kernels.matmul import matmul
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
 
@@ -62,10 +60,10 @@ class _LinearCrossEntropy(torch.autograd.Function):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         losses = torch.empty_like(lse)
         rows = chunk_size(hidden.shape[0], vocab, chunk_elements)
-        chunk = empty_padded_rows(rows, vocab, hidden.dtype, hidden.device)  # each chunk's logits in turn
+        chunk = hidden.new_empty(rows, vocab)  # each chunk's logits in turn
         for start in range(0, hidden.shape[0], rows):
             end = min(start + rows, hidden.shape[0])
-            logits = matmul(hidden[start:end], weight[:vocab].t(), out=chunk[:end - start])  # [c, V]
+            logits = torch.mm(hidden[start:end], weight[:vocab].t(), out=chunk[:end - start])  # [c, V]
             m, s, target = row_stats(logits, labels[start:end], 0, vocab, ignore_index)
             lse[start:end] = m + s.log()
             losses[start:end] = losses_from_stats(lse[start:end], target, labels[start:end], z_loss_weight,
@@ -83,15 +81,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
         grad_weight = torch.empty_like(weight)
         grad_weight[vocab:] = 0
         columns = chunk_size(vocab, hidden.shape[0], chunk_elements)
-        chunk = empty_padded_rows(hidden.shape[0], columns, hidden.dtype, hidden.device)
+        chunk = hidden.new_empty(hidden.shape[0], columns)
         for start in range(0, vocab, columns):
             end = min(start + columns, vocab)
             weight_block = weight[start:end]
             # recomputed [N, Vc], then overwritten by its grad
-            logits = matmul(hidden, weight_block.t(), out=chunk[:, :end - start])
+            logits = torch.mm(hidden, weight_block.t(), out=chunk[:, :end - start])
             grad_logits = logit_grads(logits, labels, lse, grad_losses, z_loss_weight, start, end - start,
                                       ignore_index, out=logits)
-            matmul(grad_logits.t(), hidden, out=grad_weight[start:end])
+            torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
             _accumulate_mm(grad_hidden, grad_logits, weight_block)
         return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
 

@@ -27,7 +27,6 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
                                              initialize, mark_parameter, sequence_parallel_enabled,
                                              tensor_parallel_group, tensor_parallel_rank_size)
-from megalite.tensor_parallel.random import checkpoint
 
 
 class Embedding(nn.Module):
@@ -80,7 +79,6 @@ class GPTModel(nn.Module):
         self.pre_process, self.post_process = pre_process, post_process
         self.tp_size = tensor_parallel_rank_size(parallel)[1]
         self.tied = not config.untie_embeddings_and_output_weights
-        self.compiled_loss = False  # compile_layers turns it on
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
         if any(not 0 <= i < config.num_layers for i in layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)} are outside 0..{config.num_layers - 1}")
@@ -111,8 +109,7 @@ class GPTModel(nn.Module):
             # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
-                skip_weight_param=self.tied, real_output_size=config.real_vocab_size, recycle_output=True,
-                parallel=parallel)
+                skip_weight_param=self.tied, real_output_size=config.real_vocab_size, parallel=parallel)
 
         if not any(p.is_meta for p in self.parameters()):
             self.reset_parameters(seed)
@@ -120,21 +117,6 @@ class GPTModel(nn.Module):
     def reset_parameters(self, seed: int) -> None:
         """Initialise every parameter from (seed, its global name); layout-independent."""
         initialize(self, seed)
-
-    def compile_layers(self) -> None:
-        """torch.compile each transformer layer in place (regional compilation).
-
-        The layers share one code path, so the compiler traces one graph and reuses it for
-        every layer, which compiles far faster than the whole model; parameter names and
-        the state dict are unchanged (Module.compile keeps the module, not a wrapper). The
-        final norm (config A on a CPU: forward and backward 3.1 -> 1.8 ms) and the loss's pass
-        over the logits (`vocab_parallel_cross_entropy(compiled=)`) are compiled too.
-        """
-        for layer in self.layers.values():
-            layer.compile()
-        if self.final_layernorm is not None:
-            self.final_layernorm.compile()
-        self.compiled_loss = True
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
@@ -153,12 +135,8 @@ class GPTModel(nn.Module):
             seq_length = hidden.shape[0] * (self.tp_size if sequence_parallel_enabled(self.parallel) else 1)
             rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
-        full_recompute = self.config.recompute_granularity == "full" and torch.is_grad_enabled()
         for layer in self.layers.values():
-            if full_recompute:
-                hidden = checkpoint(layer, hidden, rotary)
-            else:
-                hidden = layer(hidden, rotary)
+            hidden = layer(hidden, rotary)
 
         if not self.post_process:
             return hidden
@@ -177,8 +155,7 @@ class GPTModel(nn.Module):
         vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
         # The logits are this forward's own: the loss may overwrite them with their grad.
         losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                              self.config.z_loss_weight, inplace=True,
-                                              compiled=self.compiled_loss).t()  # [b, s] fp32
+                                              self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
         if loss_mask is not None:
             losses = losses * loss_mask
         return losses.contiguous()

@@ -13,13 +13,12 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.kernels.layernorm import layer_norm
-from megalite.kernels.attention import self_attention
 from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
                                              sequence_parallel_enabled, tensor_parallel_rank_size)
-from megalite.tensor_parallel.random import checkpoint, model_parallel_rng_tracker
+from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel=None) -> torch.Tensor:
@@ -99,7 +98,6 @@ class Attention(nn.Module):
         self.num_groups = config.query_groups // tp_size
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.attention_dropout = config.attention_dropout
-        self.selective_recompute = config.recompute_granularity == "selective"
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
         self.linear_qkv = ColumnParallelLinear(
             config.hidden_size, qkv_size, bias=config.add_bias_linear,
@@ -109,13 +107,16 @@ class Attention(nn.Module):
             init_std=output_projection_std(config), input_is_parallel=True, parallel=parallel)
 
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        """q [s, b, heads, d], k/v [s, b, groups, d] -> context [s, b, heads * d]."""
+        """Causal softmax(q k^T / sqrt(d)) v: q [s, b, heads, d], k/v [s, b, groups, d] -> context
+        [s, b, heads * d]. Query head i attends with key/value head i // (heads / groups)."""
         s, b = q.shape[:2]
         dropout = self.attention_dropout if self.training else 0.0
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d], SDPA's layout
         # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
         with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
-            context = self_attention(q, k, v, dropout)  # [s, b, heads, d]: blocked on CPUs, else SDPA
-        return context.reshape(s, b, self.num_heads * self.head_dim)
+            context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
+                                                     enable_gqa=self.num_groups != self.num_heads)
+        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.linear_qkv(hidden)  # [s, b, qkv/tp]: under SP the full sequence, gathered by the layer
@@ -125,11 +126,7 @@ class Attention(nn.Module):
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary)  # Triton or PyTorch per --kernels
-        if self.selective_recompute and torch.is_grad_enabled():
-            context = checkpoint(self.core_attention, q, k, v)
-        else:
-            context = self.core_attention(q, k, v)
-        return self.linear_proj(context)
+        return self.linear_proj(self.core_attention(q, k, v))
 
 
 class MLP(nn.Module):

@@ -30,8 +30,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.cpu_allocator import RecycledBuffer
-from megalite.kernels.matmul import linear
 from megalite.tensor_parallel.comm import (allreduce_sequence_parallel_grads,  # noqa: F401 - re-exported
                                            copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                            gather_from_tensor_parallel_region,
@@ -128,17 +126,11 @@ class ColumnParallelLinear(nn.Module):
     a gathered output is put back in the full layout `[block 0; block 1; ...]`.
     `skip_weight_param`: the weight is passed to forward (tied output layer).
     `real_output_size`: rows at or above it are vocabulary padding, initialised to zero.
-    `recycle_output`: on a CPU, write the local output into memory kept from call to call
-    (a RecycledBuffer: reused once nothing holds the previous output), for a large output
-    such as the logits; fresh memory costs page faults (see megalite/cpu_allocator.py).
-    Its rows are padded to a cache-friendly spacing there (cpu_allocator.padded_row_length),
-    so that output need not be contiguous.
-    Eager only: traced by torch.compile, the layer returns F.linear's output.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,
-                 real_output_size: int | None = None, recycle_output: bool = False, parallel=None):
+                 real_output_size: int | None = None, parallel=None):
         super().__init__()
         self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
@@ -149,7 +141,6 @@ class ColumnParallelLinear(nn.Module):
                              f"{output_chunks} x tensor-parallel size {self.tp_size} parts")
         self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
         self.real_output_size = real_output_size
-        self.output_buffer = RecycledBuffer() if recycle_output else None
         self.weight = None
         if not skip_weight_param:
             self.weight = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
@@ -175,12 +166,7 @@ class ColumnParallelLinear(nn.Module):
             input = gather_from_sequence_parallel_region(input, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
             input = copy_to_tensor_parallel_region(input, self.tp_group)
-        out = None
-        # Traced by torch.compile (a whole model compiled), the compiler plans the memory instead.
-        if self.output_buffer is not None and input.device.type == "cpu" and not torch.compiler.is_compiling():
-            out = self.output_buffer.take((*input.shape[:-1], weight.shape[0]), input.dtype, input.device,
-                                          pad_rows=True)
-        output = linear(input, weight, self.bias, out=out)  # fp32 products for bf16 on CPUs without bf16 units
+        output = F.linear(input, weight, self.bias)
         if self.gather_output and self.tp_size > 1:
             output = gather_from_tensor_parallel_region(output, self.tp_group)  # [*, tp * out/tp]
             if self.output_chunks > 1:  # rank-major [r0: b0 b1, r1: b0 b1] -> block-major [b0: r0 r1, b1: r0 r1]
@@ -229,7 +215,7 @@ class RowParallelLinear(nn.Module):
     def forward(self, input: torch.Tensor) -> torch.Tensor:
         if not self.input_is_parallel:
             input = scatter_to_tensor_parallel_region(input, self.tp_group)  # [*, in] -> [*, in/tp]
-        output = linear(input, self.weight)  # this rank's partial sum
+        output = F.linear(input, self.weight)  # this rank's partial sum
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, out]
         else:

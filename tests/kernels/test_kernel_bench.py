@@ -19,7 +19,8 @@ def test_every_kernel_row_runs_and_reports_its_traffic(kernel, one_thread):
     fields = lines[0].split()
     # kernel size impl | GPU ms (on a CPU: wall) timer | wall ms | GB/s | % copy | vs eager | vs compile | peak MB
     assert fields[:3] == [kernel, "tiny", "eager"] and fields[4] == "wall"
-    assert float(fields[3]) > 0 and float(fields[3]) == float(fields[5]) and float(fields[6]) > 0
+    # GB/s has one decimal: a descheduled single repeat on a loaded machine can print 0.0
+    assert float(fields[3]) > 0 and float(fields[3]) == float(fields[5]) and float(fields[6]) >= 0
     assert fields[8] == "1.00" and fields[9] == "-"
 
 

@@ -1,7 +1,7 @@
 """The chunked output layer + cross-entropy against the unfused float64 computation, and in the model.
 
 The kernel comparisons run on `device` (tests/kernels/conftest.py: the GPU when there is one, else
-the CPU with Triton's interpreter); the padded-row layout and the model are CPU matters."""
+the CPU with Triton's interpreter); the model is a CPU matter."""
 
 import pytest
 import torch
@@ -10,7 +10,6 @@ import torch.nn.functional as F
 from megalite import kernels
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
-from megalite.cpu_allocator import set_row_padding
 from megalite.errors import UserError
 from megalite.kernels import cross_entropy as ce_module
 from megalite.kernels.cross_entropy import IGNORE_INDEX
@@ -68,41 +67,6 @@ def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, 
         assert relative_error(ours, reference) <= 2 * max(relative_error(theirs, reference), FLOOR[dtype]), name
     assert fused[0][4] == 0 and torch.all(fused[1][4] == 0)  # the ignored token
     assert torch.all(fused[2][real_vocab:] == 0)  # padding rows of the weight
-
-
-@pytest.mark.parametrize("chunk_elements", [5 * 1024, 12 * 1024])
-def test_chunks_with_padded_rows_give_the_contiguous_results(chunk_elements, monkeypatch, mode, one_thread):
-    """1,024 fp32 columns are 4 KiB rows: on a CPU the chunks' logits are laid out with padded rows
-    (cpu_allocator.padded_row_length), with the results of contiguous chunks, bit for bit. 5 x 1,024:
-    forward chunks of 5, 5 and 2 padded rows; 12 x 1,024: one chunk each way, both padded."""
-    mode("torch")
-    generator = torch.Generator().manual_seed(5)
-    hidden = torch.randn(12, 16, generator=generator, dtype=torch.float64)
-    weight = torch.randn(1024, 16, generator=generator, dtype=torch.float64) * 0.3
-    labels = torch.randint(0, 1024, (12,), generator=generator)
-    labels[3] = IGNORE_INDEX
-    grad = torch.rand(12, generator=generator, dtype=torch.float64)
-    allocate, laid_out = lce_module.empty_padded_rows, []
-
-    def recording(rows, columns, *args):
-        chunk = allocate(rows, columns, *args)
-        laid_out.append((columns, chunk.stride(0)))
-        return chunk
-
-    monkeypatch.setattr(lce_module, "empty_padded_rows", recording)
-    results = []
-    try:
-        for pad_rows in (False, True):  # off: what tools/bench/logits_layout.py compares against
-            set_row_padding(pad_rows)
-            results.append(run(linear_cross_entropy, hidden, weight, labels, grad, torch.float32,
-                               chunk_elements=chunk_elements))
-    finally:
-        set_row_padding(True)
-    assert laid_out[0] == (1024, 1024) and laid_out[2] == (1024, 1040) and len(laid_out) == 4
-    assert all(torch.equal(a, b) for a, b in zip(*results))
-    expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=0.0, real_vocab=1024)
-    for name, reference, ours in zip(("losses", "dhidden", "dweight"), expected, results[1]):
-        assert relative_error(ours, reference) <= 1e-5, name
 
 
 def test_fused_path_keeps_no_logits(one_thread, device):

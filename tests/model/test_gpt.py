@@ -1,13 +1,11 @@
 """GPTModel: layout-independent init, pipeline stages, vocabulary padding, losses."""
 
-import weakref
-
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.cpu_allocator import padded_row_length
 from megalite.model.gpt import GPTModel, build_model
+from megalite.model.options import apply_options
 
 
 def batch(config, b=2, seed=0):
@@ -142,49 +140,27 @@ def test_bad_layer_ids_are_refused(llama_config):
         GPTModel(llama_config(), seed=0, layer_ids=[4])
 
 
-def test_compile_layers_compiles_each_layer_in_place_and_keeps_the_names(llama_config):
+def test_compile_option_compiles_each_layer_in_place_and_keeps_the_names(llama_config):
     model = GPTModel(llama_config(), seed=1)
     names = list(model.state_dict())
-    model.compile_layers()  # lazy: nothing is traced until the first call, so this test stays fast
+    apply_options(model, compile=True)  # lazy: nothing is traced until the first call, so this test stays fast
     assert list(model.state_dict()) == names
     assert all(layer._compiled_call_impl is not None for layer in model.layers.values())
     assert model.final_layernorm._compiled_call_impl is not None
-    assert model.embedding._compiled_call_impl is None  # only the layers, the final norm and the loss's pass
-    assert model.compiled_loss
+    assert model.embedding._compiled_call_impl is None  # only the layers and the final norm
 
 
-@pytest.mark.parametrize("family, vocab_size, dtype", [("llama", 256, torch.float32), ("gpt2", 256, torch.float32),
-                                                      ("llama", 1024, torch.float32), ("llama", 2048, torch.bfloat16)])
-def test_recycled_logits_train_bitwise_like_fresh_ones(llama_config, gpt2_config, family, vocab_size, dtype):
-    """The output layer writes the logits into one kept block (CPU), step after step, eval between;
-    with 4 KiB rows (1,024 fp32 or 2,048 bf16 columns) that block has padded rows."""
-    config = (llama_config if family == "llama" else gpt2_config)(vocab_size=vocab_size)
-    runs = []
-    for recycle in (True, False):
-        model = GPTModel(config, seed=6).to(dtype)
-        if not recycle:
-            model.output_layer.output_buffer = None
-        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
-        losses, blocks = [], []
-        for step in range(3):
-            tokens, positions, labels = batch(config, seed=step)
-            loss = model(tokens, positions, labels=labels).mean()
-            loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
-            with torch.no_grad():
-                loss_eval = model(tokens, positions, labels=labels).mean()
-            losses += [loss.detach(), loss_eval]
-            if recycle:  # a weak reference: a strong one would keep the block busy
-                blocks.append(weakref.ref(model.output_layer.output_buffer._storage))
-        runs.append((losses, model.state_dict()))
-        if recycle:
-            assert all(block() is model.output_layer.output_buffer._storage for block in blocks)  # one block
-            row = padded_row_length(vocab_size, dtype.itemsize)
-            assert row == {256: 256, 1024: 1040, 2048: 2080}[vocab_size]
-            assert blocks[0]().nbytes() == 2 * config.seq_length * row * dtype.itemsize
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][0], runs[1][0]))
-    assert all(torch.equal(runs[0][1][name], runs[1][1][name]) for name in runs[0][1])
+@pytest.mark.parametrize("granularity", ["selective", "full"])
+def test_recomputation_option_keeps_the_names_and_the_results(llama_config, granularity):
+    """apply_options(recompute_granularity=...) recomputes in the backward: same loss and grads, and
+    the forward under no_grad (evaluation) runs the layers plainly."""
+    config = llama_config()
+    assert_trains_like_eager(config, 5, lambda model: apply_options(model, recompute_granularity=granularity))
+    model = apply_options(GPTModel(config, seed=5), recompute_granularity=granularity)
+    tokens, positions, labels = batch(config)
+    with torch.no_grad():
+        torch.testing.assert_close(model(tokens, positions, labels=labels), GPTModel(config, seed=5)(
+            tokens, positions, labels=labels))
 
 
 def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(llama_config):
@@ -192,7 +168,7 @@ def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(l
     model = GPTModel(config, seed=7)
     tokens, positions, _ = batch(config, b=1)
     with torch.no_grad():
-        logits = model(tokens, positions)  # b = 1: may be the recycled block itself
+        logits = model(tokens, positions)
         kept = logits.clone()
         other = model(tokens.flip(1), positions)
     assert torch.equal(logits, kept) and not torch.equal(other, kept)
@@ -214,20 +190,18 @@ def assert_trains_like_eager(config, seed, prepare):
 
 
 def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
-    """Traced whole (torch.compile(model), not only its layers), the output layer leaves the logits'
-    memory to the compiler: its recycled, row-padded block (1,024 fp32 columns) is an eager-only layout,
-    and traced it made dynamo refuse the in-place loss. aot_eager: dynamo and AOTAutograd, no C++ build."""
+    """Traced whole (torch.compile(model), not only its layers), with the in-place loss over the model's
+    own logits. aot_eager: dynamo and AOTAutograd, no C++ build."""
     assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024), 3,
                              lambda model: torch.compile(model, backend="aot_eager"))
 
 
 def _layers_compiled(model):
-    model.compile_layers()
-    return model
+    return apply_options(model, compile=True)
 
 
 def test_compiled_layers_train_like_eager(llama_config, one_thread):
-    """compile_layers (--compile): the layers, the final norm and the loss's pass under Inductor give the
-    eager model's loss and grads, vocabulary padding included (1,000 real ids of 1,024)."""
+    """--compile: the layers and the final norm under Inductor give the eager model's loss and grads,
+    vocabulary padding included (1,000 real ids of 1,024)."""
     assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024, tokenizer_vocab_size=1000), 4,
                              _layers_compiled)

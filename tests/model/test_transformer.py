@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from megalite.model.gpt import GPTModel
+from megalite.model.options import apply_options
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import MLP, Attention, TransformerLayer
 from megalite.tensor_parallel.layers import initialize
@@ -120,7 +121,7 @@ def test_mlp_swiglu_is_silu_gate_times_up(llama_config):
 
 
 def loss_and_grads(config, tokens):
-    model = GPTModel(config, seed=5).train()
+    model = apply_options(GPTModel(config, seed=5), recompute_granularity=config.recompute_granularity).train()
     torch.manual_seed(123)  # the dropout masks
     losses = model(tokens, labels=tokens.roll(-1, dims=1))
     losses.mean().backward()

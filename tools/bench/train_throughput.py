@@ -2,7 +2,7 @@
 
     python tools/bench/train_throughput.py [--config A|B|1B|preset] [--dtype fp32|bf16]
         [--modes best|eager|compile] [--iters 10] [--warmup-iters 2] [--rounds 5] [--threads 2]
-        [--peers hf,minimal] [--hf-iters N] [--hf-warmup-iters N] [--sdpa-variants] [--device cpu|cuda]
+        [--peers hf,minimal] [--hf-iters N] [--hf-warmup-iters N] [--device cpu|cuda]
         [--model tiny] ...
 
 Configs (issue 10): A = hidden 256, 4 layers, 4 heads, FFN 688, vocab 8192, seq 256,
@@ -27,8 +27,7 @@ SDPA attention on all. One iteration is forward + backward + optimizer step with
 same `torch.optim.AdamW(fused=True)` on every side (megalite's own optimizer, with fp32
 main params and ZeRO, is measured by its training runs): this compares the models. The
 models start from their own initialisations; values do not change the work. All
-run in this one process, with the same allocator settings as pretrain_gpt.py (huge pages, freed
-memory kept for reuse: megalite/cpu_allocator.py).
+run in this one process.
 
 Modes: with `--modes best` (the default) each side runs eager and under torch.compile
 (megalite: its transformer layers compiled one by one, as `--compile` does in training;
@@ -47,8 +46,6 @@ very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs), --hf-iters /
 --hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds. The
 --hf-* flags (iterations, warm-up, modes) hold for the minimal model too: it runs the
 same PyTorch GEMMs as HF.
-`--sdpa-variants` adds megalite with PyTorch's SDPA in place of its blocked CPU attention
-(`megalite-sdpa MODE`, never counted as megalite's best) and prints the same-model ratio.
 TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for all) and
 peak: a datasheet value on a known GPU; on a CPU the fastest 1024^3 matmul measured in
 this run (at startup and after every round) by megalite.logging.peak_flops: for bf16 the
@@ -69,20 +66,15 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 if REPO_ROOT not in sys.path:  # run as a script from anywhere
     sys.path.insert(0, REPO_ROOT)
 
-from megalite.cpu_allocator import keep_freed_memory, use_huge_pages  # noqa: E402
-
-use_huge_pages()  # before torch is imported, as pretrain_gpt.py does; both sides run in this process
-keep_freed_memory()
-
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
 from megalite.hf import llama_config_to_hf  # noqa: E402
-from megalite.kernels.attention import set_blocked_attention  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
+from megalite.model.options import apply_options  # noqa: E402
 from megalite.model.rotary import RotaryEmbedding  # noqa: E402
 from tools.bench.minimal_llama import MinimalLlama  # noqa: E402
 
@@ -134,9 +126,6 @@ def get_args(argv):
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
-    parser.add_argument("--sdpa-variants", action="store_true",
-                        help="also time megalite with PyTorch's SDPA instead of its blocked CPU attention "
-                             "(variants `megalite-sdpa MODE`), and print blocked / SDPA for the same model")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
                         help="after the timing, print the top ROWS ops of one iteration of each side's best mode")
     args = parser.parse_args(argv)
@@ -206,15 +195,6 @@ def megalite_step(model, optimizer, batch) -> float:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     return loss.detach()
-
-
-def with_sdpa_attention(step) -> float:
-    """step() with megalite's attention on PyTorch's SDPA (a compiled layer traces it apart, once)."""
-    set_blocked_attention(False)
-    try:
-        return step()
-    finally:
-        set_blocked_attention(True)
 
 
 def hf_loss(model, tokens, labels, positions) -> torch.Tensor:
@@ -358,13 +338,8 @@ def report(results: dict, warmup: dict, params: dict, config: ModelConfig, args,
               f"{'unknown' if mfu is None else f'{100 * mfu:.1f}%'}")
         peers[side] = {"ratio": ratio, "fastest_ratio": fastest_ratio, "paired_ratio": paired_ratio,
                        "paired_interval": interval}
-    attention = {}  # mode -> megalite with its blocked attention / with SDPA, same-round median
-    for name in (n for n in results if n.startswith("megalite-sdpa ")):
-        mode = name.split()[1]
-        _, attention[mode], _, text = compare_pairs(results, rates, f"megalite {mode}", name)
-        print(f"megalite {mode}, blocked attention / SDPA (same model): {text}")
     hf = peers.get("HF", dict.fromkeys(("ratio", "fastest_ratio", "paired_ratio", "paired_interval")))
-    return {"best": best, **hf, "peers": peers, "mfu": mfu, "medians": medians, "attention": attention,
+    return {"best": best, **hf, "peers": peers, "mfu": mfu, "medians": medians,
             "init_loss": {name: result["first_loss"] for name, result in results.items()}}
 
 
@@ -422,16 +397,16 @@ def megalite_variant(model, mode: str, batch):
     """The step closure of `model` (its own optimizer) in `mode`; compile as --compile does in training:
     each layer compiled on its own."""
     if mode == "compile":
-        model.compile_layers()
+        apply_options(model, compile=True)
     return functools.partial(megalite_step, model, make_optimizer(model), batch)
 
 
 def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dict, dict]:
     """(variant name -> step closure, side -> parameter count) for --modes, and --hf-modes of each of
-    --peers (and megalite-sdpa, the same model, with --sdpa-variants)."""
+    --peers."""
     model = build_model(config, args.seed, device=device, dtype=dtype).train()
     mine = sum(p.numel() for p in model.parameters())
-    params = {"megalite": mine, "megalite-sdpa": mine}
+    params = {"megalite": mine}
     peer_models = {}
     if "hf" in args.peers:
         torch.manual_seed(args.seed)
@@ -444,9 +419,6 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
     for mode in MODES[args.modes]:
         # Each variant owns a model copy and an optimizer, so they never share state.
         steps[f"megalite {mode}"] = megalite_variant(model if mode == "eager" else copy.deepcopy(model), mode, batch)
-        if args.sdpa_variants:
-            steps[f"megalite-sdpa {mode}"] = functools.partial(
-                with_sdpa_attention, megalite_variant(copy.deepcopy(model), mode, batch))
     for side, peer in peer_models.items():
         for mode in MODES[args.hf_modes]:
             theirs = peer if mode == "eager" else copy.deepcopy(peer)
