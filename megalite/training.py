@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite import checkpointing, parallel_state
-from megalite.arguments import with_tokenizer_vocab
 from megalite.config import RunConfig
 from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import next_global_batch
@@ -92,15 +91,16 @@ def seed_everything(seed: int, parallel) -> None:
     model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
 
 
-def resolve_data(run: RunConfig) -> None:
-    """The default run: build or reuse the built-in corpus and point the data flags at it."""
+def resolve_data(run: RunConfig) -> RunConfig:
+    """`run`, or for the default run a copy whose data flags point at the built-in corpus (built
+    here, or reused)."""
     if not run.data.builtin_corpus:
-        return
+        return run
     from megalite.data.builtin_corpus import ensure_builtin_corpus
 
     prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
-    run.data.data_path = [prefix]
-    run.data.tokenizer_type, run.data.tokenizer_model = "SentencePieceTokenizer", tokenizer_model
+    return dataclasses.replace(run, data=dataclasses.replace(
+        run.data, data_path=[prefix], tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer_model))
 
 
 def build_datasets(run: RunConfig, tokenizer):
@@ -230,7 +230,8 @@ class Trainer:
     """One run's objects, built in the order the checkpoint and the data need them."""
 
     def __init__(self, run: RunConfig, log=print_flushed):
-        self.run = run
+        """`self.run` is `run` completed by what the data decides (the built-in corpus, the
+        tokenizer's vocabulary): the config the run uses and its checkpoints save."""
         train = run.train
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
@@ -241,10 +242,9 @@ class Trainer:
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         seed_everything(train.seed, self.parallel)
         set_kernels(train.kernels)
-        resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
+        run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
-        run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
-                                         run.parallel.tensor_model_parallel_size)
+        self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
         self.device = self.parallel.device
         parallel = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
@@ -264,7 +264,7 @@ class Trainer:
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.load()
-        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.parallel.dp_size)
+        self.num_microbatches = run.num_microbatches
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
         check_token_dtypes((self.train_ds, self.valid_ds, self.test_ds), self.tokenizer.vocab_size)
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
@@ -552,6 +552,7 @@ def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
     with owned_signals(run.train.exit_signal_handler):  # from before wandb starts until the run returns
         trainer = Trainer(run, log)
+        run = trainer.run  # with the tokenizer's vocabulary
         model = run.model
         dtype = str(run.train.params_dtype).split('.')[-1]
         if run.train.bf16_default:
