@@ -45,16 +45,16 @@ NON_FIELD_FLAGS = [
     ("model (defaults: the --model preset's values)", ("--recompute-activations",),
      dict(action="store_true", help="selective recomputation (attention core); same as --recompute-granularity "
                                     "selective")),
-    ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch")),
+    ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch (default: none)")),
     ("training", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction of "
-                                                                   "the decay iterations")),
+                                                                   "the decay iterations (default: none)")),
     ("training", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs and "
                                                              "on GPUs without bf16 units)")),
     ("planning", ("--dry-run",), dict(action="store_true", help="validate the flags and print each rank's "
                                       "parameters, memory and FLOPs for the layout, then exit: no processes, GPUs "
                                       "or data (megalite/dry_run.py)")),
-    ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for; "
-                                                        "default TP x PP (DP 1)")),
+    ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
+                                                        "(default: TP x PP, DP 1)")),
     (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),
 ]
 
