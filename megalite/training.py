@@ -143,6 +143,15 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
                       train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
 
 
+def with_schedule_settings(run: RunConfig, schedule: LRSchedule) -> RunConfig:
+    """`run` with the LR flags `schedule` runs on (build_lr_schedule's inverse): after
+    --use-checkpoint-opt_param-scheduler adopted a checkpoint's settings, the config says so too."""
+    return dataclasses.replace(run, train=dataclasses.replace(
+        run.train, lr=schedule.lr, min_lr=schedule.min_lr, lr_warmup_iters=schedule.warmup_iters,
+        lr_decay_iters=schedule.decay_iters, lr_decay_style=schedule.decay_style,
+        lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
+
+
 def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=None, log=None) -> float:
     """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
 
@@ -355,6 +364,7 @@ class Trainer:
             train = self.run.train
             self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
                                           use_checkpoint=train.use_checkpoint_opt_param_scheduler)
+            self.run = with_schedule_settings(self.run, self.schedule)
         self.log(f"loaded checkpoint {loaded['path']} at iteration {self.state.iteration} "
                  f"({self.state.consumed_train_samples} samples consumed)"
                  + (" (--load defaults to --save, which holds it)" if implicit else ""))
