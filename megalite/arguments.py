@@ -66,9 +66,9 @@ def build_parser() -> argparse.ArgumentParser:
                                      description="Pretrain a GPT / LLaMA model with Megatron-LM's flags.")
     groups = {title: parser.add_argument_group(title) for _, title in GROUPS}
     for title, flags, kwargs in NON_FIELD_FLAGS:
-        group = parser if title is None else groups.get(title) or groups.setdefault(
-            title, parser.add_argument_group(title))
-        group.add_argument(*flags, **kwargs)
+        if title is not None and title not in groups:
+            groups[title] = parser.add_argument_group(title)
+        (parser if title is None else groups[title]).add_argument(*flags, **kwargs)
     for cls, title in GROUPS:
         preset = MODEL_PRESETS["tiny"] if cls is ModelConfig else None
         for field, spec in option_fields(cls):
@@ -81,12 +81,10 @@ def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict
     own = flags[:-1] if spec.off_flag else flags
     kind, is_list = value_type(cls, field)
     if preset is not None:  # a model flag: the preset decides what is not given
-        shown = preset.get(field.name, field.default)
-        default = f"the --model preset's; tiny: {spec.default_text or 'none' if shown is None else shown}"
-    elif spec.default_text is not None:
-        default = spec.default_text
+        tiny = preset.get(field.name, field.default)
+        default = f"the --model preset's; tiny: {spec.default_text if tiny is None else _shown(tiny)}"
     else:
-        default = {True: "on", False: "off", None: "none"}.get(field.default, field.default)
+        default = _shown(field.default) if spec.default_text is None else spec.default_text
     text = f"{spec.help} (default: {default})".replace("%", "%%")
     common = dict(dest=field.name, default=None)
     if kind is bool:
@@ -97,6 +95,12 @@ def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict
         return
     group.add_argument(*own, type=kind, choices=spec.choices, metavar=spec.metavar, nargs="+" if is_list else None,
                        help=text, **common)
+
+
+def _shown(value) -> str:
+    if isinstance(value, bool):
+        return "on" if value else "off"
+    return "none" if value is None else str(value)
 
 
 def _given(cls, args: argparse.Namespace) -> dict:

@@ -1,7 +1,7 @@
 """`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, before any GPU is booked.
 
 Nothing is launched: no processes, no GPU, no data. The flags go through every check
-a real run makes (megalite/arguments.py). Then, for each pipeline rank, the model
+a real run makes (megalite/arguments.py, megalite/config/). Then, for each pipeline rank, the model
 chunks are built on the meta device (shapes only, no memory) with a ParallelState whose
 process groups are placeholders, and the fp32 grad buffer is laid out over them as the
 optimizer lays it out, so its buckets, padding and the distributed optimizer's shards
@@ -109,7 +109,8 @@ class RankClass:
 
 @dataclass
 class DryRunReport:
-    """The plan of `run`: the vocabulary it assumed, per-iteration figures, and the rank classes."""
+    """The plan of `run` (its model holding the vocabulary assumed): that vocabulary and its source,
+    per-iteration figures, and the rank classes."""
 
     run: RunConfig
     tokenizer_vocab: int

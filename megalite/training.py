@@ -1,6 +1,6 @@
 """The training loop: global batches, optimizer steps, evaluation, checkpoints, stopping.
 
-`pretrain(run)` takes a validated RunConfig (megalite/arguments.py) through one run:
+`pretrain(run)` takes a validated, frozen RunConfig (megalite/arguments.py) through one run:
 
     resolve data and tokenizer -> build model and optimizer -> load a checkpoint (--load)
     -> data loaders from the consumed samples -> iterations -> test evaluation -> save
