@@ -40,6 +40,7 @@ def main(argv) -> None:
     # Held until the process exits: a SIGTERM in the last moments still saves (or is ignored once all is saved).
     hold_signals_until_exit(run.train.exit_signal_handler)
     trainer, state = pretrain(run)
+    run = trainer.run  # the config the run used: the built-in corpus and the tokenizer's vocabulary filled in
     if not state.losses or not trainer.parallel.is_logging_rank:
         return
     vocab = run.model.real_vocab_size

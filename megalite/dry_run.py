@@ -1,7 +1,7 @@
 """`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, before any GPU is booked.
 
 Nothing is launched: no processes, no GPU, no data. The flags go through every check
-a real run makes (megalite/arguments.py). Then, for each pipeline rank, the model
+a real run makes (megalite/arguments.py, megalite/config/). Then, for each pipeline rank, the model
 chunks are built on the meta device (shapes only, no memory) with a ParallelState whose
 process groups are placeholders, and the fp32 grad buffer is laid out over them as the
 optimizer lays it out, so its buckets, padding and the distributed optimizer's shards
@@ -29,7 +29,6 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite.arguments import with_tokenizer_vocab
 from megalite.config import RunConfig, num_parameters
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.logging import DTYPE_NAMES, flops_per_iteration
@@ -110,7 +109,8 @@ class RankClass:
 
 @dataclass
 class DryRunReport:
-    """The plan of `run`: the vocabulary it assumed, per-iteration figures, and the rank classes."""
+    """The plan of `run` (its model holding the vocabulary assumed): that vocabulary and its source,
+    per-iteration figures, and the rank classes."""
 
     run: RunConfig
     tokenizer_vocab: int
@@ -128,13 +128,12 @@ class DryRunReport:
 def plan(run: RunConfig) -> DryRunReport:
     """Every rank's figures for `run`, grouped into classes of equal figures."""
     start = time.perf_counter()
-    layout, train = run.parallel, run.train
+    vocab, source = dry_run_vocabulary(run)
+    run = run.with_tokenizer_vocab(vocab)
+    layout, train, model, num_microbatches = run.parallel, run.train, run.model, run.num_microbatches
     tp, pp, dp, world = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                          layout.data_parallel_size, layout.world_size)
     vp = layout.virtual_pipeline_model_parallel_size
-    vocab, source = dry_run_vocabulary(run)
-    model = with_tokenizer_vocab(run.model, vocab, tp)
-    num_microbatches = train.global_batch_size // (train.micro_batch_size * dp)
     dtype = train.params_dtype
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
     report = DryRunReport(run, vocab, source, num_microbatches,
@@ -197,8 +196,7 @@ def _stage(cls: RankClass, pp: int) -> str:
 
 def format_report(report: DryRunReport) -> str:
     """The printed plan: the layout, the batch, the FLOPs, and one row per rank class."""
-    run, layout, train = report.run, report.run.parallel, report.run.train
-    model = with_tokenizer_vocab(run.model, report.tokenizer_vocab, layout.tensor_model_parallel_size)
+    run, layout, train, model = report.run, report.run.parallel, report.run.train, report.run.model
     tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     vp = layout.virtual_pipeline_model_parallel_size
     options = [name for name, on in (("sequence parallel", layout.sequence_parallel),

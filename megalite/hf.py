@@ -437,7 +437,7 @@ def pretrain_model_flags(fields: dict, vocab_size: int, tensor_model_parallel_si
     would check it), so a checkpoint saved with it passes `--load --finetune` with these
     flags. UserError when no flags express the model, or the layout does not fit it.
     """
-    from megalite.arguments import parse_args, with_tokenizer_vocab
+    from megalite.arguments import parse_args
 
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     layout = ["--tensor-model-parallel-size", str(tp), "--pipeline-model-parallel-size", str(pp)]
@@ -448,8 +448,8 @@ def pretrain_model_flags(fields: dict, vocab_size: int, tensor_model_parallel_si
     for preset in _BASE_PRESETS:
         flags = _flags_on_preset(fields, preset)
         try:
-            config = with_tokenizer_vocab(parse_args(flags + layout + placeholders, world_size=tp * pp).model,
-                                          vocab_size, tp)
+            config = parse_args(flags + layout + placeholders, world_size=tp * pp).with_tokenizer_vocab(
+                vocab_size).model
         except UserError as error:  # the layout does not fit, or this preset cannot take the flags
             errors.append(error)
             continue

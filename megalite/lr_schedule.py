@@ -67,7 +67,7 @@ class LRSchedule:
 
     def _configure(self, settings: dict) -> None:
         """Validate `settings` (UserError naming the flag) and adopt them."""
-        _validate(**settings)
+        check_schedule_settings(**settings)
         self.lr, self.min_lr = float(settings["lr"]), float(settings["min_lr"])
         self.warmup_iters, self.decay_iters = int(settings["warmup_iters"]), int(settings["decay_iters"])
         self.decay_style = settings["decay_style"]
@@ -146,7 +146,8 @@ def _show(state: dict, key: str) -> str:
     return repr(state[key]) if key in state else "absent"
 
 
-def _validate(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style, wsd_decay_iters) -> None:
+def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
+                            wsd_decay_iters) -> None:
     """Raise a UserError naming the flag for the first invalid setting."""
     if decay_style not in DECAY_STYLES:
         raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")

@@ -1,6 +1,6 @@
 """The training loop: global batches, optimizer steps, evaluation, checkpoints, stopping.
 
-`pretrain(run)` takes a validated RunConfig (megalite/arguments.py) through one run:
+`pretrain(run)` takes a validated, frozen RunConfig (megalite/arguments.py) through one run:
 
     resolve data and tokenizer -> build model and optimizer -> load a checkpoint (--load)
     -> data loaders from the consumed samples -> iterations -> test evaluation -> save
@@ -36,7 +36,6 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite import checkpointing, parallel_state
-from megalite.arguments import with_tokenizer_vocab
 from megalite.config import RunConfig
 from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import next_global_batch
@@ -93,15 +92,16 @@ def seed_everything(seed: int, parallel) -> None:
     model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
 
 
-def resolve_data(run: RunConfig) -> None:
-    """The default run: build or reuse the built-in corpus and point the data flags at it."""
+def resolve_data(run: RunConfig) -> RunConfig:
+    """`run`, or for the default run a copy whose data flags point at the built-in corpus (built
+    here, or reused)."""
     if not run.data.builtin_corpus:
-        return
+        return run
     from megalite.data.builtin_corpus import ensure_builtin_corpus
 
     prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
-    run.data.data_path = [prefix]
-    run.data.tokenizer_type, run.data.tokenizer_model = "SentencePieceTokenizer", tokenizer_model
+    return dataclasses.replace(run, data=dataclasses.replace(
+        run.data, data_path=[prefix], tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer_model))
 
 
 def build_datasets(run: RunConfig, tokenizer):
@@ -142,6 +142,15 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
     train = run.train
     return LRSchedule(train.lr, train.min_lr, train.lr_warmup_iters, train.lr_decay_iters,
                       train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
+
+
+def with_schedule_settings(run: RunConfig, schedule: LRSchedule) -> RunConfig:
+    """`run` with the LR flags `schedule` runs on (build_lr_schedule's inverse): after
+    --use-checkpoint-opt_param-scheduler adopted a checkpoint's settings, the config says so too."""
+    return dataclasses.replace(run, train=dataclasses.replace(
+        run.train, lr=schedule.lr, min_lr=schedule.min_lr, lr_warmup_iters=schedule.warmup_iters,
+        lr_decay_iters=schedule.decay_iters, lr_decay_style=schedule.decay_style,
+        lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
 
 
 def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=None, log=None) -> float:
@@ -231,7 +240,8 @@ class Trainer:
     """One run's objects, built in the order the checkpoint and the data need them."""
 
     def __init__(self, run: RunConfig, log=print_flushed):
-        self.run = run
+        """`self.run` is `run` completed by what the data decides (the built-in corpus, the
+        tokenizer's vocabulary): the config the run uses and its checkpoints save."""
         train = run.train
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
@@ -242,10 +252,9 @@ class Trainer:
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         seed_everything(train.seed, self.parallel)
         set_kernels(train.kernels)
-        resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
+        run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
-        run.model = with_tokenizer_vocab(run.model, self.tokenizer.vocab_size,
-                                         run.parallel.tensor_model_parallel_size)
+        self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
         self.device = self.parallel.device
         parallel = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
@@ -264,7 +273,7 @@ class Trainer:
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.load()
-        self.num_microbatches = train.global_batch_size // (train.micro_batch_size * self.parallel.dp_size)
+        self.num_microbatches = run.num_microbatches
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
         check_token_dtypes((self.train_ds, self.valid_ds, self.test_ds), self.tokenizer.vocab_size)
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
@@ -355,6 +364,7 @@ class Trainer:
             train = self.run.train
             self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
                                           use_checkpoint=train.use_checkpoint_opt_param_scheduler)
+            self.run = with_schedule_settings(self.run, self.schedule)
         self.log(f"loaded checkpoint {loaded['path']} at iteration {self.state.iteration} "
                  f"({self.state.consumed_train_samples} samples consumed)"
                  + (" (--load defaults to --save, which holds it)" if implicit else ""))
@@ -552,6 +562,7 @@ def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
     with owned_signals(run.train.exit_signal_handler):  # from before wandb starts until the run returns
         trainer = Trainer(run, log)
+        run = trainer.run  # with the tokenizer's vocabulary
         model = run.model
         dtype = str(run.train.params_dtype).split('.')[-1]
         if run.train.bf16_default:

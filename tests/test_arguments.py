@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megalite.arguments import list_models, parse_args, with_tokenizer_vocab
+from megalite.arguments import GROUPS, list_models, parse_args, with_tokenizer_vocab
+from megalite.config.options import option_fields
 from megalite.errors import UserError
 
 MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "100"]
@@ -164,3 +165,71 @@ def test_precision_defaults_to_bf16_only_on_a_gpu_with_bf16_units(monkeypatch, c
 def test_two_precision_flags_are_refused():
     with pytest.raises(UserError, match="--bf16 and --fp32 both given; pick one"):
         parse_args([*MOCK, "--bf16", "--fp32"])
+
+
+# -- the parser is generated from the config dataclasses ------------------------------------------
+
+FIELD_NAMES = {field.name for cls, _ in GROUPS for field, _ in option_fields(cls)}
+
+
+def test_every_option_field_has_exactly_one_flag_and_every_flag_a_field_or_a_listed_place():
+    """Drift guard: each config field is an option or declared derived; each option field owns its
+    flag(s) and nothing else does; every other flag is one of arguments.NON_FIELD_FLAGS."""
+    import argparse
+    import dataclasses
+
+    from megalite.arguments import NON_FIELD_FLAGS, build_parser
+    from megalite.config.options import flags_of
+
+    parser = build_parser()
+    actions = [action for action in parser._actions if not isinstance(action, argparse._HelpAction)]
+    flags_by_dest = {}
+    for action in actions:
+        flags_by_dest.setdefault(action.dest, []).extend(action.option_strings)
+    expected, non_field = {}, {flag for _, flags, _ in NON_FIELD_FLAGS for flag in flags}
+    for cls, _ in GROUPS:
+        for field in dataclasses.fields(cls):
+            kinds = {"option", "derived"} & set(field.metadata)
+            assert len(kinds) == 1, f"{cls.__name__}.{field.name} must be an option() or derived()"
+        for field, _ in option_fields(cls):
+            assert field.name not in expected, f"{field.name} is an option of two config classes"
+            expected[field.name] = sorted(flags_of(field))
+    for dest, flags in flags_by_dest.items():
+        if dest in expected:
+            assert sorted(flags) == expected.pop(dest), f"{dest}: the parser's flags {flags} drifted"
+        else:
+            assert set(flags) <= non_field, f"{flags} set neither a config field nor a listed non-field flag"
+            non_field -= set(flags)
+    assert not expected, f"option fields without a flag: {sorted(expected)}"
+    assert not non_field, f"listed non-field flags missing from the parser: {sorted(non_field)}"
+    every_flag = [flag for action in actions for flag in action.option_strings]
+    assert len(every_flag) == len(set(every_flag))
+
+
+def test_help_shows_every_flags_default():
+    """Every flag that takes a value, and every switch of a config field, says its default in --help."""
+    from megalite.arguments import build_parser
+
+    for action in build_parser()._actions:
+        if action.option_strings[0] in ("-h",) or action.option_strings[0].startswith("--no-"):
+            continue
+        if action.nargs != 0 or action.dest in FIELD_NAMES:
+            assert "(default: " in action.help, action.option_strings
+
+
+def test_the_config_is_frozen():
+    import dataclasses
+
+    run = parse_args(MOCK)
+    for group in (run, run.model, run.parallel, run.train, run.data, run.checkpoint, run.logging):
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            setattr(group, dataclasses.fields(group)[0].name, None)
+    assert run.num_microbatches == 2 and run.parallel.virtual_pipeline_model_parallel_size == 1
+
+
+def test_arguments_does_not_import_training():
+    import subprocess
+    import sys
+
+    code = "import sys, megalite.arguments; sys.exit('megalite.training' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 transformers = pytest.importorskip("transformers")
 
 from megalite import checkpointing  # noqa: E402
-from megalite.arguments import parse_args, with_tokenizer_vocab  # noqa: E402
+from megalite.arguments import parse_args  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer, train_sentencepiece  # noqa: E402
@@ -249,7 +249,7 @@ def test_from_hf_continues_at_tp2_starting_from_the_hf_models_loss(tmp_path, hf_
     # The first global batch megalite saw, rebuilt from the same flags, through the HF model.
     run = parse_args([*flags, "--data-cache-path", str(tmp_path / "run" / "cache")], world_size=2)
     tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
-    run.model = with_tokenizer_vocab(run.model, tokenizer.vocab_size, 2)
+    run = run.with_tokenizer_vocab(tokenizer.vocab_size)  # TP 2, from the flags
     train_set = build_datasets(run, tokenizer)[0]
     batch = {key: torch.stack([torch.as_tensor(train_set[i][key]) for i in range(4)]) for key in ("tokens", "labels",
                                                                                                   "loss_mask")}

@@ -105,6 +105,21 @@ def test_lr_schedule_change_on_resume_needs_a_flag(tmp_path):
     assert state.iteration == 4
 
 
+def test_checkpoints_save_the_config_the_run_used(tmp_path):
+    """The parsed config stays as parsed; the run's config (and what its checkpoints save) holds what
+    arrived later: the tokenizer's vocabulary and the LR schedule a resume adopted."""
+    from megalite import checkpointing
+
+    train(*MOCK, "--train-iters", "4", "--save", str(tmp_path), "--exit-interval", "2")
+    parsed = parse_args([*SMALL, *MOCK, "--train-iters", "4", "--save", str(tmp_path), "--lr-decay-style", "linear",
+                         "--use-checkpoint-opt_param-scheduler"])
+    trainer, state = pretrain(parsed, log=lambda line: None)
+    saved = checkpointing.read_metadata(checkpointing.resolve_checkpoint(str(tmp_path)))["extra"]["run"]
+    assert state.iteration == 4 and parsed.train.lr_decay_style == "linear"
+    assert trainer.run.train.lr_decay_style == saved["train"]["lr_decay_style"] == "cosine"
+    assert (saved["model"]["tokenizer_vocab_size"], saved["model"]["vocab_size"]) == (100, 128)
+
+
 @pytest.mark.parametrize("precision", [["--bf16"], ["--fp16", "--initial-loss-scale", "4096"]])
 def test_half_precision_tracks_fp32_with_fp32_main_params(precision):
     _, reference, _ = train(*MOCK, "--train-iters", "10", "--fp32")  # bf16 is the default on a GPU

@@ -38,6 +38,17 @@ class NonFiniteGradError(RuntimeError):
     """The gradient norm is inf or nan and no loss scaler may skip the step; nothing was updated."""
 
 
+def check_loss_scale_settings(initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int) -> None:
+    """UserError naming the fp16 loss-scale flag whose value DynamicLossScaler cannot take."""
+    if not 0 < min_scale <= initial_scale:
+        raise UserError(f"--initial-loss-scale {initial_scale} and --min-loss-scale {min_scale} must satisfy "
+                        f"0 < min <= initial; pass a smaller --min-loss-scale")
+    if growth_interval < 1:
+        raise UserError(f"--loss-scale-window is {growth_interval} but must be at least 1; pass 1 or more")
+    if hysteresis < 1:
+        raise UserError(f"--hysteresis is {hysteresis} but must be at least 1; pass 1 or more")
+
+
 class DynamicLossScaler:
     """Megatron's DynamicGradScaler: a loss scale that backs off on overflow and grows when clean.
 
@@ -49,13 +60,7 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
-        if not 0 < min_scale <= initial_scale:
-            raise UserError(f"--initial-loss-scale {initial_scale} and --min-loss-scale {min_scale} must satisfy "
-                            f"0 < min <= initial; pass a smaller --min-loss-scale")
-        if growth_interval < 1:
-            raise UserError(f"--loss-scale-window is {growth_interval} but must be at least 1; pass 1 or more")
-        if hysteresis < 1:
-            raise UserError(f"--hysteresis is {hysteresis} but must be at least 1; pass 1 or more")
+        check_loss_scale_settings(initial_scale, min_scale, growth_interval, hysteresis)
         if not (growth_factor > 1 and 0 < backoff_factor < 1):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                              f"{backoff_factor}")

@@ -1,0 +1,64 @@
+"""One definition per option: a config dataclass field carries its flag, help and choices.
+
+    lr: float = option(1e-3, "peak learning rate")
+
+declares the field `lr` and the flag `--lr` (type from the annotation, default from the
+field) in one line; `megalite/arguments.py` generates the parser from these fields. A
+field that no flag sets (a value derived from others, or from the launcher) is declared
+with `derived(...)`; every field of a config class is one or the other, and
+tests/test_arguments.py fails when a field and the parser drift apart.
+"""
+
+import dataclasses
+import types
+import typing
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class Option:
+    """How one config field appears on the command line."""
+
+    help: str
+    flags: tuple[str, ...] = ()  # () : "--" + the field name with dashes; more than one: aliases
+    choices: tuple | None = None
+    metavar: str | None = None
+    off_flag: str | None = None  # a second flag that sets a boolean field False
+    inverted: bool = False  # the flag sets a boolean field False (`--disable-bias-linear`)
+    default_text: str | None = None  # what --help says the default is, when the field default does not say it
+
+
+def option(default, help: str, *, flag: str | tuple[str, ...] = (), choices=None, metavar: str | None = None,
+           off_flag: str | None = None, inverted: bool = False, default_text: str | None = None):
+    """A dataclass field that is also a command-line flag (see the module docstring)."""
+    flags = (flag,) if isinstance(flag, str) else tuple(flag)
+    spec = Option(help, flags, tuple(choices) if choices is not None else None, metavar, off_flag, inverted,
+                  default_text)
+    return dataclasses.field(default=default, metadata={"option": spec})
+
+
+def derived(default, why: str):
+    """A dataclass field no flag sets: `why` says where its value comes from."""
+    return dataclasses.field(default=default, metadata={"derived": why})
+
+
+def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
+    """The fields of config class `cls` that are flags, in declaration order."""
+    return [(field, field.metadata["option"]) for field in dataclasses.fields(cls) if "option" in field.metadata]
+
+
+def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
+    """The flag(s) that set `field`: its own spelling(s), then the off flag if any."""
+    spec: Option = field.metadata["option"]
+    flags = spec.flags or ("--" + field.name.replace("_", "-"),)
+    return flags + ((spec.off_flag,) if spec.off_flag else ())
+
+
+def value_type(cls, field: dataclasses.Field):
+    """(type, is_list) of `field` from its annotation, None stripped: `int | None` -> (int, False)."""
+    kind = typing.get_type_hints(cls)[field.name]
+    if isinstance(kind, types.UnionType) or typing.get_origin(kind) is typing.Union:
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+    if typing.get_origin(kind) is list:
+        return typing.get_args(kind)[0], True
+    return kind, False

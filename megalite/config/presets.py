@@ -1,0 +1,75 @@
+"""Named architectures: `--model NAME` -> ModelConfig field values with the published numbers.
+
+A preset's `vocab_size` is the tokenizer's vocabulary; `model_config_from_preset` pads it.
+On the command line, a model flag that is given overrides the preset's value.
+"""
+
+import dataclasses
+
+from megalite.config.model import ModelConfig, with_tokenizer_vocab
+from megalite.errors import UserError
+
+
+def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> dict:
+    """GPT-2: learned positions, LayerNorm, GELU (tanh form, HF's `gelu_new`), biases, tied."""
+    return dict(num_layers=num_layers, hidden_size=hidden_size, num_attention_heads=num_attention_heads,
+                ffn_hidden_size=4 * hidden_size, seq_length=1024, max_position_embeddings=1024,
+                vocab_size=50257, position_embedding_type="learned_absolute", normalization="LayerNorm",
+                norm_epsilon=1e-5, openai_gelu=True, add_bias_linear=True,
+                untie_embeddings_and_output_weights=False, hidden_dropout=0.1, attention_dropout=0.1)
+
+
+def _llama(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
+           num_query_groups: int | None, vocab_size: int, seq_length: int, rotary_base: float,
+           tied: bool = False, max_position_embeddings: int | None = None, **extra) -> dict:
+    """LLaMA: rope, RMSNorm, SwiGLU, no biases, no dropout."""
+    return dict(num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
+                num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
+                vocab_size=vocab_size, seq_length=seq_length,
+                max_position_embeddings=max_position_embeddings or seq_length,
+                position_embedding_type="rope", rotary_base=rotary_base, normalization="RMSNorm",
+                norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+                untie_embeddings_and_output_weights=not tied, hidden_dropout=0.0,
+                attention_dropout=0.0, **extra)
+
+
+MODEL_PRESETS: dict[str, dict] = {
+    # The default CPU model: LLaMA-shaped, about 7.1M parameters with an 8192-token vocabulary.
+    "tiny": _llama(num_layers=4, hidden_size=256, ffn_hidden_size=688, num_attention_heads=4,
+                   num_query_groups=2, vocab_size=8192, seq_length=256, rotary_base=10000.0),
+    "gpt2-124m": _gpt2(num_layers=12, hidden_size=768, num_attention_heads=12),
+    "gpt2-350m": _gpt2(num_layers=24, hidden_size=1024, num_attention_heads=16),
+    "llama2-7b": _llama(num_layers=32, hidden_size=4096, ffn_hidden_size=11008, num_attention_heads=32,
+                        num_query_groups=None, vocab_size=32000, seq_length=4096, rotary_base=10000.0),
+    "llama3-8b": _llama(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                        num_query_groups=8, vocab_size=128256, seq_length=8192, rotary_base=500000.0),
+    "llama3.2-1b": _llama(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32,
+                          num_query_groups=8, vocab_size=128256, seq_length=8192, rotary_base=500000.0,
+                          tied=True, max_position_embeddings=131072, use_rope_scaling=True,
+                          rope_scaling_factor=32.0),
+    # TinyLlama-1.1B's shape: the ~1B LLaMA-2-style model (32000-token vocabulary).
+    "llama-1b": _llama(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
+                       num_query_groups=4, vocab_size=32000, seq_length=2048, rotary_base=10000.0),
+}
+
+
+def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **overrides) -> ModelConfig:
+    """The validated ModelConfig of preset `name` with `overrides` applied.
+
+    `vocab_size` (from the preset or the overrides) is the tokenizer's vocabulary; the
+    config's `vocab_size` is it padded per `make_vocab_size_divisible_by` x TP.
+    """
+    if name not in MODEL_PRESETS:
+        raise UserError(f"--model {name!r} is not a known preset; use one of "
+                        f"{', '.join(MODEL_PRESETS)} (see --list-models)")
+    fields = {field.name for field in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+        raise ValueError(f"unknown ModelConfig fields: {unknown}")
+    values = {**MODEL_PRESETS[name], **overrides}
+    tokenizer_vocab = values.pop("vocab_size")
+    # Validated once the vocabulary is in: the padded size needs a sound --make-vocab-size-divisible-by.
+    unpadded = ModelConfig(**values, vocab_size=tokenizer_vocab)
+    if not isinstance(unpadded.make_vocab_size_divisible_by, int) or unpadded.make_vocab_size_divisible_by < 1:
+        unpadded.validate()  # names --make-vocab-size-divisible-by
+    return with_tokenizer_vocab(unpadded, tokenizer_vocab, tensor_model_parallel_size)

@@ -1,0 +1,172 @@
+"""CheckpointConfig, LoggingConfig and RunConfig, the whole run: its groups, the checks that span
+groups, and the values derived from several groups."""
+
+import importlib.util
+import os
+from dataclasses import dataclass, replace
+
+from megalite.config.data import DataConfig
+from megalite.config.model import ModelConfig, with_tokenizer_vocab
+from megalite.config.options import option
+from megalite.config.parallel import ParallelConfig
+from megalite.config.train import TrainConfig
+from megalite.errors import UserError
+from megalite.tracking import WANDB_MODES
+
+
+@dataclass(frozen=True)
+class CheckpointConfig:
+    """Where checkpoints go and what a load restores."""
+
+    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, "
+                                                                      "else no checkpoints")
+    load: str | None = option(None, "resume from the latest checkpoint in this folder",
+                              default_text="--save when it holds one")
+    save_interval: int | None = option(None, "save every this many iterations", default_text="only at the end "
+                                                                                             "(and on exit)")
+    keep_last_n_checkpoints: int | None = option(
+        None, "after each save, delete all but the newest N checkpoints (never the one resumed from)",
+        default_text="keep all")
+    save_retain_interval: int | None = option(
+        None, "with --keep-last-n-checkpoints: also keep checkpoints at multiples of this iteration")
+    no_load_optim: bool = option(False, "on --load, leave the optimizer state behind")
+    no_load_rng: bool = option(False, "on --load, leave the RNG states behind")
+    finetune: bool = option(False, "load only the model weights and start at iteration 0")
+
+    def validate(self) -> "CheckpointConfig":
+        """Raise a UserError naming the flag for the first problem found; return self."""
+        if self.save_interval is not None:
+            if self.save is None:
+                raise UserError("--save-interval needs --save DIR (where to write checkpoints)")
+            if self.save_interval < 1:
+                raise UserError(f"--save-interval must be at least 1, got {self.save_interval}")
+        for flag, value in [("--keep-last-n-checkpoints", self.keep_last_n_checkpoints),
+                            ("--save-retain-interval", self.save_retain_interval)]:
+            if value is not None and value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
+        if self.keep_last_n_checkpoints is not None and self.save is None:
+            raise UserError("--keep-last-n-checkpoints needs --save DIR (the folder whose old checkpoints it "
+                            "deletes)")
+        if self.save_retain_interval is not None and self.keep_last_n_checkpoints is None:
+            raise UserError("--save-retain-interval only matters with --keep-last-n-checkpoints N (every "
+                            "checkpoint is kept otherwise); add it or drop --save-retain-interval")
+        if (self.finetune or self.no_load_optim or self.no_load_rng) and self.load is None:
+            flag = "--finetune" if self.finetune else "--no-load-optim" if self.no_load_optim else "--no-load-rng"
+            raise UserError(f"{flag} needs --load DIR (the checkpoint to start from)")
+        return self
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """Console and metrics cadence, and experiment tracking (megalite/tracking.py)."""
+
+    log_interval: int = option(10, "print a progress line every this many iterations")
+    metrics_file: str | None = option(None, "JSONL metrics", default_text="<save>/metrics.jsonl with --save")
+    debug_pipeline_schedule: bool = option(False, "print each rank's sends, receives, forwards and backwards "
+                                                  "as they happen")
+    wandb_project: str | None = option(None, "track the run in this wandb project (wandb is off without it)")
+    wandb_exp_name: str | None = option(None, "the wandb run name", default_text="model, layout and start time")
+    wandb_entity: str | None = option(None, "wandb team or user", default_text="the account's default entity")
+    wandb_save_dir: str | None = option(None, "where wandb writes its files", default_text="<save>/wandb")
+    wandb_mode: str | None = option(None, "wandb's mode", choices=WANDB_MODES,
+                                    default_text="WANDB_MODE, else online when an API key is configured, "
+                                                 "else offline")
+    tensorboard_dir: str | None = option(None, "also write the scalars as TensorBoard events here (needs the "
+                                               "tensorboard package)")
+
+    def validate(self) -> "LoggingConfig":
+        """Raise a UserError naming the flag for the first problem found; return self.
+
+        Run on the flags as given, before the wandb defaults are filled in (`with_wandb_defaults`)."""
+        if self.log_interval < 1:
+            raise UserError(f"--log-interval must be at least 1, got {self.log_interval}")
+        if self.wandb_project is None:
+            for flag in ("--wandb-exp-name", "--wandb-entity", "--wandb-save-dir", "--wandb-mode"):
+                if getattr(self, flag[2:].replace("-", "_")) is not None:
+                    raise UserError(f"{flag} needs --wandb-project NAME (wandb tracks a run only when a project "
+                                    f"is given); add it or drop {flag}")
+        elif not self.wandb_project.strip():
+            raise UserError("--wandb-project is empty; give a project name (or drop the flag)")
+        if self.tensorboard_dir is not None and importlib.util.find_spec("tensorboard") is None:
+            raise UserError("--tensorboard-dir needs the tensorboard package, which is not installed; "
+                            "pip install tensorboard (or drop --tensorboard-dir)")
+        return self
+
+    def with_wandb_defaults(self, save: str | None) -> "LoggingConfig":
+        """A copy with wandb's mode and folder filled in (from the environment and `save`);
+        UserError when wandb would run but is not installed."""
+        from megalite.tracking import default_wandb_mode  # reads the environment and ~/.netrc
+
+        mode = self.wandb_mode or default_wandb_mode()
+        if self.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise UserError("--wandb-project needs the wandb package, which is not installed; "
+                            "pip install -r requirements.txt (or use --wandb-mode disabled)")
+        save_dir = self.wandb_save_dir
+        if save_dir is None and save is not None:
+            save_dir = os.path.join(save, "wandb")
+        return replace(self, wandb_mode=mode, wandb_save_dir=save_dir)
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Everything one run needs, validated and frozen; `megalite/arguments.py` builds it from the
+    command line. Facts that arrive later (the built-in corpus, the tokenizer's vocabulary) make a
+    new RunConfig through `dataclasses.replace`; the Trainer holds, and checkpoints save, the final one."""
+
+    model_name: str  # --model
+    model: ModelConfig
+    parallel: ParallelConfig
+    train: TrainConfig
+    data: DataConfig
+    checkpoint: CheckpointConfig
+    logging: LoggingConfig
+    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/dry_run.py)
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches per data-parallel rank per iteration: G / (micro-batch x DP)."""
+        return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
+
+    def with_tokenizer_vocab(self, tokenizer_vocab_size: int) -> "RunConfig":
+        """A copy whose model holds the tokenizer's vocabulary, padded per
+        --make-vocab-size-divisible-by x TP."""
+        return replace(self, model=with_tokenizer_vocab(self.model, tokenizer_vocab_size,
+                                                        self.parallel.tensor_model_parallel_size))
+
+    def validate(self) -> "RunConfig":
+        """The checks that span groups (each group has validated itself); return self."""
+        model, parallel, train = self.model, self.parallel, self.train
+        tp = parallel.tensor_model_parallel_size
+        # Every dimension TP splits must divide by it; SP also splits the sequence.
+        for flag, value in [("--num-attention-heads", model.num_attention_heads),
+                            ("--num-query-groups", model.query_groups), ("--ffn-hidden-size", model.ffn_hidden_size)]:
+            if value % tp:
+                raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                                f"use a tensor-parallel size that divides it")
+        if model.fused_output_cross_entropy and tp > 1:
+            raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); "
+                            f"under TP the vocab-parallel cross-entropy already keeps only a 1/TP slice of the "
+                            f"logits, so drop the flag")
+        if parallel.sequence_parallel and tp == 1:
+            raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks, so it needs "
+                            "--tensor-model-parallel-size 2 or more; drop --sequence-parallel")
+        if parallel.sequence_parallel and model.seq_length % tp:
+            raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
+                            f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")
+        # The layers must split over every (virtual) pipeline stage.
+        from megalite.pipeline_parallel.stages import virtual_stage_layers
+
+        virtual_stage_layers(model.num_layers, parallel.pipeline_model_parallel_size,
+                             parallel.virtual_pipeline_model_parallel_size,
+                             parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
+        if train.compile and model.recompute_granularity:
+            raise UserError("--compile with --recompute-* is not supported; drop one of them")
+        from megalite.data.loader import check_batch_sizes
+        from megalite.pipeline_parallel.schedules import check_microbatches
+
+        check_batch_sizes(train.global_batch_size, train.micro_batch_size, parallel.data_parallel_size)
+        check_microbatches(self.num_microbatches, parallel.pipeline_model_parallel_size,
+                           parallel.virtual_pipeline_model_parallel_size)
+        if train.exit_signal_handler and self.checkpoint.save is None:
+            raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
+        return self

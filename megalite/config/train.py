@@ -1,0 +1,119 @@
+"""TrainConfig: batch, length of training, optimizer, LR schedule, precision and stopping rules."""
+
+from dataclasses import dataclass
+
+from megalite.config.options import derived, option
+from megalite.errors import UserError
+from megalite.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, check_schedule_settings
+
+DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
+KERNEL_MODES = ("auto", "triton", "torch")
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """The training flags. `lr_decay_iters` and `lr_warmup_iters` left None are derived at construction."""
+
+    micro_batch_size: int = option(8, "samples per micro-batch on each data-parallel rank")
+    global_batch_size: int = option(16, "samples per iteration, over all data-parallel ranks")
+    train_iters: int = option(200, "iterations to train (or give --train-samples)")
+    lr: float = option(1e-3, "peak learning rate")
+    min_lr: float = option(1e-4, "learning rate at the end of the decay")
+    lr_decay_style: str = option("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
+    lr_wsd_decay_style: str = option("exponential", "WSD: the shape of the final anneal", choices=WSD_DECAY_STYLES)
+    lr_wsd_decay_iters: int | None = option(None, "WSD: the length of the final anneal")
+    lr_warmup_iters: int | None = option(None, "linear warmup iterations (or give --lr-warmup-fraction)",
+                                         default_text="10% of the decay iterations")
+    lr_decay_iters: int | None = option(None, "iterations the decay spans", default_text="--train-iters")
+    override_opt_param_scheduler: bool = option(
+        False, "on --load, keep this run's LR schedule flags",
+        flag=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
+    use_checkpoint_opt_param_scheduler: bool = option(
+        False, "on --load, take the LR schedule from the checkpoint",
+        flag=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"))
+    weight_decay: float = option(0.1, "AdamW weight decay")
+    adam_beta1: float = option(0.9, "AdamW beta1")
+    adam_beta2: float = option(0.95, "AdamW beta2")
+    adam_eps: float = option(1e-8, "AdamW epsilon")
+    clip_grad: float = option(1.0, "clip the global gradient norm to this; 0 turns clipping off")
+    seed: int = option(1234, "seed of weights, data order and dropout")
+    bf16: bool = option(False, "bf16 params and compute, fp32 main params",
+                        default_text="on for GPUs with bf16 units, unless --fp16 or --fp32")
+    bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU")
+    fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling")
+    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the loss scale to start from",
+                                       default_text="2^32")
+    min_loss_scale: float = option(1.0, "fp16: the scale never goes below")
+    loss_scale_window: int = option(1000, "fp16: clean steps before the scale grows")
+    hysteresis: int = option(2, "fp16: overflows tolerated before backing off")
+    compile: bool = option(False, "torch.compile each transformer layer (regional; no faster on CPUs)")
+    kernels: str = option("auto", "fused Triton kernels: auto = on CUDA GPUs; triton on a CPU needs "
+                                  "TRITON_INTERPRET=1", choices=KERNEL_MODES)
+    eval_interval: int = option(100, "evaluate every this many iterations; 0: only at the end")
+    eval_iters: int = option(5, "global batches per evaluation")
+    exit_interval: int | None = option(None, "stop (and save) when the iteration is a multiple")
+    exit_duration_in_mins: float | None = option(None, "stop (and save) after this many minutes")
+    exit_signal_handler: bool | None = option(
+        None, "on SIGTERM or SIGINT (any rank), all ranks save at the next iteration boundary and exit 0",
+        off_flag="--no-exit-signal-handler", default_text="on whenever --save is set")
+    check_for_nan_in_loss_and_grad: bool = option(
+        True, "stop at a NaN/Inf loss or grad norm (bf16, fp32), naming the last good checkpoint; the off "
+              "flag skips such steps instead", off_flag="--no-check-for-nan-in-loss-and-grad")
+    loss_spike_threshold: float = option(1.5, "warn when an iteration's loss exceeds this multiple of the "
+                                              "median of the previous 20; 0 turns it off")
+
+    def __post_init__(self):
+        # Still construction: the schedule's lengths default to the run's.
+        if self.lr_decay_iters is None:
+            object.__setattr__(self, "lr_decay_iters", self.train_iters)
+        if self.lr_warmup_iters is None and isinstance(self.lr_decay_iters, int):
+            object.__setattr__(self, "lr_warmup_iters", self.lr_decay_iters // 10)
+
+    @property
+    def params_dtype(self):
+        import torch
+
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+    def validate(self) -> "TrainConfig":
+        """Raise a UserError naming the flag for the first problem found; return self."""
+        for flag, value in [("--micro-batch-size", self.micro_batch_size),
+                            ("--global-batch-size", self.global_batch_size), ("--train-iters", self.train_iters)]:
+            if value < 1:
+                raise UserError(f"{flag} must be at least 1, got {value}")
+        if self.bf16 and self.fp16:
+            raise UserError("--bf16 and --fp16 both given; pick one")
+        if self.initial_loss_scale != DEFAULT_INITIAL_LOSS_SCALE and not self.fp16:
+            raise UserError("--initial-loss-scale only applies with --fp16; add --fp16 or drop it")
+        if not self.initial_loss_scale > 0:
+            raise UserError(f"--initial-loss-scale must be positive, got {self.initial_loss_scale}")
+        if self.fp16:
+            from megalite.data_parallel.optimizer import check_loss_scale_settings
+
+            check_loss_scale_settings(self.initial_loss_scale, self.min_loss_scale, self.loss_scale_window,
+                                      self.hysteresis)
+        if not self.lr > 0:
+            raise UserError(f"--lr must be positive, got {self.lr}")
+        check_schedule_settings(self.lr, self.min_lr, self.lr_warmup_iters, self.lr_decay_iters,
+                                self.lr_decay_style, self.lr_wsd_decay_style, self.lr_wsd_decay_iters)
+        if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
+            raise UserError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both "
+                            "given; pick one")
+        if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
+            raise UserError(f"--adam-beta1 {self.adam_beta1} and --adam-beta2 {self.adam_beta2} must be in [0, 1)")
+        for flag, value in [("--adam-eps", self.adam_eps), ("--weight-decay", self.weight_decay),
+                            ("--clip-grad", self.clip_grad), ("--eval-interval", self.eval_interval),
+                            ("--eval-iters", self.eval_iters)]:
+            if value < 0:
+                raise UserError(f"{flag} must be 0 or more, got {value}")
+        if self.loss_spike_threshold != 0 and not self.loss_spike_threshold > 1:
+            raise UserError(f"--loss-spike-threshold must be above 1 (a multiple of the recent median loss) or 0 "
+                            f"to turn the warning off, got {self.loss_spike_threshold}")
+        if self.exit_interval is not None and self.exit_interval < 1:
+            raise UserError(f"--exit-interval must be at least 1, got {self.exit_interval}")
+        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
+            raise UserError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
+        from megalite.kernels import check_kernels
+
+        check_kernels(self.kernels)
+        return self
