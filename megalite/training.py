@@ -96,7 +96,7 @@ def resolve_data(run: RunConfig) -> None:
     """The default run: build or reuse the built-in corpus and point the data flags at it."""
     if not run.data.builtin_corpus:
         return
-    from megalite.data.builtin_corpus import ensure_builtin_corpus
+    from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
 
     prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
     run.data.data_path = [prefix]
