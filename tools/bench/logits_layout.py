@@ -25,22 +25,15 @@ training step. The contiguous runs (here and for the fused path) call
 
 import argparse
 import copy
-import os
 import statistics
-import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+import torch
 
-from tools.bench import train_throughput  # noqa: E402  (sets the allocator up before torch loads)
-
-import torch  # noqa: E402
-
-from megalite.cpu_allocator import empty_padded_rows, padded_row_length, set_row_padding  # noqa: E402
-from megalite.errors import run_main  # noqa: E402
-from megalite.kernels import kernels_mode, linear_cross_entropy as fused_module, set_kernels  # noqa: E402
+from megalite.cpu_allocator import empty_padded_rows, padded_row_length, set_row_padding
+from megalite.errors import run_main
+from megalite.kernels import kernels_mode, linear_cross_entropy as fused_module, set_kernels
+from tools.bench import train_throughput
 
 
 def get_args(argv):
@@ -149,6 +142,7 @@ def report(name: str, times: dict, note: str = "") -> float:
 
 
 def main(argv=None) -> dict:
+    train_throughput.set_up_allocator()  # before any tensor, as the throughput bench
     args = get_args(argv)
     torch.set_num_threads(args.threads)
     bench_args = train_throughput.get_args(["--config", args.config])

@@ -62,29 +62,20 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.nn.functional as F
 
-from megalite.cpu_allocator import keep_freed_memory, use_huge_pages  # noqa: E402
-
-use_huge_pages()  # before torch is imported, as pretrain_gpt.py does; both sides run in this process
-keep_freed_memory()
-
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.hf import llama_config_to_hf  # noqa: E402
-from megalite.kernels.attention import set_blocked_attention  # noqa: E402
-from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
-from megalite.model.gpt import build_model  # noqa: E402
-from megalite.model.rotary import RotaryEmbedding  # noqa: E402
-from tools.bench.minimal_llama import MinimalLlama  # noqa: E402
+from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset
+from megalite.cpu_allocator import keep_freed_memory, use_huge_pages
+from megalite.errors import UserError, run_main
+from megalite.hf import llama_config_to_hf
+from megalite.kernels.attention import set_blocked_attention
+from megalite.logging import flops_per_iteration, peak_flops
+from megalite.model.gpt import build_model
+from megalite.model.rotary import RotaryEmbedding
+from tools.bench.minimal_llama import MinimalLlama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The issue's two configs; `preset` keeps --model and the override flags.
@@ -458,7 +449,20 @@ def build_variants(config: ModelConfig, args, device, dtype, batch) -> tuple[dic
     return steps, params
 
 
+def set_up_allocator() -> None:
+    """pretrain_gpt.py's CPU allocator settings (megalite/cpu_allocator.py), for every side of a bench.
+
+    The first thing a bench's main calls: PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU
+    allocation, not when it is imported, so the setting holds wherever no tensor was made before
+    (a fresh `python tools/bench/...` process; in a test process that already made tensors, the
+    benches measure the same code without it).
+    """
+    use_huge_pages()
+    keep_freed_memory()
+
+
 def main(argv=None):
+    set_up_allocator()  # before any tensor: both sides run in this process
     args = get_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no GPU; use --device cpu")
