@@ -6,16 +6,10 @@
 """
 
 import argparse
-import os
-import sys
 from pathlib import Path
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
-
-from megalite.data.builtin_corpus import DEFAULT_BUILD_DIR, ensure_builtin_corpus, load_manifest  # noqa: E402
-from megalite.errors import run_main  # noqa: E402
+from megalite.data.prep.builtin_corpus import DEFAULT_BUILD_DIR, ensure_builtin_corpus, load_manifest
+from megalite.errors import run_main
 
 
 def main(argv=None):

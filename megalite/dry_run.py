@@ -71,7 +71,7 @@ def dry_run_vocabulary(run: RunConfig) -> tuple[int, str]:
         return build_tokenizer("NullTokenizer", vocab_size=data.vocab_size).vocab_size, \
             f"NullTokenizer --vocab-size {data.vocab_size} (+1 for EOD)"
     if data.builtin_corpus:
-        from megalite.data.builtin_corpus import VOCAB_SIZE, corpus_folder, load_manifest
+        from megalite.data.prep.builtin_corpus import VOCAB_SIZE, corpus_folder, load_manifest
 
         manifest = load_manifest(corpus_folder())
         if manifest is not None:

@@ -97,7 +97,7 @@ def resolve_data(run: RunConfig) -> RunConfig:
     here, or reused)."""
     if not run.data.builtin_corpus:
         return run
-    from megalite.data.builtin_corpus import ensure_builtin_corpus
+    from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
 
     prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
     return dataclasses.replace(run, data=dataclasses.replace(

@@ -10,9 +10,14 @@ The suite passes on a machine without a GPU and on one with a CUDA GPU:
   numbers match the CPU references on any machine; what only a GPU shows is in `gpu` tests;
 - tests marked `gpu` need CUDA: they are skipped without it ("needs a CUDA GPU"), and the
   summary ends with one line counting how many ran, passed and were skipped.
+
+Tests also start `python tools/x.py` processes, which import megalite and tools as installed
+packages: the suite stops at once unless they are installed from this checkout.
 """
 
 import os
+import subprocess
+import sys
 
 import pytest
 import torch
@@ -25,6 +30,7 @@ if not torch.cuda.is_available():
 # fixture). It changes nothing until torch.use_deterministic_algorithms is on.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 GPU_SKIP_REASON = "needs a CUDA GPU"
 _gpu_outcomes: dict[str, str] = {}  # node id of a test marked gpu -> passed, failed or skipped
 
@@ -93,3 +99,17 @@ def pytest_terminal_summary(terminalreporter):
     terminalreporter.write_line(
         f"gpu-marked tests: {counts['passed'] + counts['failed']} ran, {counts['passed']} passed, "
         f"{counts['failed']} failed, {counts['skipped']} skipped ({where})")
+
+
+def pytest_configure(config):
+    """Stop, with the fix, where a process started outside the repository would not import megalite and
+    tools from this checkout: not installed (a ModuleNotFoundError in every script test), or installed
+    from another checkout (script tests would silently run that one's code)."""
+    probe = subprocess.run([sys.executable, "-c", "import megalite, tools; print(megalite.__file__, tools.__file__)"],
+                           capture_output=True, text=True, cwd=os.path.dirname(REPO_ROOT))
+    found = probe.stdout.split() if probe.returncode == 0 else []
+    checkout = os.path.join(os.path.realpath(REPO_ROOT), "")
+    if not found or not all(os.path.realpath(path).startswith(checkout) for path in found):
+        raise pytest.UsageError(
+            f"megalite and tools must be installed from {REPO_ROOT} (found: {' and '.join(found) or 'none'}); "
+            "run `pip install -r requirements.txt` there (it installs this checkout with `-e .`)")

@@ -28,7 +28,6 @@ FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "25
 # MEGALITE_TEST_SIGNAL = "<moment>:<iteration>:<rank>" says where the signal goes.
 LAUNCHER = r"""
 import os, signal, sys
-sys.path.insert(0, sys.argv[1])
 from tools import fork_ranks
 os.environ.update(fork_ranks.cpu_world_environment())  # before torch: a CPU world on any machine
 from megalite import checkpointing, parallel_state, training
@@ -77,14 +76,14 @@ def wrapped_destroy(*args, **kwargs):
 
 training.Trainer.evaluate_split, training.next_global_batch = wrapped_evaluate_split, wrapped_next_global_batch
 checkpointing.save_checkpoint, parallel_state.destroy = wrapped_save_checkpoint, wrapped_destroy
-sys.exit(fork_ranks.main(["--nproc-per-node", "2", "--", *sys.argv[2:]]))
+sys.exit(fork_ranks.main(["--nproc-per-node", "2", "--", *sys.argv[1:]]))
 """
 
 
 def launch(folder, signal_at: str | None = None) -> subprocess.CompletedProcess:
     """The 2-rank run saving into `folder` (resuming from it when it holds a checkpoint)."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MEGALITE_TEST_SIGNAL": signal_at or "none:0:-1"}
-    return subprocess.run([sys.executable, "-c", LAUNCHER, REPO_ROOT, *FLAGS, "--save", str(folder)],
+    return subprocess.run([sys.executable, "-c", LAUNCHER, *FLAGS, "--save", str(folder)],
                           capture_output=True, text=True, env=env, cwd=REPO_ROOT, timeout=300)
 
 

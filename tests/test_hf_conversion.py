@@ -13,21 +13,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-transformers = pytest.importorskip("transformers")
+from megalite import checkpointing
+from megalite.arguments import parse_args, with_tokenizer_vocab
+from megalite.config import ModelConfig
+from megalite.data.indexed_dataset import IndexedDatasetBuilder
+from megalite.data.tokenizer import build_tokenizer, train_sentencepiece
+from megalite.errors import UserError
+from megalite.generation import generate
+from megalite.hf import model_fields_from_hf, sentencepiece_to_tokenizers
+from megalite.model.gpt import build_model
+from megalite.training import build_datasets, pretrain
+from tools.check_layouts import run as run_processes
+from tools.convert_checkpoint import main as convert
+from tools.generate import load_model
 
-from megalite import checkpointing  # noqa: E402
-from megalite.arguments import parse_args  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
-from megalite.data.tokenizer import build_tokenizer, train_sentencepiece  # noqa: E402
-from megalite.errors import UserError  # noqa: E402
-from megalite.generation import generate  # noqa: E402
-from megalite.hf import model_fields_from_hf, sentencepiece_to_tokenizers  # noqa: E402
-from megalite.model.gpt import build_model  # noqa: E402
-from megalite.training import build_datasets, pretrain  # noqa: E402
-from tools.check_layouts import run as run_processes  # noqa: E402
-from tools.convert_checkpoint import main as convert  # noqa: E402
-from tools.generate import load_model  # noqa: E402
+transformers = pytest.importorskip("transformers")  # megalite imports it only where it converts
 
 ATOL = 1e-4
 STDLIB = os.path.dirname(os.__file__)

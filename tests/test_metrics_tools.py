@@ -9,8 +9,7 @@ import pytest
 from megalite.errors import UserError
 from tools import loss_compare, plot_metrics
 
-matplotlib = pytest.importorskip("matplotlib")
-import matplotlib.image  # noqa: E402  (reads the written PNG back)
+matplotlib_image = pytest.importorskip("matplotlib.image")  # reads the written PNG back
 
 
 def write_metrics(path, lr: float, iterations: int = 40, log_interval: int = 5, eval_interval: int = 20,
@@ -50,7 +49,7 @@ def test_plot_overlays_two_runs_into_a_png(tmp_path, capsys):
                        "--title", "two runs"])
     assert capsys.readouterr().out.strip() == f"wrote {out}: 2 run(s), 16 training points"
     assert png_size(out) == (1200, 750) and out.stat().st_size > 20_000
-    image = matplotlib.image.imread(str(out))
+    image = matplotlib_image.imread(str(out))
     assert has_colour(image, (0x1F, 0x77, 0xB4)) and has_colour(image, (0xFF, 0x7F, 0x0E))  # C0 and C1: both runs
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from megalite.data.builtin_corpus import ensure_builtin_corpus
+from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 SCRIPTS = sorted(str(path.relative_to(REPO_ROOT)) for path in (REPO_ROOT / "scripts").rglob("*")

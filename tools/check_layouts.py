@@ -22,11 +22,10 @@ import subprocess
 import sys
 import tempfile
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from tools.fork_ranks import cpu_world_environment
+from tools.loss_compare import compare, read_losses
 
-from tools.fork_ranks import cpu_world_environment  # noqa: E402
-from tools.loss_compare import compare, read_losses  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 COMMON = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "4",
           "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length", "32", "--micro-batch-size", "2",

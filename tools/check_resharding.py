@@ -15,11 +15,8 @@ import shutil
 import sys
 import tempfile
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
-
-from tools.check_layouts import COMMON, LAYOUTS, MODELS, run  # noqa: E402
-from tools.loss_compare import compare, read_losses  # noqa: E402
+from tools.check_layouts import COMMON, LAYOUTS, MODELS, run
+from tools.loss_compare import compare, read_losses
 
 SOURCE = (8, LAYOUTS["tp2-pp2-dp2-sp-vp2-distopt-overlap"][1])
 TARGETS = {  # name -> (processes, flags): the three targets, none with the distributed optimizer

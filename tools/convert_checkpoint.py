@@ -31,16 +31,14 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalite import checkpointing  # noqa: E402
-from megalite.checkpointing import CheckpointReader, Piece, read_metadata, resolve_checkpoint  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.tokenizer import TOKENIZER_TYPES  # noqa: E402
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.hf import (GPT2, export_tokenizer, from_hf, hf_architecture, hf_config_for, hf_shapes,  # noqa: E402
+from megalite import checkpointing
+from megalite.checkpointing import CheckpointReader, Piece, read_metadata, resolve_checkpoint
+from megalite.config import ModelConfig
+from megalite.data.tokenizer import TOKENIZER_TYPES
+from megalite.errors import UserError, run_main
+from megalite.hf import (GPT2, export_tokenizer, from_hf, hf_architecture, hf_config_for, hf_shapes,
                          model_fields_from_hf, pretrain_model_flags, tensor_maps, to_hf)
-from megalite.model.gpt import build_model  # noqa: E402
+from megalite.model.gpt import build_model
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16", torch.float64: "F64"}

@@ -32,11 +32,10 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint
+from tools.fork_ranks import cpu_world_environment, free_port, rank_environment
 
-from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint  # noqa: E402
-from tools.fork_ranks import cpu_world_environment, free_port, rank_environment  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 TRAIN_ITERS = 12
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--num-layers", "2",

@@ -22,6 +22,7 @@ children. Launch real runs, and GPU runs, with torchrun (scripts/).
 
 import argparse
 import ctypes
+import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -29,10 +30,9 @@ import signal
 import socket
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-sys.path.insert(0, REPO_ROOT)
+from megalite.errors import run_main
 
-from megalite.errors import run_main  # noqa: E402
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 STOP_GRACE_S = 10.0  # a failed run's other ranks get this long to exit on SIGTERM before SIGKILL
 PR_SET_PDEATHSIG = 1  # prctl option (linux/prctl.h): a signal for this process when its parent dies
@@ -81,14 +81,26 @@ def _stop_with_launcher(launcher_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+def _pretrain_gpt():
+    """The module pretrain_gpt.py (imported once per process): a script at the repository root, not
+    part of the installed packages, so it is loaded from its file."""
+    module = sys.modules.get("pretrain_gpt")
+    if module is None:
+        spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(REPO_ROOT, "pretrain_gpt.py"))
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["pretrain_gpt"] = module
+        spec.loader.exec_module(module)
+    return module
+
+
 def launch(world_size: int, argv: list[str]) -> int:
     """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code."""
     os.environ.update(cpu_world_environment())  # before torch initialises CUDA: the ranks see no GPU
-    import pretrain_gpt  # torch and megalite, imported once here, before the fork
+    pretrain_main = _pretrain_gpt().main  # torch and megalite, imported once here, before the fork
 
     port = free_port()
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank_main, args=(pretrain_gpt.main, os.getpid(), rank, world_size, port, argv),
+    ranks = [context.Process(target=_rank_main, args=(pretrain_main, os.getpid(), rank, world_size, port, argv),
                              name=f"rank{rank}") for rank in range(world_size)]
     for process in ranks:
         process.start()

@@ -9,19 +9,16 @@ trained with (override with --tokenizer-type/--tokenizer-model when the files mo
 
 import argparse
 import dataclasses
-import os
 import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalite.checkpointing import load_checkpoint, read_metadata, resolve_checkpoint  # noqa: E402
-from megalite.config import ModelConfig  # noqa: E402
-from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.generation import generate  # noqa: E402
-from megalite.model.gpt import build_model  # noqa: E402
+from megalite.checkpointing import load_checkpoint, read_metadata, resolve_checkpoint
+from megalite.config import ModelConfig
+from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
+from megalite.errors import UserError, run_main
+from megalite.generation import generate
+from megalite.model.gpt import build_model
 
 
 def parse_args(argv) -> argparse.Namespace:

@@ -8,13 +8,10 @@ files do not log the same iterations; 0 otherwise.
 """
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.logging import read_metrics_records  # noqa: E402
+from megalite.errors import UserError, run_main
+from megalite.logging import read_metrics_records
 
 
 def read_losses(path: str) -> dict[tuple[str, int], float]:

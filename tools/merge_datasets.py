@@ -5,16 +5,10 @@
 """
 
 import argparse
-import os
-import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
-
-from megalite.data.builder import open_token_file  # noqa: E402
-from megalite.data.indexed_dataset import IndexedDataset, merge_datasets  # noqa: E402
-from megalite.errors import run_main  # noqa: E402
+from megalite.data.builder import open_token_file
+from megalite.data.indexed_dataset import IndexedDataset, merge_datasets
+from megalite.errors import run_main
 
 
 def main(argv) -> None:

@@ -14,12 +14,8 @@ import argparse
 import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
-
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.logging import read_metrics_records  # noqa: E402
+from megalite.errors import UserError, run_main
+from megalite.logging import read_metrics_records
 
 METRICS_FILE = "metrics.jsonl"
 # (key of a training record, panel title); the loss panel also shows the evaluations.

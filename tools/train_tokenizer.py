@@ -8,16 +8,10 @@ is deterministic: the same input and flags give a byte-identical `.model`.
 """
 
 import argparse
-import os
-import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
-
-from megalite.data.text_sources import ReadStats, add_input_args, iter_documents  # noqa: E402
-from megalite.data.tokenizer import train_sentencepiece  # noqa: E402
-from megalite.errors import UserError, run_main  # noqa: E402
+from megalite.data.prep.text_sources import ReadStats, add_input_args, iter_documents
+from megalite.data.tokenizer import train_sentencepiece
+from megalite.errors import UserError, run_main
 
 
 def get_args(argv=None) -> argparse.Namespace:

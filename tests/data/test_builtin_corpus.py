@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from megalite.data import builtin_corpus
-from megalite.data.builtin_corpus import ensure_builtin_corpus, stdlib_files
+from megalite.data.prep import builtin_corpus
+from megalite.data.prep.builtin_corpus import ensure_builtin_corpus, stdlib_files
 from megalite.data.indexed_dataset import IndexedDataset
 from megalite.data.tokenizer import SentencePieceTokenizer
 

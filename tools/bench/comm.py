@@ -16,16 +16,13 @@ import subprocess
 import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-from megalite.config import ParallelConfig, model_config_from_preset  # noqa: E402
-from megalite.model.gpt import build_model  # noqa: E402
-from megalite.parallel_state import initialize  # noqa: E402
-from megalite.tensor_parallel import comm  # noqa: E402
+from megalite.config import ParallelConfig, model_config_from_preset
+from megalite.model.gpt import build_model
+from megalite.parallel_state import initialize
+from megalite.tensor_parallel import comm
 
 COLLECTIVES = ("all_reduce", "all_gather_into_tensor", "all_gather_single", "reduce_scatter_tensor",
                "reduce_scatter_single")

@@ -47,26 +47,21 @@ Peak memory on a CPU comes from the PyTorch profiler's memory timeline.
 import argparse
 import contextlib
 import math
-import os
 import statistics
 import sys
 import time
 from dataclasses import dataclass
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+import torch
 
-import torch  # noqa: E402
-
-from megalite import kernels  # noqa: E402
-from megalite.config import model_config_from_preset  # noqa: E402
-from megalite.kernels.layernorm import layer_norm, layer_norm_reference  # noqa: E402
-from megalite.kernels.linear_cross_entropy import CHUNK_ELEMENTS, linear_cross_entropy  # noqa: E402
-from megalite.kernels.rmsnorm import rms_norm, rms_norm_reference  # noqa: E402
-from megalite.kernels.rotary import apply_rotary, apply_rotary_reference  # noqa: E402
-from megalite.kernels.swiglu import swiglu, swiglu_reference  # noqa: E402
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy  # noqa: E402
+from megalite import kernels
+from megalite.config import model_config_from_preset
+from megalite.kernels.layernorm import layer_norm, layer_norm_reference
+from megalite.kernels.linear_cross_entropy import CHUNK_ELEMENTS, linear_cross_entropy
+from megalite.kernels.rmsnorm import rms_norm, rms_norm_reference
+from megalite.kernels.rotary import apply_rotary, apply_rotary_reference
+from megalite.kernels.swiglu import swiglu, swiglu_reference
+from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 
 MB = 2 ** 20
 DEFAULT_TOKENS = 4 * 2048  # micro-batch 4 x sequence 2048, as the throughput bench's 1B config

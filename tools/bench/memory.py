@@ -37,13 +37,12 @@ import subprocess
 import sys
 import tempfile
 
+import torch
+
+from megalite.config import ModelConfig, num_parameters
+from megalite.memory_estimate import STEP_COUNTER_BYTES, element_bytes, state_bytes
+
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-sys.path.insert(0, REPO_ROOT)
-
-import torch  # noqa: E402
-
-from megalite.config import ModelConfig, num_parameters  # noqa: E402
-from megalite.memory_estimate import STEP_COUNTER_BYTES, element_bytes, state_bytes  # noqa: E402
 
 MB = 2 ** 20
 MICRO_BATCH_SIZE = 2

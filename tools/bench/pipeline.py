@@ -21,14 +21,9 @@ The script ends with the worst relative difference and exits 1 if it is above
 """
 
 import argparse
-import os
 import sys
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
-
-from megalite.pipeline_parallel.simulation import simulate, theoretical_idle_fraction  # noqa: E402
+from megalite.pipeline_parallel.simulation import simulate, theoretical_idle_fraction
 
 PIPELINE_SIZES = (2, 4, 8)
 CHUNKS_PER_RANK = (1, 2, 4)

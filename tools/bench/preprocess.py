@@ -2,7 +2,7 @@
 
     python tools/bench/preprocess.py [--build-dir data/build] [--max-files N] [--workers 1 2]
 
-Runs tools/preprocess_data.py's `preprocess` (no --append-eod, so token counts match)
+Runs megalite.data.prep.preprocess (no end-of-document tokens, so token counts match)
 with each worker count, and SentencePiece's batch encode of the same texts on one
 thread, which no worker can beat. "per worker / limit" is the share of that limit each
 worker reaches; 0.8 or more means parsing, IPC and writing cost little.
@@ -10,24 +10,19 @@ worker reaches; 0.8 or more means parsing, IPC and writing cost little.
 
 import argparse
 import os
-import sys
 import tempfile
 import time
 from pathlib import Path
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+import numpy as np
 
-import numpy as np  # noqa: E402
-
-from megalite.data.builtin_corpus import DEFAULT_BUILD_DIR, ensure_builtin_corpus  # noqa: E402
-from megalite.data.gpt_dataset import build_gpt_indices  # noqa: E402
-from megalite.data.indexed_dataset import IndexedDataset  # noqa: E402
-from megalite.data.text_sources import iter_documents  # noqa: E402
-from megalite.data.tokenizer import SentencePieceTokenizer  # noqa: E402
-from megalite.errors import run_main  # noqa: E402
-from tools.preprocess_data import get_args, preprocess  # noqa: E402
+from megalite.data.gpt_dataset import build_gpt_indices
+from megalite.data.indexed_dataset import IndexedDataset
+from megalite.data.prep.builtin_corpus import DEFAULT_BUILD_DIR, ensure_builtin_corpus
+from megalite.data.prep.preprocess import preprocess
+from megalite.data.prep.text_sources import iter_documents
+from megalite.data.tokenizer import SentencePieceTokenizer
+from megalite.errors import run_main
 
 
 def tokenizer_limit(model_path: str, texts: list[str]) -> dict:
@@ -44,12 +39,8 @@ def tokenizer_limit(model_path: str, texts: list[str]) -> dict:
 
 
 def preprocess_rates(jsonl: str, model_path: str, workers: int, output_dir: str) -> dict:
-    args = get_args([
-        "--input", jsonl, "--output-prefix", os.path.join(output_dir, f"w{workers}"),
-        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", model_path,
-        "--workers", str(workers), "--log-interval", "0",
-    ])
-    summary = preprocess(args)
+    summary = preprocess(jsonl, os.path.join(output_dir, f"w{workers}"), "GPTSentencePieceTokenizer", model_path,
+                         workers=workers, log_interval=0)
     seconds = summary["seconds"]
     return {
         "seconds": seconds,

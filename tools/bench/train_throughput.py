@@ -59,24 +59,19 @@ import math
 import os
 import random
 import statistics
-import sys
 import time
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-if REPO_ROOT not in sys.path:  # run as a script from anywhere
-    sys.path.insert(0, REPO_ROOT)
+import torch
+import torch.nn.functional as F
 
-import torch  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
-
-from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
-from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.hf import llama_config_to_hf  # noqa: E402
-from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
-from megalite.model.gpt import build_model  # noqa: E402
-from megalite.model.options import apply_options  # noqa: E402
-from megalite.model.rotary import RotaryEmbedding  # noqa: E402
-from tools.bench.minimal_llama import MinimalLlama  # noqa: E402
+from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset
+from megalite.errors import UserError, run_main
+from megalite.hf import llama_config_to_hf
+from megalite.logging import flops_per_iteration, peak_flops
+from megalite.model.gpt import build_model
+from megalite.model.options import apply_options
+from megalite.model.rotary import RotaryEmbedding
+from tools.bench.minimal_llama import MinimalLlama
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 # The two configs; `preset` keeps --model and the override flags.

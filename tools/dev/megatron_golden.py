@@ -1,11 +1,11 @@
 """Regenerate tests/data/golden/megatron_samples.json with Megatron-LM's own dataset code.
 
 Development aid, not a dependency: run it in a scratch environment that has
-`megatron-core` installed (`pip install --no-deps megatron-core` beside torch). It
-builds GPT datasets and blends with Megatron's classes on small token files that
-`write_golden_token_files` makes deterministically, and records an md5 of every
-split's samples in order; tests/data/test_megatron_golden.py checks megalite's
-samples against those digests.
+`megatron-core` installed (`pip install --no-deps megatron-core` beside torch) and
+megalite (`pip install --no-deps -e .`). It builds GPT datasets and blends with
+Megatron's classes on small token files that `write_golden_token_files` makes
+deterministically, and records an md5 of every split's samples in order;
+tests/data/test_megatron_golden.py checks megalite's samples against those digests.
 
     python tools/dev/megatron_golden.py            # rewrites the golden file
 """
@@ -13,7 +13,6 @@ samples against those digests.
 import hashlib
 import json
 import os
-import sys
 import tempfile
 
 import numpy as np
@@ -57,7 +56,6 @@ def samples_digest(dataset, count: int) -> str:
 
 
 def main() -> None:
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
     import torch.distributed as dist
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig

@@ -2,8 +2,9 @@
 
 `ensure_builtin_corpus()` turns every `.py` file of the standard library (sorted by
 path, one document each) into `corpus.jsonl`, trains a SentencePiece tokenizer on it
-with tools/train_tokenizer.py's function, and tokenizes it with
-tools/preprocess_data.py's function (`--append-eod`). The result lives in
+(megalite.data.tokenizer.train_sentencepiece, as tools/train_tokenizer.py does), and
+tokenizes it with megalite.data.prep.preprocess (end-of-document tokens appended, as
+tools/preprocess_data.py --append-eod does). The result lives in
 `data/build/stdlib-py<version>/` and is reused until it is missing or incomplete:
 `manifest.json` is written last and checked on every call. Building is deterministic,
 and safe when several processes ask at once (a lock file, and a staging folder renamed
@@ -23,11 +24,12 @@ from pathlib import Path
 
 import numpy as np
 
-from megalite.data.text_sources import iter_documents
+from megalite.data.prep.preprocess import preprocess
+from megalite.data.prep.text_sources import iter_documents
 from megalite.data.tokenizer import train_sentencepiece
 from megalite.errors import UserError
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]  # megalite/data/prep/ -> the repository
 DEFAULT_BUILD_DIR = "data/build"
 VOCAB_SIZE = 8192
 MANIFEST_FORMAT = 1
@@ -130,11 +132,6 @@ def _build(corpus_dir: Path, max_files: int | None) -> None:
 
 def _build_into(staging: Path, max_files: int | None) -> dict:
     """Write corpus.jsonl, the tokenizer and the token files into `staging`; return the manifest."""
-    # Imported here: tools/ is a folder of scripts, importable with the repository root on
-    # sys.path, as every entry point that builds the corpus has it (pretrain_gpt.py, pytest,
-    # data/ and tools/ scripts); importing this module should not need it.
-    from tools.preprocess_data import get_args, preprocess
-
     root, files = stdlib_files(max_files)
     if not files:
         raise UserError(
@@ -151,11 +148,10 @@ def _build_into(staging: Path, max_files: int | None) -> dict:
         hard_vocab_limit=False,
     )
     workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
-    summary = preprocess(get_args([
-        "--input", str(jsonl), "--output-prefix", str(staging / DATA_NAME), "--json-keys", "text",
-        "--tokenizer-type", "GPTSentencePieceTokenizer", "--tokenizer-model", tokenizer["model"],
-        "--append-eod", "--workers", str(workers), "--log-interval", "0",
-    ]))
+    summary = preprocess(
+        str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
+        json_keys=["text"], append_eod=True, workers=workers, log_interval=0,
+    )
     return {
         "format": MANIFEST_FORMAT,
         "python_version": platform.python_version(),

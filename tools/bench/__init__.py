@@ -1,0 +1,1 @@
+"""Benchmarks: `python tools/bench/x.py --help`; measured numbers live in docs/benchmarks.md."""

@@ -1,0 +1,1 @@
+"""Developer scripts: regenerating golden files, checks on a GPU machine."""
