@@ -35,7 +35,7 @@ from dataclasses import dataclass
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO_ROOT)
 
-from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint  # noqa: E402
+from megalite.checkpoint import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint  # noqa: E402
 from tools.fork_ranks import cpu_world_environment, free_port, rank_environment  # noqa: E402
 
 TRAIN_ITERS = 12

@@ -16,7 +16,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from megalite.checkpointing import load_checkpoint, read_metadata, resolve_checkpoint  # noqa: E402
+from megalite.checkpoint import load_checkpoint, read_metadata, resolve_checkpoint  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
