@@ -154,7 +154,7 @@ def signal_name(signum: int) -> str:
 
 
 def failed_ranks_across(parallel):
-    """A `failed_ranks(ok)` for checkpointing.save_checkpoint: the ranks whose step failed,
+    """A `failed_ranks(ok)` for megalite.checkpoint.save_checkpoint: the ranks whose step failed,
     known to every rank (one all-reduce of a world-size vector)."""
     def failed_ranks(ok: bool) -> list[int]:
         if parallel is None or parallel.world_size == 1:

@@ -35,7 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite import checkpointing, parallel_state
+from megalite import parallel_state
+from megalite.checkpoint import Checkpointer
+from megalite.checkpoint.checkpointer import json_able
 from megalite.config import RunConfig
 from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import next_global_batch
@@ -50,7 +52,7 @@ from megalite.tracking import exit_code_of, start_tracking
 from megalite.lr_schedule import LRSchedule
 from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, owned_signals,
                                   PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
-                                  divergence_message, failed_ranks_across, is_collective_failure, signal_name,
+                                  divergence_message, is_collective_failure, signal_name,
                                   skipped_message)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
@@ -246,8 +248,6 @@ class Trainer:
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
-        self.last_checkpoint = None  # the newest complete checkpoint of this run: loaded or saved
-        self.resumed_from = None  # its iteration when loaded; --keep-last-n-checkpoints never deletes it
         self.stop_signal = 0  # an exit signal every rank has agreed on (agreed_stop)
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         seed_everything(train.seed, self.parallel)
@@ -272,6 +272,8 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, run, self.parallel)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
+        # `self.log` changes to the progress logger's printer below: look it up per line.
+        self.checkpointer = Checkpointer(run, self.parallel, log=lambda line: self.log(line))
         self.load()
         self.num_microbatches = run.num_microbatches
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
@@ -291,7 +293,7 @@ class Trainer:
         if log is print_flushed:
             self.log = self.logger.print  # above the progress bar, and only on the logging rank
         # Last, so that nothing in this constructor can fail with a tracking run left open.
-        self.tracker = start_tracking(run, _json_able(dataclasses.asdict(run)), self.logger,
+        self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
 
     def _iterator(self, dataset, consumed_samples: int):
@@ -312,104 +314,25 @@ class Trainer:
     def _log_everywhere(line: str) -> None:
         print(line, flush=True)
 
-    def barrier(self) -> None:
-        if self.parallel.world_size > 1:
-            torch.distributed.barrier()
-
     # -- checkpoints -------------------------------------------------------------------------
 
     def load(self) -> None:
-        """Resume from --load, or from --save when it holds a checkpoint (a restarted job resumes by itself).
-
-        The checkpoint is the latest file's when complete, else the newest complete one
-        (checkpointing.choose_checkpoint); the log line names the folder.
-        """
-        ckpt = self.run.checkpoint
-        load, implicit = ckpt.load, False
-        if load is None and ckpt.save is not None and os.path.isdir(ckpt.save):
-            load, implicit = ckpt.save, True
-        if load is None:
+        """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
+        resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule)
+        if resumed is None:
             return
-        path, note = checkpointing.choose_checkpoint(load)
-        if path is None:
-            if implicit:
-                return
-            if load != ckpt.save or ckpt.finetune:
-                raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt); "
-                                "check the folder, or drop --load to start from scratch")
-            self.log(f"no checkpoint in {load} yet: starting from scratch")
-            return
-        if note:
-            self.log(f"warning: {load}: {note}")
-        finetune = ckpt.finetune
-        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(path)
-        loaded = checkpointing.load_checkpoint(
-            load, self.model, None if finetune or ckpt.no_load_optim else self.optimizer,
-            model_config=self.run.model, iteration=checkpointing.read_metadata(path)["iteration"],
-            load_optim=not (finetune or ckpt.no_load_optim), load_rng=load_rng, rank=self.parallel.rank,
-            parallel=self.parallel)
-        if finetune or ckpt.no_load_optim:
-            self.optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
-        if finetune:
-            self.log(f"loaded the model weights of {loaded['path']} iteration {loaded['iteration']} (--finetune): "
-                     f"starting at iteration 0")
-            return
-        self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
-        extra = loaded.get("extra") or {}
-        self.state.iteration = loaded["iteration"]
-        self.state.consumed_train_samples = loaded["consumed_samples"]
-        self.state.consumed_valid_samples = loaded.get("consumed_valid_samples") or 0
-        self.evaluation_pending = bool(extra.get("evaluation_pending"))
-        if "lr_schedule" in extra:
-            train = self.run.train
-            self.schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
-                                          use_checkpoint=train.use_checkpoint_opt_param_scheduler)
-            self.run = with_schedule_settings(self.run, self.schedule)
-        self.log(f"loaded checkpoint {loaded['path']} at iteration {self.state.iteration} "
-                 f"({self.state.consumed_train_samples} samples consumed)"
-                 + (" (--load defaults to --save, which holds it)" if implicit else ""))
-
-    def _same_layout_as(self, path: str) -> bool:
-        """Whether checkpoint folder `path` was saved by this parallel layout; if not, say that RNG
-        states stay behind.
-
-        RNG states are per rank, and under another layout a rank's dropout masks cover
-        other activations anyway, so they carry over only between equal layouts.
-        """
-        saved = checkpointing.read_metadata(path)["extra"].get("run", {})
-        saved = saved.get("parallel", {})
-        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
-                "virtual_pipeline_model_parallel_size")
-        now = dataclasses.asdict(self.run.parallel)
-        saved.setdefault("virtual_pipeline_model_parallel_size", 1)  # checkpoints from before pipelining
-        if all(saved.get(key) == now[key] for key in keys):
-            return True
-        self.log(f"the checkpoint was saved by another layout ({', '.join(f'{k}={saved.get(k)}' for k in keys)}); "
-                 f"model, optimizer and data position carry over, RNG states are seeded afresh")
-        return False
+        self.state.iteration = resumed.iteration
+        self.state.consumed_train_samples = resumed.consumed_train_samples
+        self.state.consumed_valid_samples = resumed.consumed_valid_samples
+        self.evaluation_pending = resumed.evaluation_pending
+        # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
+        # the run saves and reports says what it runs on.
+        self.run = self.checkpointer.run = with_schedule_settings(self.run, self.schedule)
 
     def save(self) -> None:
-        save = self.run.checkpoint.save
-        if save is None:
-            return
-        start = time.perf_counter()
-        extra = {"lr_schedule": self.schedule.state_dict(), "model_name": self.run.model_name,
-                 "run": _json_able(dataclasses.asdict(self.run)), "evaluation_pending": self.evaluation_pending}
-        path = checkpointing.save_checkpoint(save, self.state.iteration, self.model, self.optimizer,
-                                             consumed_samples=self.state.consumed_train_samples,
-                                             consumed_valid_samples=self.state.consumed_valid_samples,
-                                             model_config=self.run.model, extra=extra, rank=self.parallel.rank,
-                                             parallel=self.parallel, barrier=self.barrier,
-                                             failed_ranks=failed_ranks_across(self.parallel))
-        self.last_checkpoint = path
-        self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
-        self.tracker.log_checkpoint(self.state.iteration)
-        ckpt = self.run.checkpoint
-        if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:
-            keep = {self.resumed_from} if self.resumed_from is not None else set()
-            for removed in checkpointing.remove_old_checkpoints(save, ckpt.keep_last_n_checkpoints,
-                                                                ckpt.save_retain_interval, keep):
-                self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
+        """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
+        if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending):
+            self.tracker.log_checkpoint(self.state.iteration)
 
     # -- the loop ----------------------------------------------------------------------------
 
@@ -432,13 +355,13 @@ class Trainer:
         # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
         iteration, check = self.state.iteration + 1, self.run.train.check_for_nan_in_loss_and_grad
         if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:
-            raise UserError(divergence_message(f"the lm loss is {loss}", iteration, self.last_checkpoint))
+            raise UserError(divergence_message(f"the lm loss is {loss}", iteration, self.checkpointer.last_checkpoint))
         try:
             updated, grad_norm = self.optimizer.step(lr)
         except NonFiniteGradError:
             if check:
                 raise UserError(divergence_message("the gradient norm is not finite", iteration,
-                                                   self.last_checkpoint)) from None
+                                                   self.checkpointer.last_checkpoint)) from None
             updated, grad_norm = False, math.nan  # --no-check-for-nan-in-loss-and-grad: skip the step
         return loss, grad_norm, updated, lr
 
@@ -486,7 +409,7 @@ class Trainer:
             if self.evaluation_pending:  # the checkpoint's own evaluation was cut short by a signal
                 self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
             reason = "finished" if state.iteration >= run.train.train_iters else None
-            if reason and self.resumed_from is not None:
+            if reason and self.checkpointer.resumed_from is not None:
                 self.log(f"the checkpoint is at iteration {state.iteration} of --train-iters {run.train.train_iters}: "
                          f"nothing to train; raise --train-iters to go on, or --save to a new folder to start afresh")
             while reason is None:
@@ -503,15 +426,15 @@ class Trainer:
                 skipped_in_a_row = skipped_in_a_row + 1 if stuck else 0
                 if skipped_in_a_row >= MAX_SKIPPED_AT_MIN_SCALE:
                     raise UserError(skipped_message(skipped_in_a_row, state.iteration,
-                                                    scaler.min_scale if scaler else None, self.last_checkpoint))
+                                                    scaler.min_scale if scaler else None,
+                                                    self.checkpointer.last_checkpoint))
                 warning = spikes.check(state.iteration, loss)
                 if warning:
                     self.log(warning)
                 if run.train.eval_interval and state.iteration % run.train.eval_interval == 0:
                     # Cut short by a signal: the checkpoint below says so, and the resumed run evaluates first.
                     self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
-                interval = run.checkpoint.save_interval
-                if interval and state.iteration % interval == 0:
+                if self.checkpointer.due(state.iteration):
                     self.save()
                     saved_at = state.iteration
                 reason = exit_reason(run, state, *self.agreed_stop(start_time))
@@ -528,7 +451,7 @@ class Trainer:
             exit_code, failure = exit_code_of(error), f"{type(error).__name__}: {error}"
             if is_collective_failure(error):
                 # A peer died or hangs: say so in one sentence instead of a traceback from deep in torch.
-                raise self.peers.failure(error, state.iteration + 1, self.last_checkpoint) from error
+                raise self.peers.failure(error, state.iteration + 1, self.checkpointer.last_checkpoint) from error
             raise
         finally:
             self.tracker.finish(exit_code, {"exit_reason": failure or state.exit_reason,
@@ -545,17 +468,6 @@ class Trainer:
             if not self.evaluate_split("valid", self.valid_iterator):
                 return
         self.evaluate_split("test", self._iterator(self.test_ds, 0))
-
-
-def _json_able(value):
-    """dataclasses.asdict output with anything JSON cannot hold turned into its string."""
-    if isinstance(value, dict):
-        return {key: _json_able(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_json_able(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
 
 
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:

@@ -30,7 +30,8 @@ LAUNCHER = r"""
 import os, signal, sys
 from tools import fork_ranks
 os.environ.update(fork_ranks.cpu_world_environment())  # before torch: a CPU world on any machine
-from megalite import checkpointing, parallel_state, training
+from megalite import parallel_state, training
+from megalite.checkpoint import checkpointer
 
 moment, iteration, target = os.environ.pop("MEGALITE_TEST_SIGNAL").split(":")
 iteration, target = int(iteration), int(target)
@@ -43,7 +44,7 @@ def signal_me():
 
 
 evaluate_split, next_global_batch = training.Trainer.evaluate_split, training.next_global_batch
-save_checkpoint, destroy = checkpointing.save_checkpoint, parallel_state.destroy
+save_checkpoint, destroy = checkpointer.save_checkpoint, parallel_state.destroy
 
 
 def wrapped_evaluate_split(self, split, iterator):
@@ -75,7 +76,7 @@ def wrapped_destroy(*args, **kwargs):
 
 
 training.Trainer.evaluate_split, training.next_global_batch = wrapped_evaluate_split, wrapped_next_global_batch
-checkpointing.save_checkpoint, parallel_state.destroy = wrapped_save_checkpoint, wrapped_destroy
+checkpointer.save_checkpoint, parallel_state.destroy = wrapped_save_checkpoint, wrapped_destroy
 sys.exit(fork_ranks.main(["--nproc-per-node", "2", "--", *sys.argv[1:]]))
 """
 

@@ -21,9 +21,9 @@ import numpy as np
 import pytest
 import torch
 
-from megalite import checkpointing
+from megalite.checkpoint import saving
 from megalite.arguments import parse_args
-from megalite.checkpointing import CheckpointSaveError, choose_checkpoint, read_latest_iteration
+from megalite.checkpoint import CheckpointSaveError, choose_checkpoint, read_latest_iteration
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.reliability import LossSpikeDetector, owned_signals
@@ -410,15 +410,15 @@ def failing(real, error: OSError, calls_before: int = 0):
 
 
 @pytest.mark.parametrize("target, calls_per_save, error, step", [
-    ("_write_pieces", 2, OSError(errno.ENOSPC, "No space left on device"), "could not write its files"),
-    ("_create_staging", 1, PermissionError(errno.EACCES, "Permission denied"), "could not create its folder"),
-    ("_write_latest", 1, OSError(errno.ENOSPC, "No space left on device"), "could not publish it"),
+    ("write_pieces", 2, OSError(errno.ENOSPC, "No space left on device"), "could not write its files"),
+    ("create_staging", 1, PermissionError(errno.EACCES, "Permission denied"), "could not create its folder"),
+    ("write_latest", 1, OSError(errno.ENOSPC, "No space left on device"), "could not publish it"),
 ])
 def test_injected_write_failures_remove_the_partial_folder(tmp_path, monkeypatch, one_thread, target,
                                                           calls_per_save, error, step):
     """The failure hits the second save of the run (iteration 4); the first stays the latest."""
     flags = [*SMALL, "--train-iters", "4", "--save-interval", "2", "--save", str(tmp_path)]
-    monkeypatch.setattr(checkpointing, target, failing(getattr(checkpointing, target), error, calls_per_save))
+    monkeypatch.setattr(saving, target, failing(getattr(saving, target), error, calls_per_save))
     with pytest.raises(CheckpointSaveError) as failure:
         pretrain(parse_args(flags), log=lambda line: None)
     message = str(failure.value)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import checkpointing
+from megalite import checkpoint
 from megalite.arguments import parse_args, with_tokenizer_vocab
 from megalite.config import ModelConfig
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
@@ -219,7 +219,7 @@ def test_from_hf_then_to_hf_reproduces_every_tensor_bit_for_bit(tmp_path, reques
     assert sharded == (which == "hf_llama")  # both ways of storing weights are read
     convert(["from-hf", "--load", source, "--save", str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2"])
     printed = capsys.readouterr().out
-    metadata = checkpointing.read_metadata(checkpointing.resolve_checkpoint(str(tmp_path / "ckpt")))
+    metadata = checkpoint.read_metadata(checkpoint.resolve_checkpoint(str(tmp_path / "ckpt")))
     assert metadata["iteration"] == 0 and " ".join(metadata["extra"]["model_flags"]) in printed
     convert(["to-hf", "--load", str(tmp_path / "ckpt"), "--save", str(tmp_path / "hf"), "--skip-tokenizer"])
     original, exported = hf_tensors(source), hf_tensors(tmp_path / "hf")
@@ -237,7 +237,7 @@ def test_from_hf_then_to_hf_reproduces_every_tensor_bit_for_bit(tmp_path, reques
 def test_from_hf_continues_at_tp2_starting_from_the_hf_models_loss(tmp_path, hf_llama):
     convert(["from-hf", "--load", hf_llama, "--save", str(tmp_path / "ckpt"), "--tensor-model-parallel-size", "2",
              "--seq-length", "32"])
-    metadata = checkpointing.read_metadata(checkpointing.resolve_checkpoint(str(tmp_path / "ckpt")))
+    metadata = checkpoint.read_metadata(checkpoint.resolve_checkpoint(str(tmp_path / "ckpt")))
     flags = [*metadata["extra"]["model_flags"], *MOCK, "--tensor-model-parallel-size", "2",
              "--micro-batch-size", "2", "--global-batch-size", "4", "--train-iters", "3", "--eval-interval", "0",
              "--eval-iters", "0", "--log-interval", "1", "--hidden-dropout", "0", "--attention-dropout", "0"]
@@ -316,7 +316,7 @@ def test_cli_errors_are_one_sentence(tmp_path, hf_llama, capsys):
     # A model no transformers class computes: LayerNorm with rope.
     config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
                          position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
-    checkpointing.save_checkpoint(str(tmp_path / "odd"), 1, build_model(config, seed=0), consumed_samples=0,
+    checkpoint.save_checkpoint(str(tmp_path / "odd"), 1, build_model(config, seed=0), consumed_samples=0,
                                   model_config=config)
     with pytest.raises(UserError, match="no transformers architecture computes this model"):
         convert(["to-hf", "--load", str(tmp_path / "odd"), "--save", str(tmp_path / "d")])

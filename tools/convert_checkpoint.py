@@ -31,8 +31,8 @@ import time
 
 import torch
 
-from megalite import checkpointing
-from megalite.checkpointing import CheckpointReader, Piece, read_metadata, resolve_checkpoint
+from megalite import checkpoint
+from megalite.checkpoint import CheckpointReader, Piece, read_metadata, resolve_checkpoint
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.errors import UserError, run_main
@@ -326,10 +326,10 @@ def from_hf_main(args) -> None:
     start = time.perf_counter()
     config_path = os.path.join(args.load, "config.json")
     if not os.path.isfile(config_path):
-        megalite = os.path.isfile(os.path.join(args.load, checkpointing.LATEST_FILE))
+        megalite = os.path.isfile(os.path.join(args.load, checkpoint.LATEST_FILE))
         raise UserError(f"{config_path} does not exist; --load takes a local Hugging Face model folder"
                         + (" (this is a megalite checkpoint: convert it with to-hf)" if megalite else ""))
-    if os.path.isdir(args.save) and checkpointing.read_latest_iteration(args.save) is not None:
+    if os.path.isdir(args.save) and checkpoint.read_latest_iteration(args.save) is not None:
         raise UserError(f"--save {args.save} already holds a megalite checkpoint; choose a new folder")
     with open(config_path) as file:
         hf = json.load(file)
@@ -391,11 +391,11 @@ def _tokenizer_size_note(folder: str, vocab_size: int) -> str | None:
 
 def _save_megalite(save: str, tensors: dict, config: ModelConfig, extra: dict) -> str:
     """`<save>/iter_0000000/`: the model only (no optimizer), written as one piece per tensor."""
-    staging = checkpointing.begin_save(save, 0)
-    checkpointing.write_rank_files(staging, 0, {name: [Piece.full(tensor)] for name, tensor in tensors.items()})
+    staging = checkpoint.begin_save(save, 0)
+    checkpoint.write_rank_files(staging, 0, {name: [Piece.full(tensor)] for name, tensor in tensors.items()})
     header = {"iteration": 0, "consumed_samples": 0, "consumed_valid_samples": 0,
               "model_config": dataclasses.asdict(config), "optimizer": None, "extra": extra}
-    return checkpointing.finalize_save(save, 0, header)
+    return checkpoint.finalize_save(save, 0, header)
 
 
 def _print_next_steps(args, flags: list[str], tokenizer: bool, vocab_size: int) -> None:

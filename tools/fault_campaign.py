@@ -32,7 +32,7 @@ import tempfile
 import time
 from dataclasses import dataclass
 
-from megalite.checkpointing import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint
+from megalite.checkpoint import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint
 from tools.fork_ranks import cpu_world_environment, free_port, rank_environment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -13,7 +13,7 @@ import sys
 
 import torch
 
-from megalite.checkpointing import load_checkpoint, read_metadata, resolve_checkpoint
+from megalite.checkpoint import load_checkpoint, read_metadata, resolve_checkpoint
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import UserError, run_main

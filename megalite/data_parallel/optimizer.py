@@ -343,8 +343,9 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     model params are whole again. A parameter's owned part is one contiguous range of
     its flattened values (buckets close at parameter boundaries).
 
-    Checkpoints: `state_dict()` gives each owned range as pieces of the global tensors
-    (checkpointing.flat_range_pieces), so any other layout, sharded or not, reads them.
+    Checkpoints: `state_dict()` gives each owned range as flat values with its start in the
+    param's local flat shard (`flat_ranges`); the checkpoint cuts them into pieces of the
+    global tensors (megalite/checkpoint/pieces.py), so any other layout, sharded or not, reads them.
     """
 
     distributed = True
@@ -411,17 +412,19 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         return states
 
     def state_dict(self) -> dict:
-        """`{"tensors": {"<name>.<kind>": [Piece, ...]}, "meta"}`: each owned range as global pieces
-        (views of the live tensors); `meta` as MixedPrecisionOptimizer's."""
-        from megalite.checkpointing import flat_range_pieces
+        """`{"tensors": {"<name>.<kind>": Tensor}, "flat_ranges": {name: start}, "meta"}`.
 
+        tensors: each owned range's fp32 values, 1-D (the live tensors, not copies), which
+        are the param's local flat elements `[start, start + numel)`, `start` from
+        `flat_ranges`; `meta` as MixedPrecisionOptimizer's.
+        """
         tensors = {}
-        for name, main, state, param, (start, _) in zip(self.names, self.main_params, self._live_state(),
-                                                         self.model_params, self.ranges):
+        for name, main, state in zip(self.names, self.main_params, self._live_state()):
             for kind, values in (("main_param", main), ("exp_avg", state["exp_avg"]),
                                  ("exp_avg_sq", state["exp_avg_sq"])):
-                tensors[f"{name}.{kind}"] = flat_range_pieces(values, param, start, self.tp_rank, self.tp_size)
-        return {"tensors": tensors, "meta": self._meta()}
+                tensors[f"{name}.{kind}"] = values
+        flat_ranges = {name: start for name, (start, _) in zip(self.names, self.ranges)}
+        return {"tensors": tensors, "flat_ranges": flat_ranges, "meta": self._meta()}
 
     def _adam_steps(self) -> int:
         steps = {int(state["step"]) for state in self._live_state()}
@@ -431,16 +434,15 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`-shaped tensors (the same pieces, filled) and refresh the model."""
+        """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
         live = self.state_dict()["tensors"]
         tensors, meta = state["tensors"], state["meta"]
         if set(tensors) != set(live):
             raise UserError(f"the optimizer state does not fit this model's shard (e.g. "
                             f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start "
                             f"the optimizer afresh")
-        for key, pieces in live.items():
-            for target, source in zip(pieces, tensors[key]):
-                target.tensor.copy_(source.tensor)
+        for key, values in live.items():
+            values.copy_(tensors[key])
         for adam_state in self._live_state():
             adam_state["step"].fill_(float(meta["step"]))
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:

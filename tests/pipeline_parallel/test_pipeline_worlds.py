@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.checkpointing import tensor_parallel_pieces
+from megalite.checkpoint import tensor_parallel_pieces
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner

@@ -1,0 +1,173 @@
+"""A run's checkpoint policy: which checkpoint to resume from, how much of it to load, when
+to save, and which old checkpoints to remove. The Trainer (megalite/training.py) calls a
+`Checkpointer`; the mechanics are the rest of this package.
+
+The flags it reads: --load (default: --save when that holds a checkpoint, so a restarted
+job resumes by itself), --finetune (the model weights only, starting at iteration 0),
+--no-load-optim, --no-load-rng, --override-opt-param-scheduler,
+--use-checkpoint-opt-param-scheduler, --save, --save-interval, --keep-last-n-checkpoints
+and --save-retain-interval.
+"""
+
+import dataclasses
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
+from megalite.checkpoint.format import read_metadata
+from megalite.checkpoint.loading import load_checkpoint
+from megalite.checkpoint.saving import save_checkpoint
+from megalite.config import RunConfig
+from megalite.errors import UserError
+from megalite.reliability import failed_ranks_across
+
+
+@dataclass
+class Resumed:
+    """Where a resumed run continues: the checkpoint loaded and the counters it restored."""
+
+    path: str
+    iteration: int
+    consumed_train_samples: int
+    consumed_valid_samples: int
+    evaluation_pending: bool  # the saved run's evaluation was cut short by a signal: evaluate first
+
+
+class Checkpointer:
+    """Loads and saves one run's checkpoints as its flags (`run.checkpoint`, `run.train`) say.
+
+    parallel: the run's ParallelState; every rank calls `load` and `save` alike. log: prints
+    one line, on whichever ranks the caller wants. After a load or a save,
+    `last_checkpoint` is the newest complete checkpoint of this run (None before any) and
+    `resumed_from` the iteration the run resumed at (None: it did not resume);
+    --keep-last-n-checkpoints never deletes that one.
+    """
+
+    def __init__(self, run: RunConfig, parallel, log=print):
+        self.run, self.parallel, self.log = run, parallel, log
+        self.last_checkpoint: str | None = None
+        self.resumed_from: int | None = None
+
+    def load(self, model, optimizer, schedule) -> Resumed | None:
+        """Restore `model`, `optimizer` (a MixedPrecisionOptimizer), `schedule` (an LRSchedule) and
+        the RNG states from the checkpoint to resume from; None when the run starts at iteration 0.
+
+        The checkpoint is the latest file's when complete, else the newest complete one
+        (folder.choose_checkpoint); the log line names the folder. --finetune loads the
+        weights and returns None; --finetune and --no-load-optim restart the optimizer from
+        the loaded weights; RNG states load only from a checkpoint of this same layout.
+        """
+        ckpt = self.run.checkpoint
+        load, implicit = ckpt.load, False
+        if load is None and ckpt.save is not None and os.path.isdir(ckpt.save):
+            load, implicit = ckpt.save, True
+        if load is None:
+            return None
+        path, note = choose_checkpoint(load)
+        if path is None:
+            if implicit:
+                return None
+            if load != ckpt.save or ckpt.finetune:
+                raise UserError(f"--load {load} holds no checkpoint (no latest_checkpointed_iteration.txt); "
+                                "check the folder, or drop --load to start from scratch")
+            self.log(f"no checkpoint in {load} yet: starting from scratch")
+            return None
+        if note:
+            self.log(f"warning: {load}: {note}")
+        finetune = ckpt.finetune
+        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(path)
+        loaded = load_checkpoint(
+            load, model, None if finetune or ckpt.no_load_optim else optimizer,
+            model_config=self.run.model, iteration=read_metadata(path)["iteration"],
+            load_optim=not (finetune or ckpt.no_load_optim), load_rng=load_rng, rank=self.parallel.rank,
+            parallel=self.parallel)
+        if finetune or ckpt.no_load_optim:
+            optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
+        if finetune:
+            self.log(f"loaded the model weights of {loaded['path']} iteration {loaded['iteration']} (--finetune): "
+                     f"starting at iteration 0")
+            return None
+        self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
+        extra = loaded.get("extra") or {}
+        resumed = Resumed(loaded["path"], loaded["iteration"], loaded["consumed_samples"],
+                          loaded.get("consumed_valid_samples") or 0, bool(extra.get("evaluation_pending")))
+        if "lr_schedule" in extra:
+            train = self.run.train
+            schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
+                                     use_checkpoint=train.use_checkpoint_opt_param_scheduler)
+        self.log(f"loaded checkpoint {resumed.path} at iteration {resumed.iteration} "
+                 f"({resumed.consumed_train_samples} samples consumed)"
+                 + (" (--load defaults to --save, which holds it)" if implicit else ""))
+        return resumed
+
+    def _same_layout_as(self, path: str) -> bool:
+        """Whether checkpoint folder `path` was saved by this parallel layout; if not, say that RNG
+        states stay behind.
+
+        RNG states are per rank, and under another layout a rank's dropout masks cover
+        other activations anyway, so they carry over only between equal layouts.
+        """
+        saved = read_metadata(path)["extra"].get("run", {})
+        saved = saved.get("parallel", {})
+        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+                "virtual_pipeline_model_parallel_size")
+        now = dataclasses.asdict(self.run.parallel)
+        saved.setdefault("virtual_pipeline_model_parallel_size", 1)  # checkpoints from before pipelining
+        if all(saved.get(key) == now[key] for key in keys):
+            return True
+        self.log(f"the checkpoint was saved by another layout ({', '.join(f'{k}={saved.get(k)}' for k in keys)}); "
+                 f"model, optimizer and data position carry over, RNG states are seeded afresh")
+        return False
+
+    def due(self, iteration: int) -> bool:
+        """Whether the loop saves after `iteration` (a multiple of --save-interval)."""
+        interval = self.run.checkpoint.save_interval
+        return bool(interval) and iteration % interval == 0
+
+    def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False) -> str | None:
+        """Save the run at `state` (a TrainState: iteration and consumed samples) into --save, then
+        remove old checkpoints per --keep-last-n-checkpoints; the folder written, None without --save.
+
+        The checkpoint's `extra` holds the LR schedule, the model name, the whole run config
+        and `evaluation_pending`, which `load` hands back. Raises CheckpointSaveError on every
+        rank when any rank's part of the save failed.
+        """
+        save = self.run.checkpoint.save
+        if save is None:
+            return None
+        start = time.perf_counter()
+        extra = {"lr_schedule": schedule.state_dict(), "model_name": self.run.model_name,
+                 "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending}
+        path = save_checkpoint(save, state.iteration, model, optimizer,
+                               consumed_samples=state.consumed_train_samples,
+                               consumed_valid_samples=state.consumed_valid_samples,
+                               model_config=self.run.model, extra=extra, rank=self.parallel.rank,
+                               parallel=self.parallel, barrier=self._barrier,
+                               failed_ranks=failed_ranks_across(self.parallel))
+        self.last_checkpoint = path
+        self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
+        ckpt = self.run.checkpoint
+        if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:
+            keep = {self.resumed_from} if self.resumed_from is not None else set()
+            for removed in remove_old_checkpoints(save, ckpt.keep_last_n_checkpoints, ckpt.save_retain_interval,
+                                                  keep):
+                self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
+        return path
+
+    def _barrier(self) -> None:
+        if self.parallel.world_size > 1:
+            torch.distributed.barrier()
+
+
+def json_able(value):
+    """dataclasses.asdict output with anything JSON cannot hold turned into its string."""
+    if isinstance(value, dict):
+        return {key: json_able(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [json_able(item) for item in value]
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    return str(value)

@@ -1,0 +1,271 @@
+"""The checkpoint format: safetensors files of pieces, metadata.json, and reading them back.
+
+A rank's model and optimizer pieces go into one safetensors file per section whose
+header says which piece of which global tensor each key holds; `index_pieces` merges
+those headers into metadata.json's tensor index, and `CheckpointReader` reads any slice
+of any tensor from the pieces that cover it. Only safetensors and JSON are ever read:
+nothing is unpickled, so a checkpoint cannot run code. Folders and their publishing are
+megalite/checkpoint/folder.py's.
+"""
+
+import dataclasses
+import json
+import os
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+
+from megalite.checkpoint.pieces import Piece
+from megalite.config import ModelConfig
+from megalite.errors import UserError
+
+FORMAT_VERSION = 1
+METADATA_FILE = "metadata.json"
+SECTIONS = ("model", "optimizer")  # the tensor index's parts; files model_*, optim_*
+
+
+# -- writing ------------------------------------------------------------------------------------
+
+
+def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> None:
+    """One safetensors file whose header says, per key, which piece of which tensor it holds.
+
+    Not fsynced: making it durable is the saver's part (megalite/checkpoint/saving.py).
+    """
+    tensors, described = {}, {}
+    for name, name_pieces in pieces.items():
+        for number, piece in enumerate(name_pieces):
+            _check_piece(name, piece)
+            key = name if number == 0 else f"{name}@{number}"  # '@' never occurs in a parameter name
+            tensors[key] = piece.tensor.detach().to("cpu").contiguous()
+            described[key] = {"name": name, "shape": list(piece.tensor.shape),
+                              "global_shape": list(piece.global_shape), "offsets": list(piece.offsets),
+                              "dtype": _dtype_name(piece.tensor.dtype)}
+    save_file(tensors, path, metadata={"megalite": json.dumps({"section": section, "pieces": described})})
+
+
+def _check_piece(name: str, piece: Piece) -> None:
+    shape = tuple(piece.tensor.shape)
+    if len(shape) != len(piece.global_shape) or len(piece.offsets) != len(shape) or any(
+            offset < 0 or offset + size > whole
+            for offset, size, whole in zip(piece.offsets, shape, piece.global_shape)):
+        raise ValueError(f"piece of {name!r} with shape {list(shape)} at offsets {list(piece.offsets)} "
+                         f"does not fit its global shape {list(piece.global_shape)}")
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def index_pieces(staging: str) -> dict:
+    """The tensor index of metadata.json, merged from the headers of every rank's files.
+
+    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`;
+    identical pieces from several ranks (replicas) are listed once.
+    """
+    index = {section: {} for section in SECTIONS}
+    for file_name in sorted(os.listdir(staging)):
+        if not file_name.endswith(".safetensors") or file_name.startswith("rng_"):
+            continue
+        with safe_open(os.path.join(staging, file_name), framework="pt") as file:
+            header = json.loads(file.metadata()["megalite"])
+        for key, piece in header["pieces"].items():
+            name = piece["name"]
+            entry = index[header["section"]].setdefault(
+                name, {"shape": piece["global_shape"], "dtype": piece["dtype"], "pieces": []})
+            if (entry["shape"], entry["dtype"]) != (piece["global_shape"], piece["dtype"]):
+                raise ValueError(f"ranks disagree on {name!r}: {entry['shape']} {entry['dtype']} vs "
+                                 f"{piece['global_shape']} {piece['dtype']} in {file_name}")
+            if any(known["offsets"] == piece["offsets"] and known["shape"] == piece["shape"]
+                   for known in entry["pieces"]):
+                continue
+            entry["pieces"].append({"file": file_name, "key": key, "offsets": piece["offsets"],
+                                    "shape": piece["shape"]})
+    return index
+
+
+def metadata_text(metadata: dict) -> str:
+    """metadata.json's text: the fields indented, then one line per tensor of the index."""
+    head = json.dumps({key: value for key, value in metadata.items() if key != "tensors"}, indent=1)
+    sections = []
+    for section, entries in metadata["tensors"].items():
+        lines = ",\n".join(f"   {json.dumps(name)}: {json.dumps(entry)}" for name, entry in entries.items())
+        sections.append(f"  {json.dumps(section)}: {{\n{lines}\n  }}")
+    return head[:-2] + ',\n "tensors": {\n' + ",\n".join(sections) + "\n }\n}\n"
+
+
+# -- reading ------------------------------------------------------------------------------------
+
+
+def read_metadata(path: str) -> dict:
+    """metadata.json of checkpoint folder `path`; UserError when missing, garbled or too new."""
+    file_path = os.path.join(path, METADATA_FILE)
+    try:
+        with open(file_path) as file:
+            metadata = json.load(file)
+    except FileNotFoundError:
+        raise UserError(f"{file_path} is missing, so {path} is not a complete megalite checkpoint; "
+                        f"load another iteration or restore the folder") from None
+    except (ValueError, UnicodeDecodeError) as error:
+        raise UserError(f"{file_path} is not valid JSON ({error}); the checkpoint is corrupt, "
+                        f"load another iteration or restore the folder") from None
+    if not isinstance(metadata, dict) or metadata.get("format") != "megalite":
+        raise UserError(f"{file_path} is not a megalite checkpoint's metadata; check --load")
+    if metadata.get("version", 0) > FORMAT_VERSION:
+        raise UserError(f"{file_path} has format version {metadata['version']}, newer than this megalite "
+                        f"reads ({FORMAT_VERSION}); update megalite")
+    return metadata
+
+
+def file_problem(path: str, metadata: dict) -> str | None:
+    """What is wrong with the files of checkpoint `path` against its metadata.json, or None.
+
+    Checks that every file the index or the RNG states need exists, with the size
+    metadata.json recorded (checkpoints from before sizes were recorded: existence only).
+    """
+    sizes = metadata.get("files") or {}
+    needed = {piece["file"] for section in metadata.get("tensors", {}).values()
+              for entry in section.values() for piece in entry["pieces"]}
+    needed |= {f"rng_{rank:05d}.safetensors" for rank in range(metadata.get("ranks", 0))}
+    for name in sorted(needed | set(sizes)):
+        file_path = os.path.join(path, name)
+        if not os.path.isfile(file_path):
+            return f"checkpoint file {file_path} is missing"
+        if name in sizes and os.path.getsize(file_path) != sizes[name]:
+            return f"checkpoint file {file_path} is {os.path.getsize(file_path)} bytes but {METADATA_FILE} " \
+                   f"recorded {sizes[name]} (truncated or altered)"
+    return None
+
+
+# Fields that do not change any weight or arithmetic: a resumed run may change them.
+_FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
+                "fused_output_cross_entropy"}
+
+
+def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
+    """UserError naming every field where the checkpoint's model config differs from `current`.
+
+    `vocab_size` may differ when the tokenizer's vocabulary is the same: the padding
+    depends on the TP size, and padding rows are zero (they load as zero or are dropped).
+    """
+    now = dataclasses.asdict(current)
+    defaults = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
+    saved = {**{key: value for key, value in defaults.items() if key not in saved}, **saved}
+    free = set(_FREE_FIELDS)
+    if (saved.get("tokenizer_vocab_size") or saved["vocab_size"]) == current.real_vocab_size:
+        free |= {"vocab_size", "tokenizer_vocab_size"}
+    if saved.get("position_embedding_type") == now["position_embedding_type"] == "rope":
+        free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
+    differences = [f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
+                   for key in sorted(set(saved) | set(now))
+                   if key not in free and saved.get(key, "<absent>") != now.get(key, "<absent>")]
+    if differences:
+        raise UserError(f"checkpoint {path} was saved from a different model: {'; '.join(differences)}; "
+                        f"pass the same model flags (or --model) as the saved run")
+
+
+class CheckpointReader:
+    """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it.
+
+    Files are opened once (header checked, nothing unpickled) and read lazily: a slice
+    reads only the bytes of the pieces it overlaps.
+    """
+
+    def __init__(self, path: str, metadata: dict):
+        self.path, self.metadata, self.index = path, metadata, metadata["tensors"]
+        self._files = {}
+
+    def __enter__(self) -> "CheckpointReader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for file in self._files.values():
+            file.__exit__(None, None, None)
+        self._files.clear()
+
+    def names(self, section: str) -> list[str]:
+        return list(self.index.get(section, {}))
+
+    def shape(self, section: str, name: str) -> tuple[int, ...]:
+        return tuple(self._entry(section, name)["shape"])
+
+    def read(self, section: str, name: str, offsets=None, shape=None, pad_rows: bool = False) -> torch.Tensor:
+        """`global[offsets : offsets + shape]` of tensor `name` in `section` ("model", "optimizer").
+
+        Default: the whole tensor. Returned in the checkpoint's dtype. `pad_rows`: rows
+        past the checkpoint's dim 0 read as zero (vocabulary padding). UserError when
+        the stored pieces do not cover the region.
+        """
+        entry = self._entry(section, name)
+        global_shape = entry["shape"]
+        offsets = list(offsets) if offsets is not None else [0] * len(global_shape)
+        shape = list(shape) if shape is not None else list(global_shape)
+        limits = list(global_shape)
+        if pad_rows and limits:
+            limits[0] = max(limits[0], offsets[0] + shape[0])
+        if len(offsets) != len(global_shape) or len(shape) != len(global_shape) or any(
+                o < 0 or o + n > limit for o, n, limit in zip(offsets, shape, limits)):
+            raise ValueError(f"region {offsets} + {shape} is outside {name!r} of shape {global_shape}")
+        out = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]))
+        covered = torch.zeros(shape, dtype=torch.bool)
+        if pad_rows and shape and offsets[0] + shape[0] > global_shape[0]:
+            covered[max(global_shape[0] - offsets[0], 0):] = True
+        for piece in entry["pieces"]:
+            self._copy_overlap(piece, offsets, shape, out, covered)
+        if not bool(covered.all()):
+            raise UserError(f"checkpoint {self.path} lacks part of {section} tensor {name!r} (region offsets "
+                            f"{offsets}, shape {shape}): a rank's file is missing from the index in "
+                            f"{METADATA_FILE}; restore the folder or load another iteration")
+        return out
+
+    def _copy_overlap(self, piece: dict, offsets, shape, out: torch.Tensor, covered: torch.Tensor) -> None:
+        """Copy the part of `piece` inside the region into `out`, reading only that part."""
+        starts = [max(o, p) for o, p in zip(offsets, piece["offsets"])]
+        stops = [min(o + n, p + m) for o, n, p, m in zip(offsets, shape, piece["offsets"], piece["shape"])]
+        if any(start >= stop for start, stop in zip(starts, stops)):
+            return
+        source = tuple(slice(a - p, b - p) for a, b, p in zip(starts, stops, piece["offsets"]))
+        target = tuple(slice(a - o, b - o) for a, b, o in zip(starts, stops, offsets))
+        stored = self._file(piece["file"]).get_slice(piece["key"])
+        if list(stored.get_shape()) != piece["shape"]:
+            raise UserError(f"{os.path.join(self.path, piece['file'])} holds {piece['key']!r} with shape "
+                            f"{stored.get_shape()}, but {METADATA_FILE} says {piece['shape']}; "
+                            f"the checkpoint is corrupt, load another iteration")
+        out[target] = stored[source]
+        covered[target] = True
+
+    def _entry(self, section: str, name: str) -> dict:
+        entry = self.index.get(section, {}).get(name)
+        if entry is None:
+            raise UserError(f"checkpoint {self.path} holds no {section} tensor {name!r}; it was saved from a "
+                            f"different model or optimizer, so pass the saved run's flags or load another "
+                            f"checkpoint")
+        return entry
+
+    def _file(self, file_name: str):
+        if file_name not in self._files:
+            size = (self.metadata.get("files") or {}).get(file_name)
+            self._files[file_name] = open_safetensors(os.path.join(self.path, file_name), size).__enter__()
+        return self._files[file_name]
+
+
+def open_safetensors(path: str, size: int | None = None):
+    """`safe_open(path)`; UserError naming the file when it is missing, not valid safetensors, or
+    not `size` bytes long (the size metadata.json recorded, when it did).
+
+    safetensors parses a JSON header and checks it against the file size, so a pickle, a
+    truncated file or random bytes are refused here without executing anything.
+    """
+    if not os.path.isfile(path):
+        raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
+                        f"restore it or load another iteration")
+    try:
+        opened = safe_open(path, framework="pt")
+    except Exception as error:  # safetensors raises its own SafetensorError (and OSError)
+        raise UserError(f"{path} is not a valid safetensors file ({error}); the checkpoint is corrupt "
+                        f"or was not written by megalite, restore it or load another iteration") from None
+    if size is not None and os.path.getsize(path) != size:
+        raise UserError(f"checkpoint file {path} is {os.path.getsize(path)} bytes but {METADATA_FILE} recorded "
+                        f"{size}; it was truncated or altered, restore it or load another iteration")
+    return opened

@@ -1,0 +1,169 @@
+"""Saving a checkpoint: every rank writes its pieces and RNG states, rank 0 publishes.
+
+The steps are public (`begin_save`, `write_rank_files`, `finalize_save`) so a
+distributed caller can pass `torch.distributed.barrier` as `barrier`; `save_checkpoint`
+runs them all. A save that fails (disk full, permission denied, ...) raises
+`CheckpointSaveError` naming the folder and the error, on every rank (the ranks agree
+through `failed_ranks`), after rank 0 removed the partial folder: the previous
+checkpoint stays the latest. metadata.json records every file's size, so a truncated or
+altered file is refused at load.
+"""
+
+import dataclasses
+import os
+import shutil
+
+import torch
+from safetensors import SafetensorError
+
+from megalite.checkpoint.folder import (LATEST_FILE, STAGING_SUFFIX, checkpoint_dir, create_staging, fsync_dir,
+                                        fsync_file, move_into_place, read_latest_iteration, write_latest)
+from megalite.checkpoint.format import FORMAT_VERSION, METADATA_FILE, index_pieces, metadata_text, write_pieces
+from megalite.checkpoint.pieces import Piece, model_pieces, optimizer_pieces
+from megalite.checkpoint.rng import write_rng_state
+from megalite.config import ModelConfig
+from megalite.errors import UserError
+from megalite.tensor_parallel.layers import tensor_parallel_rank_size
+
+
+class CheckpointSaveError(UserError):
+    """A save failed (disk full, permission denied, ...): its partial folder is gone and the
+    previous checkpoint is still the latest."""
+
+
+def _no_barrier() -> None:
+    pass
+
+
+def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
+                    consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
+                    extra: dict | None = None, rank: int = 0, parallel=None, barrier=_no_barrier,
+                    failed_ranks=None) -> str:
+    """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder.
+
+    Every rank calls this; each writes its own files, rank 0 finalizes. `extra` is any
+    JSON-able dict (run args, LR schedule, ...) handed back by `load_checkpoint`.
+    `barrier` synchronises the ranks (e.g. torch.distributed.barrier); one process needs none.
+    `failed_ranks(ok)`, called by every rank after each step with whether the step worked
+    here, returns the ranks where it failed (an all-reduce across ranks); without it the
+    barrier stands in and each rank sees its own failure only. Any failure raises
+    CheckpointSaveError on every rank once rank 0 has removed the partial folder.
+    """
+    failed_ranks = failed_ranks or _own_failures(barrier, rank)
+    final = checkpoint_dir(save, iteration)
+    staging = final + STAGING_SUFFIX
+
+    def step(what: str, action) -> None:
+        error = None
+        try:
+            action()
+        except (OSError, SafetensorError) as caught:  # disk full, permission denied, I/O error
+            error = caught
+        failed = failed_ranks(error is None)
+        if failed:
+            raise CheckpointSaveError(_save_failure(save, iteration, what, error, failed, rank)) from error
+
+    step("create its folder", lambda: create_staging(save, staging) if rank == 0 else None)
+    tp_rank, tp_size = tensor_parallel_rank_size(parallel)
+    # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
+    # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shard.
+    replica = getattr(parallel, "dp_rank", 0) > 0
+    optim_pieces = optim_meta = None
+    if optimizer is not None:
+        optim_state = optimizer.state_dict()
+        optim_meta = optim_state["meta"]
+        optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
+            optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
+    model_part = {} if replica else model_pieces(model, tp_rank, tp_size)
+    step("write its files", lambda: write_rank_files(staging, rank, model_part, optim_pieces))
+    header = {"iteration": iteration, "consumed_samples": consumed_samples,
+              "consumed_valid_samples": consumed_valid_samples,
+              "model_config": dataclasses.asdict(model_config),
+              "optimizer": None if optimizer is None else {"meta": optim_meta},
+              "extra": extra or {}}
+    step("publish it", lambda: finalize_save(save, iteration, header) if rank == 0 else None)
+    return final
+
+
+def _own_failures(barrier, rank: int):
+    """`failed_ranks` for callers that only have a barrier: this rank's own failure, after the barrier."""
+    def failed_ranks(ok: bool) -> list[int]:
+        if ok:  # a failed rank raises at once; the others must not wait for it at a barrier
+            barrier()
+        return [] if ok else [rank]
+    return failed_ranks
+
+
+def _save_failure(save: str, iteration: int, what: str, error, failed: list[int], rank: int) -> str:
+    """The one sentence a failed save reports; rank 0 removes the partial folder first."""
+    final = checkpoint_dir(save, iteration)
+    cause = f"could not {what} ({error})" if error is not None else \
+        f"rank(s) {', '.join(map(str, failed))} could not {what} (see their error)"
+    try:
+        latest = read_latest_iteration(save)
+    except UserError:
+        latest = None
+    removed = ""
+    if rank == 0:
+        partial = [final + STAGING_SUFFIX]
+        if what == "publish it" and latest != iteration:
+            partial.append(final)  # moved into place, but the latest file never named it
+        for path in partial:
+            shutil.rmtree(path, ignore_errors=True)
+        left = [path for path in partial if os.path.exists(path)]
+        removed = f"; could not remove the partial folder {left[0]}, delete it by hand" if left else \
+            "; removed the partial folder"
+    kept = f"{os.path.join(save, LATEST_FILE)} still names iteration {latest}, so nothing saved before is lost" \
+        if latest is not None else "no earlier checkpoint exists in this folder"
+    return (f"saving checkpoint {final} failed: {cause}{removed}; {kept}; free disk space or fix the folder's "
+            f"permissions, then rerun the same command to resume")
+
+
+def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) -> str:
+    """Rank 0 clears crash leftovers and creates the empty staging folder; all ranks get its path."""
+    staging = checkpoint_dir(save, iteration) + STAGING_SUFFIX
+    if rank == 0:
+        create_staging(save, staging)
+    barrier()
+    return staging
+
+
+def write_rank_files(staging: str, rank: int, model: dict[str, list[Piece]],
+                     optimizer: dict[str, list[Piece]] | None = None) -> None:
+    """Write this rank's model pieces, optimizer pieces and RNG states into `staging`, fsynced."""
+    model_file = os.path.join(staging, f"model_{rank:05d}.safetensors")
+    write_pieces(model_file, "model", model)
+    fsync_file(model_file)
+    if optimizer is not None:
+        optim_file = os.path.join(staging, f"optim_{rank:05d}.safetensors")
+        write_pieces(optim_file, "optimizer", optimizer)
+        fsync_file(optim_file)
+    rng_file = os.path.join(staging, f"rng_{rank:05d}.safetensors")
+    write_rng_state(rng_file)
+    fsync_file(rng_file)
+
+
+def finalize_save(save: str, iteration: int, header: dict) -> str:
+    """Rank 0, after every rank wrote: index the pieces, write metadata.json, publish atomically.
+
+    `header` holds the JSON fields of metadata.json besides the version and the index.
+    Order matters for crash safety: the folder is complete and renamed into place before
+    the latest file names it.
+    """
+    final = checkpoint_dir(save, iteration)
+    staging = final + STAGING_SUFFIX
+    tensors = index_pieces(staging)
+    names = sorted(os.listdir(staging))
+    ranks = sum(1 for name in names if name.startswith("rng_"))
+    # Sizes let a loader refuse a truncated or altered file before reading it.
+    files = {name: os.path.getsize(os.path.join(staging, name)) for name in names if name.endswith(".safetensors")}
+    metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": ranks, "files": files,
+                "tensors": tensors}
+    with open(os.path.join(staging, METADATA_FILE), "w") as file:
+        file.write(metadata_text(metadata))
+        file.flush()
+        os.fsync(file.fileno())
+    fsync_dir(staging)
+    move_into_place(staging, final)
+    write_latest(save, iteration)
+    return final

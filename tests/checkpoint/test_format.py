@@ -1,0 +1,135 @@
+"""The on-disk format: metadata.json and its index, reading any slice, and refusing what does not fit or
+is not a megalite checkpoint (nothing unpickled)."""
+
+import json
+import os
+
+import pytest
+import torch
+
+from megalite.checkpoint import (FORMAT_VERSION, CheckpointReader, Piece, checkpoint_dir, load_checkpoint,
+                                 read_latest_iteration, read_metadata)
+from megalite.errors import UserError
+from megalite.model.gpt import build_model
+from tests.checkpoint.helpers import FakeAdamW, save, save_pieces, small_config
+
+
+def test_folder_and_latest_file_follow_megatron(tmp_path):
+    model = build_model(small_config(), seed=1)
+    assert read_latest_iteration(str(tmp_path)) is None
+    final = save(tmp_path, 100, model)
+    assert final == checkpoint_dir(str(tmp_path), 100) == str(tmp_path / "iter_0000100")
+    assert (tmp_path / "latest_checkpointed_iteration.txt").read_text() == "100"
+    assert read_latest_iteration(str(tmp_path)) == 100
+    assert sorted(os.listdir(final)) == ["metadata.json", "model_00000.safetensors", "rng_00000.safetensors"]
+    metadata = json.loads((tmp_path / "iter_0000100" / "metadata.json").read_text())
+    assert metadata["version"] == FORMAT_VERSION and metadata["iteration"] == 100
+    entry = metadata["tensors"]["model"]["layers.0.mlp.linear_fc1.weight"]
+    assert entry == {"shape": [128, 32], "dtype": "float32", "pieces": [
+        {"file": "model_00000.safetensors", "key": "layers.0.mlp.linear_fc1.weight", "offsets": [0, 0],
+         "shape": [128, 32]}]}
+
+
+def test_row_halves_from_two_ranks_read_back_as_any_slice(tmp_path):
+    full = torch.arange(6 * 4, dtype=torch.float32).view(6, 4)
+    replicated = torch.randn(5)
+    path = save_pieces(tmp_path, 1, [
+        {"w": [Piece(full[:3], (6, 4), (0, 0))], "norm": [Piece.full(replicated)]},
+        {"w": [Piece(full[3:], (6, 4), (3, 0))], "norm": [Piece.full(replicated)]}])
+    metadata = read_metadata(path)
+    assert [p["file"] for p in metadata["tensors"]["model"]["w"]["pieces"]] == [
+        "model_00000.safetensors", "model_00001.safetensors"]
+    assert len(metadata["tensors"]["model"]["norm"]["pieces"]) == 1  # replicas are listed once
+    with CheckpointReader(path, metadata) as reader:
+        assert torch.equal(reader.read("model", "w"), full)
+        assert torch.equal(reader.read("model", "w", (0, 0), (6, 2)), full[:, :2])  # column halves
+        assert torch.equal(reader.read("model", "w", (0, 2), (6, 2)), full[:, 2:])
+        assert torch.equal(reader.read("model", "w", (1, 1), (4, 2)), full[1:5, 1:3])  # across both files
+        assert torch.equal(reader.read("model", "norm"), replicated)
+
+
+def test_reading_what_no_piece_covers_is_a_user_error(tmp_path):
+    full = torch.randn(6, 4)
+    path = save_pieces(tmp_path, 1, [{"w": [Piece(full[:3], (6, 4), (0, 0))]}])  # rank 1's half is lost
+    with CheckpointReader(path, read_metadata(path)) as reader:
+        assert torch.equal(reader.read("model", "w", (0, 0), (3, 4)), full[:3])
+        with pytest.raises(UserError, match=r"lacks part of model tensor 'w'"):
+            reader.read("model", "w", (2, 0), (2, 4))
+
+
+def test_a_different_model_config_names_every_differing_field(tmp_path):
+    save(tmp_path, 1, build_model(small_config(), seed=1))
+    other = small_config(num_layers=3, hidden_size=64, swiglu=True)
+    with pytest.raises(UserError) as error:
+        load_checkpoint(str(tmp_path), build_model(other, seed=1), model_config=other)
+    message = str(error.value)
+    for field in ("num_layers (checkpoint 2, now 3)", "hidden_size (checkpoint 32, now 64)",
+                  "swiglu (checkpoint False, now True)"):
+        assert field in message
+    assert "pass the same model flags (or --model) as the saved run" in message
+    # SwiGLU's 2/3 rule gives 128 at h=64 too: equal fields are not listed.
+    assert "num_attention_heads" not in message and "ffn_hidden_size" not in message
+
+
+def test_a_model_that_does_not_match_its_config_is_a_user_error(tmp_path):
+    config = small_config()
+    save(tmp_path, 1, build_model(config, seed=1))
+    with pytest.raises(UserError, match=r"holds 'layers.0.mlp.linear_fc1.weight' with shape \[128, 32\] but this "
+                                        r"run has \[64, 32\]"):
+        load_checkpoint(str(tmp_path), build_model(small_config(ffn_hidden_size=64), seed=1), model_config=config)
+    with pytest.raises(UserError, match=r"holds no model tensor 'layers.2.input_layernorm.weight'"):
+        load_checkpoint(str(tmp_path), build_model(small_config(num_layers=3), seed=1), model_config=config)
+
+
+def test_optimizer_requested_from_a_checkpoint_without_one_is_a_user_error(tmp_path):
+    config = small_config()
+    model = build_model(config, seed=1)
+    save(tmp_path, 1, model)
+    with pytest.raises(UserError, match=r"holds no optimizer state .*--no-load-optim"):
+        load_checkpoint(str(tmp_path), model, FakeAdamW(model), model_config=config)
+
+
+class WritesMarker:
+    """Unpickling this runs `open(marker, 'w')`: what a malicious checkpoint would do."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return open, (self.marker, "w")
+
+
+def test_a_pickle_in_place_of_a_safetensors_file_is_refused_unexecuted(tmp_path):
+    config = small_config()
+    model = build_model(config, seed=1)
+    save(tmp_path, 1, model)
+    # The payload is live: unpickling it really creates its marker.
+    probe = tmp_path / "probe.pt"
+    torch.save({"weights": WritesMarker(str(tmp_path / "probe-marker"))}, probe)
+    torch.load(probe, weights_only=False)
+    assert (tmp_path / "probe-marker").exists()
+
+    marker = tmp_path / "marker"
+    target = tmp_path / "iter_0000001" / "model_00000.safetensors"
+    torch.save({"weights": WritesMarker(str(marker))}, target)
+    with pytest.raises(UserError, match=r"model_00000.safetensors is not a valid safetensors file"):
+        load_checkpoint(str(tmp_path), model, model_config=config)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["truncate", "garbage", "delete model", "delete rng"])
+def test_damaged_tensor_files_are_user_errors_naming_the_file(tmp_path, damage):
+    config = small_config()
+    model = build_model(config, seed=1)
+    save(tmp_path, 1, model)
+    file_name = "rng_00000.safetensors" if damage == "delete rng" else "model_00000.safetensors"
+    path = tmp_path / "iter_0000001" / file_name
+    if damage == "truncate":
+        path.write_bytes(path.read_bytes()[:-100])
+    elif damage == "garbage":
+        path.write_bytes(b"\x00" * 64)
+    else:
+        os.remove(path)
+    expected = "is missing" if damage.startswith("delete") else "is not a valid safetensors file"
+    with pytest.raises(UserError, match=rf"{path.name} {expected}"):
+        load_checkpoint(str(tmp_path), model, model_config=config)
