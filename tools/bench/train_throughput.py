@@ -71,7 +71,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset  # noqa: E402
 from megalite.errors import UserError, run_main  # noqa: E402
-from megalite.hf import llama_config_to_hf  # noqa: E402
+from megalite.convert import llama_config_to_hf  # noqa: E402
 from megalite.logging import flops_per_iteration, peak_flops  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
 from megalite.model.options import apply_options  # noqa: E402

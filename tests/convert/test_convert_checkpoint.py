@@ -18,11 +18,11 @@ transformers = pytest.importorskip("transformers")
 from megalite import checkpointing  # noqa: E402
 from megalite.arguments import parse_args  # noqa: E402
 from megalite.config import ModelConfig  # noqa: E402
+from megalite.convert import model_fields_from_hf, sentencepiece_to_tokenizers  # noqa: E402
 from megalite.data.indexed_dataset import IndexedDatasetBuilder  # noqa: E402
 from megalite.data.tokenizer import build_tokenizer, train_sentencepiece  # noqa: E402
 from megalite.errors import UserError  # noqa: E402
 from megalite.generation import generate  # noqa: E402
-from megalite.hf import model_fields_from_hf, sentencepiece_to_tokenizers  # noqa: E402
 from megalite.model.gpt import build_model  # noqa: E402
 from megalite.training import build_datasets, pretrain  # noqa: E402
 from tools.check_layouts import run as run_processes  # noqa: E402
