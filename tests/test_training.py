@@ -108,13 +108,13 @@ def test_lr_schedule_change_on_resume_needs_a_flag(tmp_path):
 def test_checkpoints_save_the_config_the_run_used(tmp_path):
     """The parsed config stays as parsed; the run's config (and what its checkpoints save) holds what
     arrived later: the tokenizer's vocabulary and the LR schedule a resume adopted."""
-    from megalite import checkpointing
+    from megalite import checkpoint
 
     train(*MOCK, "--train-iters", "4", "--save", str(tmp_path), "--exit-interval", "2")
     parsed = parse_args([*SMALL, *MOCK, "--train-iters", "4", "--save", str(tmp_path), "--lr-decay-style", "linear",
                          "--use-checkpoint-opt_param-scheduler"])
     trainer, state = pretrain(parsed, log=lambda line: None)
-    saved = checkpointing.read_metadata(checkpointing.resolve_checkpoint(str(tmp_path)))["extra"]["run"]
+    saved = checkpoint.read_metadata(checkpoint.resolve_checkpoint(str(tmp_path)))["extra"]["run"]
     assert state.iteration == 4 and parsed.train.lr_decay_style == "linear"
     assert trainer.run.train.lr_decay_style == saved["train"]["lr_decay_style"] == "cosine"
     assert (saved["model"]["tokenizer_vocab_size"], saved["model"]["vocab_size"]) == (100, 128)

@@ -1,7 +1,7 @@
 """megalite's logits equal Hugging Face's for the same weights (fp32, atol 1e-5).
 
 The HF models are built locally from a config (nothing is downloaded) and receive
-megalite's weights through the conversion mapping of megalite/hf.py.
+megalite's weights through the conversion mapping of megalite/convert/maps.py.
 Norm weights and biases are randomised first so that their mapping is tested too, and
 weights are drawn with std 0.1 (not 0.02) so that activations are large enough for
 the comparison to tell apart, e.g., exact and tanh GELU (they differ by ~6e-4 here).
@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite.config import ModelConfig
-from megalite.hf import gpt2_config_to_hf, hf_state_dict, llama_config_to_hf
+from megalite.convert import gpt2_config_to_hf, hf_state_dict, llama_config_to_hf
 from megalite.model.gpt import GPTModel
 
 transformers = pytest.importorskip("transformers")
@@ -22,7 +22,7 @@ INIT_STD = 0.1
 
 
 def hf_state(model: GPTModel) -> dict[str, torch.Tensor]:
-    """megalite's weights under HF's names (megalite/hf.py), lm_head included when tied."""
+    """megalite's weights under HF's names (megalite/convert/maps.py), lm_head included when tied."""
     hf = hf_state_dict(model.state_dict(), model.config)
     head = "model.embed_tokens.weight" if "model.embed_tokens.weight" in hf else "transformer.wte.weight"
     hf.setdefault("lm_head.weight", hf[head])

@@ -66,7 +66,7 @@ import torch.nn.functional as F
 
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset
 from megalite.errors import UserError, run_main
-from megalite.hf import llama_config_to_hf
+from megalite.convert import llama_config_to_hf
 from megalite.logging import flops_per_iteration, peak_flops
 from megalite.model.gpt import build_model
 from megalite.model.options import apply_options

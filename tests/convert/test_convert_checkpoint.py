@@ -20,7 +20,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.data.tokenizer import build_tokenizer, train_sentencepiece
 from megalite.errors import UserError
 from megalite.generation import generate
-from megalite.hf import model_fields_from_hf, sentencepiece_to_tokenizers
+from megalite.convert import model_fields_from_hf, sentencepiece_to_tokenizers
 from megalite.model.gpt import build_model
 from megalite.training import build_datasets, pretrain
 from tools.check_layouts import run as run_processes

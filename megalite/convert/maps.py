@@ -1,0 +1,171 @@
+"""megalite <-> Hugging Face tensors: names and layouts, one `TensorMap` per megalite tensor.
+
+Layouts that differ (each `TensorMap` says which applies to a tensor):
+
+- `qkv`: megalite fuses Q, K and V into one projection laid out group by group (for each
+  key/value group: its query heads, its key head, its value head; see
+  megalite/model/transformer.py). HF keeps q_proj / k_proj / v_proj apart (LLaMA), or
+  fuses them as [all Q; all K; all V] (GPT-2's c_attn).
+- `gate_up`: megalite's SwiGLU fc1 is [gate; up]; HF has gate_proj and up_proj.
+- `vocab`: megalite pads the vocabulary (--make-vocab-size-divisible-by x TP) with zero
+  rows; HF holds the tokenizer's rows only. Export drops the padding, import adds it.
+- `transposed`: GPT-2's Conv1D stores weights as [in, out], nn.Linear as [out, in].
+
+Rotary embeddings need no permutation: megalite rotates halves of each head (channel i
+with i + d/2), as HF's LLaMA does (tests/model/test_hf_parity.py compares logits).
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from megalite.config import ModelConfig
+from megalite.convert.configs import GPT2, hf_architecture
+
+
+@dataclass(frozen=True)
+class TensorMap:
+    """One megalite tensor and the HF tensor(s) it becomes.
+
+    layout: "same", "vocab" (padding rows), "qkv" (grouped QKV -> q, k, v; one HF name
+    means them concatenated, GPT-2's c_attn) or "gate_up" (SwiGLU fc1 -> gate, up).
+    transposed: HF stores the weight as [in, out] (Conv1D).
+    """
+
+    ours: str
+    theirs: tuple[str, ...]
+    layout: str = "same"
+    transposed: bool = False
+
+
+def tensor_maps(config: ModelConfig) -> list[TensorMap]:
+    """Every megalite tensor of `config` with its HF counterpart, in HF's usual order.
+
+    A tied output layer has no tensor of its own on either side (HF re-ties lm_head on load).
+    """
+    if hf_architecture(config) == GPT2:
+        return _gpt2_maps(config)
+    return _llama_maps(config)
+
+
+def _llama_maps(config: ModelConfig) -> list[TensorMap]:
+    kinds = ["weight", "bias"] if config.add_bias_linear else ["weight"]
+    maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"model.layers.{i}."
+        maps.append(TensorMap(ours + "input_layernorm.weight", (theirs + "input_layernorm.weight",)))
+        for kind in kinds:
+            maps.append(TensorMap(ours + f"self_attention.linear_qkv.{kind}",
+                                  tuple(theirs + f"self_attn.{p}_proj.{kind}" for p in "qkv"), "qkv"))
+            maps.append(TensorMap(ours + f"self_attention.linear_proj.{kind}", (theirs + f"self_attn.o_proj.{kind}",)))
+        maps.append(TensorMap(ours + "pre_mlp_layernorm.weight", (theirs + "post_attention_layernorm.weight",)))
+        for kind in kinds:
+            maps.append(TensorMap(ours + f"mlp.linear_fc1.{kind}",
+                                  (theirs + f"mlp.gate_proj.{kind}", theirs + f"mlp.up_proj.{kind}"), "gate_up"))
+            maps.append(TensorMap(ours + f"mlp.linear_fc2.{kind}", (theirs + f"mlp.down_proj.{kind}",)))
+    maps.append(TensorMap("final_layernorm.weight", ("model.norm.weight",)))
+    if config.untie_embeddings_and_output_weights:
+        maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return maps
+
+
+def _gpt2_maps(config: ModelConfig) -> list[TensorMap]:
+    maps = [TensorMap("embedding.word_embeddings.weight", ("transformer.wte.weight",), "vocab"),
+            TensorMap("embedding.position_embeddings", ("transformer.wpe.weight",))]
+    for i in range(config.num_layers):
+        ours, theirs = f"layers.{i}.", f"transformer.h.{i}."
+        for kind in ("weight", "bias"):
+            conv = kind == "weight"  # Conv1D weights are [in, out]; biases are the same
+            maps += [
+                TensorMap(ours + f"input_layernorm.{kind}", (theirs + f"ln_1.{kind}",)),
+                TensorMap(ours + f"self_attention.linear_qkv.{kind}", (theirs + f"attn.c_attn.{kind}",), "qkv", conv),
+                TensorMap(ours + f"self_attention.linear_proj.{kind}", (theirs + f"attn.c_proj.{kind}",),
+                          transposed=conv),
+                TensorMap(ours + f"pre_mlp_layernorm.{kind}", (theirs + f"ln_2.{kind}",)),
+                TensorMap(ours + f"mlp.linear_fc1.{kind}", (theirs + f"mlp.c_fc.{kind}",), transposed=conv),
+                TensorMap(ours + f"mlp.linear_fc2.{kind}", (theirs + f"mlp.c_proj.{kind}",), transposed=conv),
+            ]
+    maps += [TensorMap("final_layernorm.weight", ("transformer.ln_f.weight",)),
+             TensorMap("final_layernorm.bias", ("transformer.ln_f.bias",))]
+    if config.untie_embeddings_and_output_weights:
+        maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return maps
+
+
+def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """megalite's grouped QKV rows `[(heads + 2 groups) * d, ...]` -> q `[heads * d, ...]`, k, v `[groups * d, ...]`.
+
+    Works on weights `[rows, hidden]` and biases `[rows]`; heads come out in order.
+    """
+    groups, head_dim, rest = config.query_groups, config.head_dim, qkv.shape[1:]
+    per_group = config.num_attention_heads // groups
+    grouped = qkv.reshape(groups, per_group + 2, head_dim, *rest)
+    q = grouped[:, :per_group].reshape(-1, *rest)
+    k = grouped[:, per_group].reshape(-1, *rest)
+    v = grouped[:, per_group + 1].reshape(-1, *rest)
+    return q, k, v
+
+
+def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelConfig) -> torch.Tensor:
+    """The inverse of split_qkv: q, k, v rows -> megalite's grouped QKV rows."""
+    groups, head_dim, rest = config.query_groups, config.head_dim, q.shape[1:]
+    per_group = config.num_attention_heads // groups
+    grouped = torch.cat([q.reshape(groups, per_group, head_dim, *rest), k.reshape(groups, 1, head_dim, *rest),
+                         v.reshape(groups, 1, head_dim, *rest)], dim=1)
+    return grouped.reshape(-1, *rest)
+
+
+def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
+    """The HF tensors (one per `tensor_map.theirs`) of the full megalite tensor `tensor`; contiguous, same dtype.
+
+    Shapes: vocabulary rows `[padded vocab, h]` -> `[real vocab, h]`; grouped QKV rows ->
+    q `[heads * d, ...]`, k and v `[groups * d, ...]` (or the three concatenated for one HF
+    name); SwiGLU fc1 `[2 ffn, h]` -> gate, up `[ffn, h]`; transposed maps swap the two dimensions.
+    """
+    layout = tensor_map.layout
+    if layout == "vocab":
+        parts = [tensor[:config.real_vocab_size]]
+    elif layout == "qkv":
+        parts = list(split_qkv(tensor, config))
+        if len(tensor_map.theirs) == 1:
+            parts = [torch.cat(parts)]
+    elif layout == "gate_up":
+        parts = list(tensor.chunk(2))
+    else:
+        parts = [tensor]
+    if tensor_map.transposed:
+        parts = [part.t() for part in parts]
+    return [part.contiguous() for part in parts]
+
+
+def from_hf(tensor_map: TensorMap, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
+    """The megalite tensor of `tensor_map` from its HF tensors (the inverse of to_hf; exact).
+
+    Vocabulary rows are padded with zero rows to `config.vocab_size`; contiguous, the HF dtype.
+    """
+    parts = [part.t() for part in tensors] if tensor_map.transposed else list(tensors)
+    layout = tensor_map.layout
+    if layout == "vocab":
+        rows = parts[0]
+        padding = rows.new_zeros(config.vocab_size - rows.shape[0], *rows.shape[1:])
+        return torch.cat([rows, padding]).contiguous()
+    if layout == "qkv":
+        if len(parts) == 1:
+            q_rows = config.num_attention_heads * config.head_dim
+            kv_rows = config.query_groups * config.head_dim
+            parts = list(parts[0].split([q_rows, kv_rows, kv_rows]))
+        return merge_qkv(*parts, config).contiguous()
+    if layout == "gate_up":
+        return torch.cat(parts).contiguous()
+    return parts[0].contiguous()
+
+
+def hf_shapes(tensor_map: TensorMap, shape: tuple[int, ...], config: ModelConfig) -> list[tuple[int, ...]]:
+    """The shapes to_hf gives for a megalite tensor of `shape`, without touching any data."""
+    return [tuple(part.shape) for part in to_hf(tensor_map, torch.empty(shape, device="meta"), config)]
+
+
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
+    """A whole megalite state dict -> the HF state dict (tied lm_head left out, as HF saves it)."""
+    return {name: tensor for tensor_map in tensor_maps(config)
+            for name, tensor in zip(tensor_map.theirs, to_hf(tensor_map, state[tensor_map.ours], config))}

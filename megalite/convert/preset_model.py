@@ -1,0 +1,132 @@
+"""The megalite model an imported HF model becomes: a `--model` preset and the fields that override it.
+
+One dict of overrides serves twice: `model_config_from_preset` builds the ModelConfig
+from it (what the checkpoint records), and `PresetModel.flags` spells the same dict as
+pretrain_gpt.py flags for the user to continue training with. Because `arguments.py`
+builds a run's model with that same call from the same preset and fields, a run given
+the printed flags holds a ModelConfig equal to the checkpoint's, which `--load
+--finetune` requires field by field (tests/convert/test_preset_model.py checks this).
+"""
+
+import dataclasses
+from dataclasses import dataclass
+
+from megalite.config import MODEL_PRESETS, ModelConfig, ParallelConfig, model_config_from_preset
+from megalite.config.options import flags_of
+from megalite.errors import UserError
+
+# Presets tried as the base: flags switch some booleans on only (--swiglu, --untie-...,
+# --openai-gelu) or off only (--disable-bias-linear), so the base decides the rest.
+_BASE_PRESETS = ("tiny", "llama3.2-1b", "gpt2-124m")
+# Fields whose raw value may differ while the model computes the same thing.
+_DERIVED = {"num_query_groups": "query_groups", "kv_channels": "head_dim"}
+_FLAGS = {field.name: flags_of(field)[0] for field in dataclasses.fields(ModelConfig) if "option" in field.metadata}
+
+
+@dataclass(frozen=True)
+class PresetModel:
+    """`config` is `model_config_from_preset(preset, TP, vocab_size=..., **overrides)`."""
+
+    preset: str
+    overrides: dict
+    config: ModelConfig
+
+    def flags(self) -> list[str]:
+        """The pretrain_gpt.py model flags that select `preset` and set `overrides`, for the user to read."""
+        flags = ["--model", self.preset]
+        for key, value in self.overrides.items():
+            if key == "num_query_groups":
+                flags += ["--group-query-attention", _FLAGS[key], str(value)]
+            elif isinstance(value, bool):
+                flags.append(_FLAGS[key])  # an on flag, or --disable-bias-linear for add_bias_linear False
+            else:
+                flags += [_FLAGS[key], str(value)]
+        return flags
+
+
+def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int = 1,
+                 pipeline_model_parallel_size: int = 1) -> PresetModel:
+    """The preset, overrides and ModelConfig (vocabulary `vocab_size`, padded for TP) of the model `fields` describe.
+
+    `fields`: ModelConfig field values (model_fields_from_hf's, plus make_vocab_size_divisible_by
+    when not 128). The config is validated, and the layout checked as a run would check it
+    (TP divides heads, groups and FFN; PP divides the layers). UserError when no preset and
+    overrides express the model, or the layout does not fit it.
+    """
+    tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
+    ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                   world_size=max(tp, 1) * max(pp, 1)).validate()  # sizes below 1, with the flag named
+    errors = []
+    for preset in _BASE_PRESETS:
+        overrides = _overrides_on_preset(fields, preset)
+        try:
+            _check_context(overrides)
+            config = model_config_from_preset(preset, tp, vocab_size=vocab_size, **overrides)
+            _check_layout(config, tp, pp)
+        except UserError as error:  # the layout does not fit, or this preset cannot take the overrides
+            errors.append(error)
+            continue
+        if _same_model(config, fields):
+            return PresetModel(preset, overrides, config)
+    if errors:
+        raise errors[0]
+    raise UserError("no combination of pretrain_gpt.py's model flags builds this model, so megalite cannot "
+                    "train it")
+
+
+def _overrides_on_preset(fields: dict, preset: str) -> dict:
+    """The fields that flags set on top of `preset` for the model `fields` describe, in flag order.
+
+    Booleans appear only where a flag exists for that value (True, or add_bias_linear False).
+    """
+    overrides = {key: fields[key] for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}
+    if fields["num_query_groups"] != fields["num_attention_heads"] or MODEL_PRESETS[preset].get("num_query_groups"):
+        overrides["num_query_groups"] = fields["num_query_groups"]
+    if fields["kv_channels"] * fields["num_attention_heads"] != fields["hidden_size"]:
+        overrides["kv_channels"] = fields["kv_channels"]
+    for key in ("seq_length", "max_position_embeddings", "position_embedding_type"):
+        overrides[key] = fields[key]
+    if fields["position_embedding_type"] == "rope":
+        overrides["rotary_base"] = fields["rotary_base"]
+    if fields["use_rope_scaling"]:
+        overrides.update(use_rope_scaling=True, rope_scaling_factor=fields["rope_scaling_factor"])
+    overrides.update(normalization=fields["normalization"], norm_epsilon=fields["norm_epsilon"])
+    for key, on in [("swiglu", fields["swiglu"]), ("openai_gelu", fields["openai_gelu"] and not fields["swiglu"]),
+                    ("untie_embeddings_and_output_weights", fields["untie_embeddings_and_output_weights"])]:
+        if on:
+            overrides[key] = True
+    if not fields["add_bias_linear"]:
+        overrides["add_bias_linear"] = False
+    for key in ("hidden_dropout", "attention_dropout", "init_method_std"):
+        overrides[key] = fields[key]
+    if fields.get("make_vocab_size_divisible_by", 128) != 128:
+        overrides["make_vocab_size_divisible_by"] = fields["make_vocab_size_divisible_by"]
+    return overrides
+
+
+def _check_context(overrides: dict) -> None:
+    """A rope model's sequence fits its stated context (a learned table's fit is ModelConfig.validate's)."""
+    seq_length, limit = overrides["seq_length"], overrides["max_position_embeddings"]
+    if overrides["position_embedding_type"] == "rope" and seq_length > limit:
+        raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings {limit}, the model's stated "
+                        f"context length; raise --max-position-embeddings or lower --seq-length")
+
+
+def _check_layout(config: ModelConfig, tp: int, pp: int) -> None:
+    """UserError, naming the flags, when TP does not divide what it splits or the layers do not split over PP."""
+    from megalite.pipeline_parallel.stages import virtual_stage_layers
+
+    for flag, value in [("--num-attention-heads", config.num_attention_heads),
+                        ("--num-query-groups", config.query_groups), ("--ffn-hidden-size", config.ffn_hidden_size)]:
+        if value % tp:
+            raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                            f"use a tensor-parallel size that divides it")
+    virtual_stage_layers(config.num_layers, pp)
+
+
+def _same_model(config: ModelConfig, fields: dict) -> bool:
+    """Whether `config` computes the model `fields` describe (raw fields may differ where derived)."""
+    unused = {"openai_gelu": fields["swiglu"], "rope_scaling_factor": not fields["use_rope_scaling"],
+              "rotary_base": fields["position_embedding_type"] != "rope"}
+    return all(getattr(config, _DERIVED.get(key, key)) == value
+               for key, value in fields.items() if not unused.get(key, False))
