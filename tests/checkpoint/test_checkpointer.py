@@ -27,7 +27,7 @@ class Run:
     def __init__(self, *flags, seed=1, layout=None, dtype=torch.float32):
         self.run = parse_args([*FLAGS, *flags])
         if layout is not None:  # what the saved run record says about the parallel layout
-            self.run.parallel = dataclasses.replace(self.run.parallel, **layout)
+            self.run = dataclasses.replace(self.run, parallel=dataclasses.replace(self.run.parallel, **layout))
         self.model = build_model(self.run.model, seed=seed, dtype=dtype)
         self.optimizer = MixedPrecisionOptimizer(self.model, lr=1e-2)
         self.schedule = build_lr_schedule(self.run)
