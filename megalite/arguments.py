@@ -25,6 +25,7 @@ from megalite.config import (
 )
 from megalite.config.options import Option, flags_of, option_fields, value_type
 from megalite.errors import UserError
+from megalite.tracking import with_wandb_defaults
 
 __all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args", "with_tokenizer_vocab"]
 
@@ -151,7 +152,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
         checkpoint_given.setdefault("save", "runs/default")
     checkpoint = CheckpointConfig(**checkpoint_given).validate()
     train = _train_config(args, parallel, checkpoint)
-    logging = LoggingConfig(**_given(LoggingConfig, args)).validate().with_wandb_defaults(checkpoint.save)
+    logging = with_wandb_defaults(LoggingConfig(**_given(LoggingConfig, args)).validate(), checkpoint.save)
     return RunConfig(args.model, model, parallel, train, data, checkpoint, logging, args.dry_run).validate()
 
 

@@ -31,6 +31,7 @@ import torch
 
 from megalite.config import RunConfig, num_parameters
 from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.kernels import check_kernels
 from megalite.logging import DTYPE_NAMES, flops_per_iteration
 from megalite.memory_estimate import (ActivationModel, chunk_activation_bytes, element_bytes,
                                       peak_activation_bytes, state_bytes)
@@ -240,6 +241,7 @@ def format_report(report: DryRunReport) -> str:
 
 def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:
     """Plan `run` and print the report."""
+    check_kernels(run.train.kernels)  # as a run's start-up would (kernels.set_kernels): --kernels on this machine
     report = plan(run)
     print_fn(format_report(report))
     return report

@@ -26,21 +26,10 @@ Every style but constant gives `min_lr` beyond decay_iters.
 
 import math
 
+from megalite.config.rules import LR_SCHEDULE_FLAGS as FLAGS
+from megalite.config.rules import check_schedule_settings
 from megalite.errors import UserError
 
-DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
-WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
-
-# Each setting and the flag that sets it, for error messages.
-FLAGS = {
-    "lr": "--lr",
-    "min_lr": "--min-lr",
-    "warmup_iters": "--lr-warmup-iters",
-    "decay_iters": "--lr-decay-iters",
-    "decay_style": "--lr-decay-style",
-    "wsd_decay_style": "--lr-wsd-decay-style",
-    "wsd_decay_iters": "--lr-wsd-decay-iters",
-}
 _WSD_SETTINGS = ("wsd_decay_style", "wsd_decay_iters")
 
 
@@ -144,29 +133,3 @@ class LRSchedule:
 
 def _show(state: dict, key: str) -> str:
     return repr(state[key]) if key in state else "absent"
-
-
-def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                            wsd_decay_iters) -> None:
-    """Raise a UserError naming the flag for the first invalid setting."""
-    if decay_style not in DECAY_STYLES:
-        raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
-    if wsd_decay_style not in WSD_DECAY_STYLES:
-        raise UserError(f"--lr-wsd-decay-style {wsd_decay_style!r} is unknown; "
-                        f"use one of {', '.join(WSD_DECAY_STYLES)}")
-    for key, value in (("lr", lr), ("min_lr", min_lr), ("warmup_iters", warmup_iters),
-                       ("decay_iters", decay_iters), ("wsd_decay_iters", wsd_decay_iters)):
-        if value is not None and not value >= 0:  # `not >=` also rejects nan
-            raise UserError(f"{FLAGS[key]} is {value} but must not be negative; pass a value >= 0")
-    if min_lr > lr:
-        raise UserError(f"--min-lr {min_lr} is larger than --lr {lr}; pass a --min-lr of at most {lr}")
-    if warmup_iters > decay_iters:
-        raise UserError(f"--lr-warmup-iters {warmup_iters} is larger than --lr-decay-iters {decay_iters}; "
-                        f"warm up for at most {decay_iters} iterations or decay over more")
-    if decay_style == "WSD":
-        if wsd_decay_iters is None:
-            raise UserError("--lr-decay-style WSD needs --lr-wsd-decay-iters, the length of the final "
-                            "anneal; pass it")
-        if wsd_decay_iters > decay_iters:
-            raise UserError(f"--lr-wsd-decay-iters {wsd_decay_iters} is larger than --lr-decay-iters "
-                            f"{decay_iters}; anneal over at most {decay_iters} iterations")

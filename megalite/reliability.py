@@ -4,7 +4,7 @@ The training loop (megalite/training.py) uses these pieces:
 
     with owned_signals(save_and_exit) as signals:  # SIGTERM / SIGINT -> save at the next boundary
         signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
-    save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))        # a failed save stops all ranks
+    save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))  # checkpoint/saving.py: one fails, all stop
     peers = PeerWatch(parallel)                    # who the other ranks are, to name a dead one later
     raise peers.failure(error, iteration, ckpt)    # a collective failed: one sentence, not a hang
     spikes = LossSpikeDetector(1.5)                # a warning line per spike
@@ -151,19 +151,6 @@ def agreed_stop(received_signal: int, overtime: bool, parallel) -> tuple[int, bo
 
 def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
-
-
-def failed_ranks_across(parallel):
-    """A `failed_ranks(ok)` for megalite.checkpoint.save_checkpoint: the ranks whose step failed,
-    known to every rank (one all-reduce of a world-size vector)."""
-    def failed_ranks(ok: bool) -> list[int]:
-        if parallel is None or parallel.world_size == 1:
-            return [] if ok else [0]
-        flags = torch.zeros(parallel.world_size, dtype=torch.int32, device=parallel.device)
-        flags[parallel.rank] = 0 if ok else 1
-        torch.distributed.all_reduce(flags)
-        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
-    return failed_ranks
 
 
 # -- dead ranks --------------------------------------------------------------------------------

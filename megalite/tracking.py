@@ -29,17 +29,20 @@ wandb's own start is bounded by a short timeout; when either fails the run logs 
 without it. Each of these says so in one warning line.
 """
 
+import importlib.util
 import math
 import netrc
 import os
 import socket
 import time
+from dataclasses import replace
 from typing import Callable
 from urllib.parse import urlparse
 
+from megalite.config.run import WANDB_MODES, LoggingConfig
+from megalite.errors import UserError
 from megalite.reliability import deferred_signals
 
-WANDB_MODES = ("online", "offline", "disabled")
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 INIT_TIMEOUT_S = 20  # wandb's own default (90 s) is long for a job waiting on its GPUs
 PROBE_TIMEOUT_S = 3
@@ -67,6 +70,19 @@ def default_wandb_mode(environ=os.environ) -> str:
     if requested in WANDB_MODES:
         return requested
     return "online" if wandb_api_key_configured(environ) else "offline"
+
+
+def with_wandb_defaults(logging: LoggingConfig, save: str | None) -> LoggingConfig:
+    """A copy of `logging` with wandb's mode and folder filled in (from the environment and `save`);
+    UserError when wandb would run but is not installed."""
+    mode = logging.wandb_mode or default_wandb_mode()
+    if logging.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
+        raise UserError("--wandb-project needs the wandb package, which is not installed; "
+                        "pip install -r requirements.txt (or use --wandb-mode disabled)")
+    save_dir = logging.wandb_save_dir
+    if save_dir is None and save is not None:
+        save_dir = os.path.join(save, "wandb")
+    return replace(logging, wandb_mode=mode, wandb_save_dir=save_dir)
 
 
 def default_run_name(run) -> str:

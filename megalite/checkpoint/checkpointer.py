@@ -19,10 +19,9 @@ import torch
 from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
 from megalite.checkpoint.format import read_metadata
 from megalite.checkpoint.loading import load_checkpoint
-from megalite.checkpoint.saving import save_checkpoint
+from megalite.checkpoint.saving import failed_ranks_across, save_checkpoint
 from megalite.config import RunConfig
 from megalite.errors import UserError
-from megalite.reliability import failed_ranks_across
 
 
 @dataclass

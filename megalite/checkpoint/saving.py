@@ -85,6 +85,19 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     return final
 
 
+def failed_ranks_across(parallel):
+    """A `failed_ranks(ok)` for megalite.checkpoint.save_checkpoint: the ranks whose step failed,
+    known to every rank (one all-reduce of a world-size vector)."""
+    def failed_ranks(ok: bool) -> list[int]:
+        if parallel is None or parallel.world_size == 1:
+            return [] if ok else [0]
+        flags = torch.zeros(parallel.world_size, dtype=torch.int32, device=parallel.device)
+        flags[parallel.rank] = 0 if ok else 1
+        torch.distributed.all_reduce(flags)
+        return [rank for rank, flag in enumerate(flags.tolist()) if flag]
+    return failed_ranks
+
+
 def _own_failures(barrier, rank: int):
     """`failed_ranks` for callers that only have a barrier: this rank's own failure, after the barrier."""
     def failed_ranks(ok: bool) -> list[int]:

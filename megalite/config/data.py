@@ -4,8 +4,10 @@ the built-in corpus when none is given)."""
 from dataclasses import dataclass
 
 from megalite.config.options import derived, option
-from megalite.data.tokenizer import TOKENIZER_TYPES
 from megalite.errors import UserError
+
+SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
 
 
 @dataclass(frozen=True)

@@ -2,16 +2,17 @@
 groups, and the values derived from several groups."""
 
 import importlib.util
-import os
 from dataclasses import dataclass, replace
 
 from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option
 from megalite.config.parallel import ParallelConfig
+from megalite.config.rules import check_batch_sizes, check_microbatches, virtual_stage_layers
 from megalite.config.train import TrainConfig
 from megalite.errors import UserError
-from megalite.tracking import WANDB_MODES
+
+WANDB_MODES = ("online", "offline", "disabled")
 
 
 @dataclass(frozen=True)
@@ -77,7 +78,7 @@ class LoggingConfig:
     def validate(self) -> "LoggingConfig":
         """Raise a UserError naming the flag for the first problem found; return self.
 
-        Run on the flags as given, before the wandb defaults are filled in (`with_wandb_defaults`)."""
+        Run on the flags as given, before the wandb defaults are filled in (`megalite.tracking.with_wandb_defaults`)."""
         if self.log_interval < 1:
             raise UserError(f"--log-interval must be at least 1, got {self.log_interval}")
         if self.wandb_project is None:
@@ -91,20 +92,6 @@ class LoggingConfig:
             raise UserError("--tensorboard-dir needs the tensorboard package, which is not installed; "
                             "pip install tensorboard (or drop --tensorboard-dir)")
         return self
-
-    def with_wandb_defaults(self, save: str | None) -> "LoggingConfig":
-        """A copy with wandb's mode and folder filled in (from the environment and `save`);
-        UserError when wandb would run but is not installed."""
-        from megalite.tracking import default_wandb_mode  # reads the environment and ~/.netrc
-
-        mode = self.wandb_mode or default_wandb_mode()
-        if self.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
-            raise UserError("--wandb-project needs the wandb package, which is not installed; "
-                            "pip install -r requirements.txt (or use --wandb-mode disabled)")
-        save_dir = self.wandb_save_dir
-        if save_dir is None and save is not None:
-            save_dir = os.path.join(save, "wandb")
-        return replace(self, wandb_mode=mode, wandb_save_dir=save_dir)
 
 
 @dataclass(frozen=True)
@@ -154,16 +141,11 @@ class RunConfig:
             raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                             f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")
         # The layers must split over every (virtual) pipeline stage.
-        from megalite.pipeline_parallel.stages import virtual_stage_layers
-
         virtual_stage_layers(model.num_layers, parallel.pipeline_model_parallel_size,
                              parallel.virtual_pipeline_model_parallel_size,
                              parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
         if train.compile and model.recompute_granularity:
             raise UserError("--compile with --recompute-* is not supported; drop one of them")
-        from megalite.data.loader import check_batch_sizes
-        from megalite.pipeline_parallel.schedules import check_microbatches
-
         check_batch_sizes(train.global_batch_size, train.micro_batch_size, parallel.data_parallel_size)
         check_microbatches(self.num_microbatches, parallel.pipeline_model_parallel_size,
                            parallel.virtual_pipeline_model_parallel_size)

@@ -3,8 +3,10 @@
 from dataclasses import dataclass
 
 from megalite.config.options import derived, option
+from megalite.config.rules import (
+    DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings,
+)
 from megalite.errors import UserError
-from megalite.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, check_schedule_settings
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 KERNEL_MODES = ("auto", "triton", "torch")
@@ -88,8 +90,6 @@ class TrainConfig:
         if not self.initial_loss_scale > 0:
             raise UserError(f"--initial-loss-scale must be positive, got {self.initial_loss_scale}")
         if self.fp16:
-            from megalite.data_parallel.optimizer import check_loss_scale_settings
-
             check_loss_scale_settings(self.initial_loss_scale, self.min_loss_scale, self.loss_scale_window,
                                       self.hysteresis)
         if not self.lr > 0:
@@ -113,7 +113,6 @@ class TrainConfig:
             raise UserError(f"--exit-interval must be at least 1, got {self.exit_interval}")
         if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
             raise UserError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
-        from megalite.kernels import check_kernels
-
-        check_kernels(self.kernels)
+        if self.kernels not in KERNEL_MODES:  # whether this machine can run them: kernels.set_kernels
+            raise UserError(f"--kernels {self.kernels} is not one of {', '.join(KERNEL_MODES)}")
         return self

@@ -22,7 +22,8 @@ def export_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_siz
     Returns (a one-line description, the special token ids {"bos", "eos", "pad"}).
     UserError when the tokenizer's vocabulary is not the model's.
     """
-    from megalite.data.tokenizer import SENTENCEPIECE_TYPES, build_tokenizer
+    from megalite.config.data import SENTENCEPIECE_TYPES
+    from megalite.data.tokenizer import build_tokenizer
 
     ours = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     if ours.vocab_size != config.real_vocab_size:

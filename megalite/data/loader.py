@@ -9,19 +9,8 @@ concatenated, are the DP=1 batch, and a resumed run continues exactly where it s
 
 import torch
 
+from megalite.config.rules import check_batch_sizes
 from megalite.errors import UserError
-
-
-def check_batch_sizes(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
-    """Number of micro-batches per DP rank per iteration; a clear error if G does not split."""
-    per_step = micro_batch_size * data_parallel_size
-    if micro_batch_size < 1 or global_batch_size < 1 or global_batch_size % per_step:
-        raise UserError(
-            f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
-            f"{micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}; "
-            f"use a global batch size such as {max(1, global_batch_size // per_step) * per_step}"
-        )
-    return global_batch_size // per_step
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):

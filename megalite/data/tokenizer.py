@@ -15,10 +15,8 @@ from typing import Iterable, Iterator
 import numpy as np
 import sentencepiece
 
+from megalite.config.data import TOKENIZER_TYPES
 from megalite.errors import UserError
-
-SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
 
 # SentencePiece drops training sentences longer than this (bytes); we cut them to it instead.
 MAX_SENTENCE_BYTES = 4192

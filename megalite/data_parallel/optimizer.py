@@ -26,6 +26,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
+from megalite.config.rules import check_loss_scale_settings
 from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.errors import UserError
@@ -36,17 +37,6 @@ STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 
 class NonFiniteGradError(RuntimeError):
     """The gradient norm is inf or nan and no loss scaler may skip the step; nothing was updated."""
-
-
-def check_loss_scale_settings(initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int) -> None:
-    """UserError naming the fp16 loss-scale flag whose value DynamicLossScaler cannot take."""
-    if not 0 < min_scale <= initial_scale:
-        raise UserError(f"--initial-loss-scale {initial_scale} and --min-loss-scale {min_scale} must satisfy "
-                        f"0 < min <= initial; pass a smaller --min-loss-scale")
-    if growth_interval < 1:
-        raise UserError(f"--loss-scale-window is {growth_interval} but must be at least 1; pass 1 or more")
-    if hysteresis < 1:
-        raise UserError(f"--hysteresis is {hysteresis} but must be at least 1; pass 1 or more")
 
 
 class DynamicLossScaler:

@@ -15,9 +15,9 @@ import os
 
 import torch
 
+from megalite.config.train import KERNEL_MODES as MODES
 from megalite.errors import UserError
 
-MODES = ("auto", "triton", "torch")
 _mode = "auto"
 
 
@@ -43,7 +43,8 @@ def check_kernels(mode: str) -> None:
 
 
 def set_kernels(mode: str) -> None:
-    """Choose the kernels for this process (see the module docstring)."""
+    """Choose the kernels for this process (see the module docstring); UserError when `--kernels mode`
+    cannot run on this machine (the run's start-up calls this before building anything)."""
     global _mode
     check_kernels(mode)
     _mode = mode

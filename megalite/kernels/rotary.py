@@ -18,7 +18,6 @@ Memory traffic is one read and one write of q and k, forward and backward.
 import torch
 
 from megalite.kernels import use_triton
-from megalite.model.rotary import apply_rotary_pos_emb
 
 try:
     import triton
@@ -27,6 +26,17 @@ except ImportError:  # the PyTorch path needs no Triton
     triton = None
 
 TOKENS_PER_PROGRAM = 4
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    """[x1, x2] -> [-x2, x1] on the last dimension, halves of d/2 channels."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return torch.cat([-x2, x1], dim=-1)
+
+
+def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate x `[s, b, heads, d]` by the angles of cos/sin `[s, b or 1, 1, d]`; keeps x's dtype."""
+    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
 
 
 def apply_rotary_reference(q, k, cos, sin):

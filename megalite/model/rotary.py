@@ -3,7 +3,8 @@
 Channel i of a head is paired with channel i + d/2 (not with its neighbour), the
 convention of HF's LLaMA, so converted checkpoints need no permutation of q/k rows.
 Tensors are `[s, b, heads, d]`. Frequencies are inv_freq[j] = base^(-2j/d), with Llama
-3.1's long-context scaling when `scaling_factor` is set.
+3.1's long-context scaling when `scaling_factor` is set. This file makes the cos/sin
+tables; the rotation itself, Triton beside its PyTorch reference, is megalite/kernels/rotary.py.
 """
 
 import math
@@ -60,13 +61,3 @@ class RotaryEmbedding(nn.Module):
             self._cache[key] = self._tables(torch.arange(end, device=device)[:, None])
         cos, sin = self._cache[key]
         return cos[offset:end], sin[offset:end]
-
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dimension, halves of d/2 channels."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
-def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate x `[s, b, heads, d]` by the angles of cos/sin `[s, b or 1, 1, d]`; keeps x's dtype."""
-    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 from torch.autograd.variable import Variable
 
-from megalite.errors import UserError
+from megalite.config.rules import check_microbatches
 from megalite.pipeline_parallel.comm import Message
 
 
@@ -53,16 +53,6 @@ class Step:
     recvs: tuple[Message, ...]
     sends: tuple[Message, ...]
     ops: tuple[Op, ...]
-
-
-def check_microbatches(num_microbatches: int, pp: int, vp: int) -> None:
-    """UserError when the interleaved schedule cannot run `num_microbatches` micro-batches."""
-    if vp > 1 and num_microbatches % pp:
-        working = ", ".join(str(pp * k) for k in range(1, 4))
-        raise UserError(
-            f"the interleaved pipeline schedule needs the micro-batch count (--global-batch-size / "
-            f"(--micro-batch-size x data-parallel size)) to be a multiple of --pipeline-model-parallel-size {pp}, "
-            f"but it is {num_microbatches}; use a global batch giving {working}, ... micro-batches")
 
 
 def warmup_forwards(pp: int, vp: int, num_microbatches: int, rank: int) -> int:

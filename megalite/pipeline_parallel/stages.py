@@ -9,53 +9,17 @@ norm, the output layer and the loss.
 Layers are split evenly, or with `first` / `last` layers on the first and last virtual
 stage and the rest split evenly over the others (Megatron's
 --decoder-first/last-pipeline-num-layers, for stages that also carry the embedding or
-the output layer). Every virtual stage holds at least one layer.
+the output layer). Every virtual stage holds at least one layer. The split itself,
+`virtual_stage_layers`, is pure arithmetic in megalite/config/rules.py, so the config
+refuses a layout that does not split before any work starts.
 """
 
 import torch
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.errors import UserError
+from megalite.config.rules import virtual_stage_layers
 from megalite.model.gpt import build_model
-
-
-def virtual_stage_layers(num_layers: int, pp: int, vp: int = 1, first: int | None = None,
-                         last: int | None = None) -> list[list[int]]:
-    """The global layer ids of each of the `pp * vp` virtual stages, in pipeline order.
-
-    UserError, naming the flags, when the layers cannot be split that way.
-    """
-    stages = pp * vp
-    sizes = _stage_sizes(num_layers, stages, first, last)
-    bounds = [sum(sizes[:i]) for i in range(stages + 1)]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
-
-
-def _stage_sizes(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
-    split = f"--pipeline-model-parallel-size x virtual stages = {stages} stage(s)"
-    if stages == 1:
-        if first is not None or last is not None:
-            raise UserError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size 2 or "
-                            "more; drop them")
-        return [num_layers]
-    fixed = {0: first, stages - 1: last}
-    for flag, value in [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]:
-        if value is not None and value < 1:
-            raise UserError(f"{flag} must be at least 1, got {value}")
-    given = {stage: value for stage, value in fixed.items() if value is not None}
-    rest_layers = num_layers - sum(given.values())
-    rest_stages = stages - len(given)
-    if rest_layers < rest_stages or (rest_stages and rest_layers % rest_stages) or (not rest_stages and rest_layers):
-        if given:
-            raise UserError(
-                f"--num-layers {num_layers} minus the first/last stage layers ({sum(given.values())}) leaves "
-                f"{rest_layers}, which does not split evenly over the other {rest_stages} of {split} with at "
-                f"least one layer each; change --decoder-first/last-pipeline-num-layers or --num-layers")
-        raise UserError(f"--num-layers {num_layers} is not divisible by {split}; use a multiple of {stages} "
-                        f"layers, or --decoder-first/last-pipeline-num-layers for uneven ends")
-    per_stage = rest_layers // rest_stages if rest_stages else 0
-    return [given.get(stage, per_stage) for stage in range(stages)]
 
 
 def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int = 1, first: int | None = None,

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megalite.model.rotary import RotaryEmbedding, apply_rotary_pos_emb, rotate_half
+from megalite.kernels.rotary import apply_rotary_pos_emb, rotate_half
+from megalite.model.rotary import RotaryEmbedding
 
 HEAD_DIM = 16
 

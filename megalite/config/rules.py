@@ -1,0 +1,119 @@
+"""The pure rules behind several flags, written once: the config classes validate the flags with
+them, and the runtime modules that take the same values (the LR schedule, the loss scaler, the
+batch sampler, the pipeline schedule and stages) check them with them too, so a value is refused
+with the same sentence wherever it arrives. Nothing here looks at the machine or imports more
+than megalite.errors."""
+
+from megalite.errors import UserError
+
+DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
+WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
+
+# Each LR schedule setting and the flag that sets it, for error messages.
+LR_SCHEDULE_FLAGS = {
+    "lr": "--lr",
+    "min_lr": "--min-lr",
+    "warmup_iters": "--lr-warmup-iters",
+    "decay_iters": "--lr-decay-iters",
+    "decay_style": "--lr-decay-style",
+    "wsd_decay_style": "--lr-wsd-decay-style",
+    "wsd_decay_iters": "--lr-wsd-decay-iters",
+}
+
+
+def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
+                            wsd_decay_iters) -> None:
+    """Raise a UserError naming the flag for the first invalid setting."""
+    if decay_style not in DECAY_STYLES:
+        raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
+    if wsd_decay_style not in WSD_DECAY_STYLES:
+        raise UserError(f"--lr-wsd-decay-style {wsd_decay_style!r} is unknown; "
+                        f"use one of {', '.join(WSD_DECAY_STYLES)}")
+    for key, value in (("lr", lr), ("min_lr", min_lr), ("warmup_iters", warmup_iters),
+                       ("decay_iters", decay_iters), ("wsd_decay_iters", wsd_decay_iters)):
+        if value is not None and not value >= 0:  # `not >=` also rejects nan
+            raise UserError(f"{LR_SCHEDULE_FLAGS[key]} is {value} but must not be negative; pass a value >= 0")
+    if min_lr > lr:
+        raise UserError(f"--min-lr {min_lr} is larger than --lr {lr}; pass a --min-lr of at most {lr}")
+    if warmup_iters > decay_iters:
+        raise UserError(f"--lr-warmup-iters {warmup_iters} is larger than --lr-decay-iters {decay_iters}; "
+                        f"warm up for at most {decay_iters} iterations or decay over more")
+    if decay_style == "WSD":
+        if wsd_decay_iters is None:
+            raise UserError("--lr-decay-style WSD needs --lr-wsd-decay-iters, the length of the final "
+                            "anneal; pass it")
+        if wsd_decay_iters > decay_iters:
+            raise UserError(f"--lr-wsd-decay-iters {wsd_decay_iters} is larger than --lr-decay-iters "
+                            f"{decay_iters}; anneal over at most {decay_iters} iterations")
+
+
+def check_loss_scale_settings(initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int) -> None:
+    """UserError naming the fp16 loss-scale flag whose value DynamicLossScaler cannot take."""
+    if not 0 < min_scale <= initial_scale:
+        raise UserError(f"--initial-loss-scale {initial_scale} and --min-loss-scale {min_scale} must satisfy "
+                        f"0 < min <= initial; pass a smaller --min-loss-scale")
+    if growth_interval < 1:
+        raise UserError(f"--loss-scale-window is {growth_interval} but must be at least 1; pass 1 or more")
+    if hysteresis < 1:
+        raise UserError(f"--hysteresis is {hysteresis} but must be at least 1; pass 1 or more")
+
+
+def check_batch_sizes(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
+    """Number of micro-batches per DP rank per iteration; a clear error if G does not split."""
+    per_step = micro_batch_size * data_parallel_size
+    if micro_batch_size < 1 or global_batch_size < 1 or global_batch_size % per_step:
+        raise UserError(
+            f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+            f"{micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}; "
+            f"use a global batch size such as {max(1, global_batch_size // per_step) * per_step}"
+        )
+    return global_batch_size // per_step
+
+
+def check_microbatches(num_microbatches: int, pp: int, vp: int) -> None:
+    """UserError when the interleaved schedule cannot run `num_microbatches` micro-batches."""
+    if vp > 1 and num_microbatches % pp:
+        working = ", ".join(str(pp * k) for k in range(1, 4))
+        raise UserError(
+            f"the interleaved pipeline schedule needs the micro-batch count (--global-batch-size / "
+            f"(--micro-batch-size x data-parallel size)) to be a multiple of --pipeline-model-parallel-size {pp}, "
+            f"but it is {num_microbatches}; use a global batch giving {working}, ... micro-batches")
+
+
+def virtual_stage_layers(num_layers: int, pp: int, vp: int = 1, first: int | None = None,
+                         last: int | None = None) -> list[list[int]]:
+    """The global layer ids of each of the `pp * vp` virtual stages, in pipeline order.
+
+    UserError, naming the flags, when the layers cannot be split that way.
+    """
+    stages = pp * vp
+    sizes = _stage_sizes(num_layers, stages, first, last)
+    bounds = [sum(sizes[:i]) for i in range(stages + 1)]
+    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
+
+
+def _stage_sizes(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
+    split = f"--pipeline-model-parallel-size x virtual stages = {stages} stage(s)"
+    if stages == 1:
+        if first is not None or last is not None:
+            raise UserError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size 2 or "
+                            "more; drop them")
+        return [num_layers]
+    fixed = {0: first, stages - 1: last}
+    for flag, value in [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]:
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be at least 1, got {value}")
+    given = {stage: value for stage, value in fixed.items() if value is not None}
+    rest_layers = num_layers - sum(given.values())
+    rest_stages = stages - len(given)
+    if rest_layers < rest_stages or (rest_stages and rest_layers % rest_stages) or (not rest_stages and rest_layers):
+        if given:
+            raise UserError(
+                f"--num-layers {num_layers} minus the first/last stage layers ({sum(given.values())}) leaves "
+                f"{rest_layers}, which does not split evenly over the other {rest_stages} of {split} with at "
+                f"least one layer each; change --decoder-first/last-pipeline-num-layers or --num-layers")
+        raise UserError(f"--num-layers {num_layers} is not divisible by {split}; use a multiple of {stages} "
+                        f"layers, or --decoder-first/last-pipeline-num-layers for uneven ends")
+    per_stage = rest_layers // rest_stages if rest_stages else 0
+    return [given.get(stage, per_stage) for stage in range(stages)]
+
