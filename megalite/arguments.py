@@ -52,7 +52,7 @@ NON_FIELD_FLAGS = [
                                                              "on GPUs without bf16 units)")),
     ("planning", ("--dry-run",), dict(action="store_true", help="validate the flags and print each rank's "
                                       "parameters, memory and FLOPs for the layout, then exit: no processes, GPUs "
-                                      "or data (megalite/dry_run.py)")),
+                                      "or data (megalite/plan/dry_run.py)")),
     ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
                                                         "(default: TP x PP, DP 1)")),
     (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),

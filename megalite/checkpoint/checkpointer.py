@@ -1,5 +1,5 @@
 """A run's checkpoint policy: which checkpoint to resume from, how much of it to load, when
-to save, and which old checkpoints to remove. The Trainer (megalite/training.py) calls a
+to save, and which old checkpoints to remove. The Trainer (megalite/run/training.py) calls a
 `Checkpointer`; the mechanics are the rest of this package.
 
 The flags it reads: --load (default: --save when that holds a checkpoint, so a restarted
@@ -22,7 +22,7 @@ from megalite.checkpoint.loading import load_checkpoint
 from megalite.checkpoint.saving import save_checkpoint
 from megalite.config import RunConfig
 from megalite.errors import UserError
-from megalite.reliability import failed_ranks_across
+from megalite.run.resilience import failed_ranks_across
 
 
 @dataclass

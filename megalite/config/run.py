@@ -11,7 +11,7 @@ from megalite.config.options import option
 from megalite.config.parallel import ParallelConfig
 from megalite.config.train import TrainConfig
 from megalite.errors import UserError
-from megalite.tracking import WANDB_MODES
+from megalite.run.tracking import WANDB_MODES
 
 
 @dataclass(frozen=True)
@@ -58,7 +58,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Console and metrics cadence, and experiment tracking (megalite/tracking.py)."""
+    """Console and metrics cadence, and experiment tracking (megalite/run/tracking.py)."""
 
     log_interval: int = option(10, "print a progress line every this many iterations")
     metrics_file: str | None = option(None, "JSONL metrics", default_text="<save>/metrics.jsonl with --save")
@@ -95,7 +95,7 @@ class LoggingConfig:
     def with_wandb_defaults(self, save: str | None) -> "LoggingConfig":
         """A copy with wandb's mode and folder filled in (from the environment and `save`);
         UserError when wandb would run but is not installed."""
-        from megalite.tracking import default_wandb_mode  # reads the environment and ~/.netrc
+        from megalite.run.tracking import default_wandb_mode  # reads the environment and ~/.netrc
 
         mode = self.wandb_mode or default_wandb_mode()
         if self.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
@@ -120,7 +120,7 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
-    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/dry_run.py)
+    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/plan/dry_run.py)
 
     @property
     def num_microbatches(self) -> int:

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 
 from megalite.config.options import derived, option
 from megalite.errors import UserError
-from megalite.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, check_schedule_settings
+from megalite.run.lr_schedule import DECAY_STYLES, WSD_DECAY_STYLES, check_schedule_settings
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 KERNEL_MODES = ("auto", "triton", "torch")

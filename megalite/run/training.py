@@ -18,9 +18,9 @@ checkpoint when `--save` is set, and returns normally (exit code 0), so a schedu
 requeue the same command and the run continues exactly where it stopped (`--load`
 defaults to `--save` when that holds a checkpoint). Without the handler a SIGTERM
 kills the run where it stands, except while wandb or TensorBoard track it
-(megalite/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
+(megalite/run/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
 
-Faults (megalite/reliability.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
+Faults (megalite/run/resilience.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
 the run naming the iteration and the last good checkpoint (`--check-for-nan-in-loss-and-grad`);
 fp16 skips overflowing steps, and stops after too many in a row; loss spikes get a
 warning line; a failed save stops with the path and the error, its partial folder
@@ -47,10 +47,10 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
                                               NonFiniteGradError)
 from megalite.errors import UserError
 from megalite.kernels import set_kernels
-from megalite.logging import TrainingLogger
-from megalite.tracking import exit_code_of, start_tracking
-from megalite.lr_schedule import LRSchedule
-from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, owned_signals,
+from megalite.run.logger import TrainingLogger
+from megalite.run.tracking import exit_code_of, start_tracking
+from megalite.run.lr_schedule import LRSchedule
+from megalite.run.resilience import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, owned_signals,
                                   PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
                                   divergence_message, is_collective_failure, signal_name,
                                   skipped_message)

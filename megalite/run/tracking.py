@@ -37,7 +37,7 @@ import time
 from typing import Callable
 from urllib.parse import urlparse
 
-from megalite.reliability import deferred_signals
+from megalite.run.resilience import deferred_signals
 
 WANDB_MODES = ("online", "offline", "disabled")
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"

@@ -1,6 +1,6 @@
 """What keeps a long run alive and honest: preemption signals, dead ranks, NaNs, loss spikes, bad token ids.
 
-The training loop (megalite/training.py) uses these pieces:
+The training loop (megalite/run/training.py) uses these pieces:
 
     with owned_signals(save_and_exit) as signals:  # SIGTERM / SIGINT -> save at the next boundary
         signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
