@@ -1,6 +1,7 @@
 """A training run: the loop and what surrounds it, one concern per module.
 
     training.py     Trainer and pretrain(): build, load, iterate, evaluate, save, stop
+    data.py         the built-in corpus for the default run; datasets sized for the run
     lr_schedule.py  LRSchedule: the learning rate of every iteration
     resilience.py   signals (one SIGTERM/SIGINT owner), dead peers, divergence, loss spikes,
                     skipped steps, when to stop, token-id checks
