@@ -179,7 +179,7 @@ class TrainingLogger:
         A line is due when `iteration % log_interval == 0`, at `train_iters`, or when
         `force`; it reports averages over the iterations since the last line and the
         current lr, loss scale and grad norm. Returns the metrics record (keys:
-        TRAINING_KEYS) when a line was written, else None.
+        megalite.run.metrics.TRAINING_KEYS) when a line was written, else None.
         """
         if not self.is_logging_rank:
             return None
@@ -210,7 +210,7 @@ class TrainingLogger:
         return record
 
     def _training_record(self, iteration, consumed_samples, lr, mean_loss, loss_scale, grad_norm) -> dict:
-        """The metrics record of the interval that ends at `iteration` (keys: TRAINING_KEYS)."""
+        """The metrics record of the interval that ends at `iteration` (keys: metrics.TRAINING_KEYS)."""
         interval = self._interval
         seconds = max(interval.seconds, 1e-12)
         flops_per_device = interval.flops / seconds / self.num_devices
