@@ -21,10 +21,8 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.errors import run_main
-from megalite.generation import generate
 from megalite.parallel_state import world_size_from_env
-from megalite.reliability import hold_signals_until_exit
-from megalite.training import pretrain
+from megalite.run import generate, hold_signals_until_exit, pretrain
 
 SAMPLE_PROMPT = "def "
 
@@ -33,7 +31,7 @@ def main(argv) -> None:
     start = time.perf_counter()
     run = parse_args(argv, world_size_from_env())
     if run.dry_run:
-        from megalite.dry_run import dry_run
+        from megalite.plan import dry_run
 
         dry_run(run)
         return

@@ -25,7 +25,7 @@ from megalite.config import (
 )
 from megalite.config.options import Option, flags_of, option_fields, value_type
 from megalite.errors import UserError
-from megalite.tracking import with_wandb_defaults
+from megalite.run.tracking import with_wandb_defaults
 
 __all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args", "with_tokenizer_vocab"]
 
@@ -53,7 +53,7 @@ NON_FIELD_FLAGS = [
                                                              "on GPUs without bf16 units)")),
     ("planning", ("--dry-run",), dict(action="store_true", help="validate the flags and print each rank's "
                                       "parameters, memory and FLOPs for the layout, then exit: no processes, GPUs "
-                                      "or data (megalite/dry_run.py)")),
+                                      "or data (megalite/plan/dry_run.py)")),
     ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
                                                         "(default: TP x PP, DP 1)")),
     (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),

@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
 
 
 # Imported by the fork server before its first fork; a rank then imports only its test module.
-PRELOAD = ["torch", "torch.distributed", "megalite.training", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "megalite.run.training", "tests.distributed"]
 
 
 def _start_fork_server() -> None:

@@ -231,5 +231,5 @@ def test_arguments_does_not_import_training():
     import subprocess
     import sys
 
-    code = "import sys, megalite.arguments; sys.exit('megalite.training' in sys.modules)"
+    code = "import sys, megalite.arguments; sys.exit('megalite.run.training' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
-from megalite.training import pretrain
+from megalite.run.training import pretrain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 

@@ -36,16 +36,8 @@ LAYERS = {
     "megalite.checkpoint": 7,
     "megalite.run": 8,
     "megalite.cpu": 8,  # and imported by megalite.run only (ONLY_IMPORTED_BY)
-    "megalite.training": 8,
-    "megalite.logging": 8,
-    "megalite.tracking": 8,
-    "megalite.reliability": 8,
-    "megalite.lr_schedule": 8,
-    "megalite.generation": 8,
     "megalite.convert": 9,
     "megalite.plan": 9,
-    "megalite.dry_run": 9,
-    "megalite.memory_estimate": 9,
     "megalite.arguments": 9,
 }
 

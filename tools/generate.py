@@ -17,7 +17,7 @@ from megalite.checkpoint import load_checkpoint, read_metadata, resolve_checkpoi
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import UserError, run_main
-from megalite.generation import generate
+from megalite.run.generation import generate
 from megalite.model.gpt import build_model
 
 

@@ -11,7 +11,7 @@ import argparse
 import sys
 
 from megalite.errors import UserError, run_main
-from megalite.logging import read_metrics_records
+from megalite.run.metrics import read_metrics_records
 
 
 def read_losses(path: str) -> dict[tuple[str, int], float]:

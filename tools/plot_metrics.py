@@ -15,7 +15,7 @@ import os
 import sys
 
 from megalite.errors import UserError, run_main
-from megalite.logging import read_metrics_records
+from megalite.run.metrics import read_metrics_records
 
 METRICS_FILE = "metrics.jsonl"
 # (key of a training record, panel title); the loss panel also shows the evaluations.

@@ -1,5 +1,5 @@
 """A run's checkpoint policy: which checkpoint to resume from, how much of it to load, when
-to save, and which old checkpoints to remove. The Trainer (megalite/training.py) calls a
+to save, and which old checkpoints to remove. The Trainer (megalite/run/training.py) calls a
 `Checkpointer`; the mechanics are the rest of this package.
 
 The flags it reads: --load (default: --save when that holds a checkpoint, so a restarted

@@ -12,7 +12,7 @@ TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer"
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The data flags. For the default run, `resolve_data` (megalite/training.py) returns a copy
+    """The data flags. For the default run, `resolve_data` (megalite/run/data.py) returns a copy
     pointing at the built-in corpus and its tokenizer."""
 
     data_path: list[str] | None = option(None, "token file prefixes, optionally weighted",

@@ -59,7 +59,7 @@ class CheckpointConfig:
 
 @dataclass(frozen=True)
 class LoggingConfig:
-    """Console and metrics cadence, and experiment tracking (megalite/tracking.py)."""
+    """Console and metrics cadence, and experiment tracking (megalite/run/tracking.py)."""
 
     log_interval: int = option(10, "print a progress line every this many iterations")
     metrics_file: str | None = option(None, "JSONL metrics", default_text="<save>/metrics.jsonl with --save")
@@ -78,7 +78,7 @@ class LoggingConfig:
     def validate(self) -> "LoggingConfig":
         """Raise a UserError naming the flag for the first problem found; return self.
 
-        Run on the flags as given, before the wandb defaults are filled in (`megalite.tracking.with_wandb_defaults`)."""
+        Run on the flags as given, before the wandb defaults are filled in (`megalite.run.tracking.with_wandb_defaults`)."""
         if self.log_interval < 1:
             raise UserError(f"--log-interval must be at least 1, got {self.log_interval}")
         if self.wandb_project is None:
@@ -107,7 +107,7 @@ class RunConfig:
     data: DataConfig
     checkpoint: CheckpointConfig
     logging: LoggingConfig
-    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/dry_run.py)
+    dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/plan/dry_run.py)
 
     @property
     def num_microbatches(self) -> int:

@@ -14,7 +14,7 @@ from megalite.data_parallel.optimizer import MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.parallel_state import build_parallel_state
-from megalite.training import TrainState, build_lr_schedule
+from megalite.run.training import TrainState, build_lr_schedule
 
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--num-layers", "1",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",

@@ -13,7 +13,7 @@ from tests.checkpoint.helpers import assert_same_tensors, save, small_config
 
 class SimulatedCrash(BaseException):
     """Stands for a kill: no except clause of the save catches it, so nothing is cleaned up.
-    (A save that fails with an OSError cleans up: tests/test_faults.py.)"""
+    (A save that fails with an OSError cleans up: tests/run/test_resilience.py.)"""
 
 
 def failing_on_call(real, failing_call: int):

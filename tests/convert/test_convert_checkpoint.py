@@ -19,10 +19,11 @@ from megalite.config import ModelConfig
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.data.tokenizer import build_tokenizer, train_sentencepiece
 from megalite.errors import UserError
-from megalite.generation import generate
+from megalite.run.generation import generate
 from megalite.convert import model_fields_from_hf, sentencepiece_to_tokenizers
 from megalite.model.gpt import build_model
-from megalite.training import build_datasets, pretrain
+from megalite.run.data import build_datasets
+from megalite.run.training import pretrain
 from tools.check_layouts import run as run_processes
 from tools.convert_checkpoint import main as convert
 from tools.generate import load_model

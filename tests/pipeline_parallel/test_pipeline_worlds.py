@@ -16,7 +16,7 @@ from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner
 from megalite.pipeline_parallel.stages import build_model_chunks
 from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
-from megalite.training import allreduce_embedding_grads, forward_backward
+from megalite.run.training import allreduce_embedding_grads, forward_backward
 from tests.distributed import run_world
 
 SEQ, MICRO, MICRO_BATCHES = 8, 2, 4
@@ -82,7 +82,7 @@ def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
             released.append(output.untyped_storage().nbytes() if not self.chunks[op.chunk].post_process else None)
             super()._backward(op)
 
-    import megalite.training as training
+    import megalite.run.training as training
 
     original = training.ScheduleRunner
     training.ScheduleRunner = Watching

@@ -12,7 +12,7 @@ forward_backward, finish_grad_sync, step. It then sums the bytes of the live ten
 rank 0 gathers every rank's figures and the launcher prints one table.
 
 Columns (MB = 2**20 bytes; each measured figure is followed by its closed form, `exp`,
-from megalite/memory_estimate.py, which `pretrain_gpt.py --dry-run` uses too):
+from megalite/plan/memory.py, which `pretrain_gpt.py --dry-run` uses too):
 
 - params: the model's parameters; closed form N x bytes(dtype), N from num_parameters;
 - grads: the fp32 grad buffer (`optimizer.grad_buffer.data`); closed form 4 bytes per
@@ -40,7 +40,7 @@ import tempfile
 import torch
 
 from megalite.config import ModelConfig, num_parameters
-from megalite.memory_estimate import STEP_COUNTER_BYTES, element_bytes, state_bytes
+from megalite.plan.memory import STEP_COUNTER_BYTES, element_bytes, state_bytes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -74,7 +74,7 @@ def optimizer_state_bytes(optimizer) -> int:
 
 
 def expected_figures(config: ModelConfig, dtype: torch.dtype, buffer, shard: int, shards: int) -> dict:
-    """The closed forms (megalite/memory_estimate.py): params from N; grads and the optimizer state
+    """The closed forms (megalite/plan/memory.py): params from N; grads and the optimizer state
     from the bucket sizes and the elements (and parameter pieces) inside shard `shard` of `shards`."""
     return {"params": num_parameters(config) * element_bytes(dtype), **state_bytes(buffer, dtype, shard, shards)}
 
@@ -82,7 +82,7 @@ def expected_figures(config: ModelConfig, dtype: torch.dtype, buffer, shard: int
 def measure(kind, config: ModelConfig, dtype: torch.dtype, parallel) -> dict:
     """One training step with optimizer class `kind`; this rank's measured bytes and their closed forms."""
     from megalite.pipeline_parallel.stages import build_model_chunks
-    from megalite.training import forward_backward
+    from megalite.run.training import forward_backward
 
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     optimizer = kind(model, lr=1e-3, parallel=parallel)

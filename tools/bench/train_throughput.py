@@ -46,9 +46,9 @@ very slow (bf16 on a CPU without bf16 units: ~1 GFLOP/s GEMMs), --hf-iters /
 --hf-warmup-iters give it fewer iterations; its blocks then fill the first rounds. The
 --hf-* flags (iterations, warm-up, modes) hold for the minimal model too: it runs the
 same PyTorch GEMMs as HF.
-TFLOP/s and MFU use megalite.logging's FLOPs formula (the same model FLOPs for all) and
+TFLOP/s and MFU use megalite.run.flops's FLOPs formula (the same model FLOPs for all) and
 peak: a datasheet value on a known GPU; on a CPU the fastest 1024^3 matmul measured in
-this run (at startup and after every round) by megalite.logging.peak_flops: for bf16 the
+this run (at startup and after every round) by megalite.run.flops.peak_flops: for bf16 the
 faster of bf16 and fp32 (fp32 alone on a CPU without bf16 units).
 """
 
@@ -67,7 +67,7 @@ import torch.nn.functional as F
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset
 from megalite.errors import UserError, run_main
 from megalite.convert import llama_config_to_hf
-from megalite.logging import flops_per_iteration, peak_flops
+from megalite.run.flops import flops_per_iteration, peak_flops
 from megalite.model.gpt import build_model
 from megalite.model.options import apply_options
 from megalite.model.rotary import RotaryEmbedding

@@ -5,7 +5,7 @@ a real run makes (megalite/arguments.py, megalite/config/). Then, for each pipel
 chunks are built on the meta device (shapes only, no memory) with a ParallelState whose
 process groups are placeholders, and the fp32 grad buffer is laid out over them as the
 optimizer lays it out, so its buckets, padding and the distributed optimizer's shards
-are the real ones. From these, megalite/memory_estimate.py gives each rank's bytes of
+are the real ones. From these, megalite/plan/memory.py gives each rank's bytes of
 params, grads, optimizer state and activations. Ranks with the same figures form one
 class in the printed table (e.g. the first and the last pipeline stage).
 
@@ -32,8 +32,8 @@ import torch
 from megalite.config import RunConfig, num_parameters
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.kernels import check_kernels
-from megalite.logging import DTYPE_NAMES, flops_per_iteration
-from megalite.memory_estimate import (ActivationModel, chunk_activation_bytes, element_bytes,
+from megalite.run.flops import DTYPE_NAMES, flops_per_iteration
+from megalite.plan.memory import (ActivationModel, chunk_activation_bytes, element_bytes,
                                       peak_activation_bytes, state_bytes)
 from megalite.parallel_state import ParallelState, coordinates, group_ranks, rank_grid
 from megalite.pipeline_parallel.schedules import max_in_flight, operation_order
@@ -96,7 +96,7 @@ class RankClass:
     param_bytes: int
     grad_bytes: int
     optimizer_bytes: int
-    activation_bytes: int  # estimate (megalite/memory_estimate.py)
+    activation_bytes: int  # estimate (megalite/plan/memory.py)
     in_flight: int  # the most micro-batch chunks held at once by the schedule
 
     @property
@@ -148,7 +148,7 @@ def plan(run: RunConfig) -> DryRunReport:
         first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
         # The optimizer's grad buffer, laid out as MixedPrecisionOptimizer lays it out (building the
-        # optimizer itself would import torch's compiler, seconds for nothing; tests/test_dry_run.py
+        # optimizer itself would import torch's compiler, seconds for nothing; tests/plan/test_dry_run.py
         # checks the two agree against a live run).
         buffer = GradBuffer([[param for param in chunk.parameters() if param.requires_grad] for chunk in chunks],
                             bucket_size=layout.ddp_bucket_size, shard_count=shards)

@@ -7,10 +7,10 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.config import model_config_from_preset
-from megalite.dry_run import dry_run, format_ranks, plan
+from megalite.plan.dry_run import dry_run, format_ranks, plan
 from megalite.errors import UserError
 from megalite.kernels import kernels_mode, set_kernels, triton_available
-from megalite.memory_estimate import ActivationModel, chunk_activation_bytes
+from megalite.plan.memory import ActivationModel, chunk_activation_bytes
 from megalite.model.gpt import build_model
 from megalite.model.options import apply_options
 from tests.distributed import run_world
@@ -51,12 +51,12 @@ def _saved_bytes(function) -> dict[int, int]:
 
 def _live_rank(rank, world_size, flags):
     """One real training step on this rank; its live bytes, and its saved activations per micro-batch."""
-    import megalite.logging
-    from megalite.training import Trainer
+    import megalite.run.logger
+    from megalite.run.training import Trainer
     from tools.bench.memory import optimizer_state_bytes, tensor_bytes
 
     # The logging rank's CPU peak benchmark (a 1024^3 bf16 matmul, slow on CPUs) is not under test.
-    megalite.logging.peak_flops = lambda device, dtype: (None, "not measured in this test")
+    megalite.run.logger.peak_flops = lambda device, dtype: (None, "not measured in this test")
     run = parse_args(flags, world_size)
     trainer = Trainer(run, log=lambda line: None)
     trainer.train_step()

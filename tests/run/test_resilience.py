@@ -26,12 +26,12 @@ from megalite.arguments import parse_args
 from megalite.checkpoint import CheckpointSaveError, choose_checkpoint, read_latest_iteration
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
-from megalite.reliability import LossSpikeDetector, owned_signals
-from megalite.training import pretrain
+from megalite.run.resilience import LossSpikeDetector, owned_signals
+from megalite.run.training import pretrain
 from tools import fault_campaign as campaign
 from tools.fork_ranks import cpu_world_environment
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 PRETRAIN = os.path.join(REPO_ROOT, "pretrain_gpt.py")
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 CPU_WORLD = cpu_world_environment(OMP_NUM_THREADS="1")  # runs that stay on the CPU (gloo) on any machine
@@ -350,7 +350,7 @@ SMALL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99
 
 def test_fp16_overflow_at_the_minimum_loss_scale_stops_after_ten_skipped_steps(monkeypatch, one_thread):
     # The CPU peak for MFU is measured with fp16 matmuls, seconds each on a CPU: not what is tested.
-    monkeypatch.setattr("megalite.logging.peak_flops", lambda device, dtype: (None, "not measured"))
+    monkeypatch.setattr("megalite.run.logger.peak_flops", lambda device, dtype: (None, "not measured"))
     lines = []
     with pytest.raises(UserError, match="10 iterations in a row up to iteration 10 had inf/nan gradients and were "
                                         r"skipped at the minimum loss scale \(--min-loss-scale 1\)"):

@@ -1,6 +1,6 @@
 """Bytes per rank in closed form: parameters, gradients, optimizer state and activations.
 
-Used by `pretrain_gpt.py --dry-run` (megalite/dry_run.py) and tools/bench/memory.py.
+Used by `pretrain_gpt.py --dry-run` (megalite/plan/dry_run.py) and tools/bench/memory.py.
 
 Parameters, gradients and optimizer state are exact, to the byte:
 
@@ -13,7 +13,7 @@ Parameters, gradients and optimizer state are exact, to the byte:
   are its params); plus 4 bytes for each of AdamW's `step` counters (one per parameter
   or per piece of one in the shard).
 
-tools/bench/memory.py checks these against live tensors, and tests/test_dry_run.py
+tools/bench/memory.py checks these against live tensors, and tests/plan/test_dry_run.py
 against a real TP x PP x DP run.
 
 Activations are an estimate of what autograd keeps between a micro-batch's forward and

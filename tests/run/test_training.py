@@ -10,7 +10,7 @@ import torch
 from megalite.arguments import parse_args
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
-from megalite.training import pretrain
+from megalite.run.training import pretrain
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
          "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16", "--micro-batch-size", "2",

@@ -1,4 +1,4 @@
-"""megalite/tracking.py: wandb runs read back from their offline files, exit paths, no network, flags.
+"""megalite/run/tracking.py: wandb runs read back from their offline files, exit paths, no network, flags.
 
 Every test points wandb at temporary folders and at a closed local port, so nothing
 touches the network or the home folder.
@@ -20,14 +20,14 @@ import pytest
 
 from megalite.arguments import parse_args
 from megalite.errors import UserError
-from megalite.reliability import RunSignals, owned_signals
-from megalite.tracking import Tracker, default_wandb_mode, scalars_of, start_tracking
-from megalite.training import pretrain
+from megalite.run.resilience import RunSignals, owned_signals
+from megalite.run.tracking import Tracker, default_wandb_mode, scalars_of, start_tracking
+from megalite.run.training import pretrain
 
 wandb = pytest.importorskip("wandb")
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 CLOSED_PORT_URL = "http://127.0.0.1:9"  # the discard port: nothing listens there
 SMALL = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--num-layers", "2",
          "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64", "--seq-length", "16",

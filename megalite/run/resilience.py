@@ -1,13 +1,15 @@
 """What keeps a long run alive and honest: preemption signals, dead ranks, NaNs, loss spikes, bad token ids.
 
-The training loop (megalite/training.py) uses these pieces:
+The training loop (megalite/run/training.py) uses these pieces:
 
     with owned_signals(save_and_exit) as signals:  # SIGTERM / SIGINT -> save at the next boundary
         signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
     save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))  # checkpoint/saving.py: one fails, all stop
     peers = PeerWatch(parallel)                    # who the other ranks are, to name a dead one later
     raise peers.failure(error, iteration, ckpt)    # a collective failed: one sentence, not a hang
+    reason = exit_reason(train, iteration, signum, overtime)  # why to stop now, or None
     spikes = LossSpikeDetector(1.5)                # a warning line per spike
+    skipped = SkippedSteps()                       # too many unrecoverable skipped steps in a row stop the run
     batches = checked_token_ids(loader, vocab, source)  # token ids beyond the vocabulary stop the run
 
 Preemption: one owner (`RunSignals`) holds SIGTERM and SIGINT for the whole run; the
@@ -153,6 +155,23 @@ def signal_name(signum: int) -> str:
     return signal.Signals(signum).name
 
 
+def exit_reason(train, iteration: int, stop_signal: int, overtime: bool) -> str | None:
+    """Why the loop should stop after `iteration` (iterations completed), or None to go on.
+
+    train: the run's TrainConfig. stop_signal / overtime: `agreed_stop`'s answer, the same on
+    every rank, so every rank takes the same decision.
+    """
+    if iteration >= train.train_iters:
+        return "finished"
+    if stop_signal:
+        return signal_name(stop_signal)
+    if train.exit_interval and iteration % train.exit_interval == 0:
+        return f"--exit-interval {train.exit_interval}"
+    if overtime:
+        return f"--exit-duration-in-mins {train.exit_duration_in_mins:g}"
+    return None
+
+
 # -- dead ranks --------------------------------------------------------------------------------
 
 
@@ -273,6 +292,23 @@ def skipped_message(count: int, iteration: int, min_loss_scale: float | None, la
     return (f"{count} iterations in a row up to iteration {iteration} had inf/nan gradients and were skipped "
             f"{where}, so the run is not recovering; {resume}; {LIKELY_CAUSES}; lower --lr or use --bf16, "
             f"then resume from that checkpoint")
+
+
+class SkippedSteps:
+    """Counts the optimizer steps skipped in a row that cannot recover: fp16 overflows with the
+    loss scale at its minimum, or any skipped step without a scaler."""
+
+    def __init__(self):
+        self.in_a_row = 0
+
+    def check(self, updated: bool, scaler, iteration: int, last_checkpoint: str | None) -> None:
+        """Count iteration `iteration`'s step (`updated`: it was applied; `scaler`: the optimizer's
+        DynamicLossScaler or None); UserError once MAX_SKIPPED_AT_MIN_SCALE came in a row."""
+        stuck = not updated and (scaler is None or scaler.scale <= scaler.min_scale)
+        self.in_a_row = self.in_a_row + 1 if stuck else 0
+        if self.in_a_row >= MAX_SKIPPED_AT_MIN_SCALE:
+            raise UserError(skipped_message(self.in_a_row, iteration, scaler.min_scale if scaler else None,
+                                            last_checkpoint))
 
 
 class LossSpikeDetector:

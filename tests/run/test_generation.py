@@ -7,10 +7,10 @@ import sys
 import torch
 
 from megalite.arguments import parse_args
-from megalite.generation import filter_logits
-from megalite.training import pretrain
+from megalite.run.generation import filter_logits
+from megalite.run.training import pretrain
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 def test_top_k_keeps_the_k_largest():

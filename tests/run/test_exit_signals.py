@@ -30,7 +30,8 @@ LAUNCHER = r"""
 import os, signal, sys
 from tools import fork_ranks
 os.environ.update(fork_ranks.cpu_world_environment())  # before torch: a CPU world on any machine
-from megalite import parallel_state, training
+from megalite import parallel_state
+from megalite.run import training
 from megalite.checkpoint import checkpointer
 
 moment, iteration, target = os.environ.pop("MEGALITE_TEST_SIGNAL").split(":")

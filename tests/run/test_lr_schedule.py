@@ -6,7 +6,7 @@ import math
 import pytest
 
 from megalite.errors import UserError
-from megalite.lr_schedule import LRSchedule
+from megalite.run.lr_schedule import LRSchedule
 
 # lr 1.0 -> min 0.1; warmup iterations 0..9; decay from iteration 10 to 110 (span 100).
 BASE = dict(lr=1.0, min_lr=0.1, warmup_iters=10, decay_iters=110)

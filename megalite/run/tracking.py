@@ -41,7 +41,7 @@ from urllib.parse import urlparse
 
 from megalite.config.run import WANDB_MODES, LoggingConfig
 from megalite.errors import UserError
-from megalite.reliability import deferred_signals
+from megalite.run.resilience import deferred_signals
 
 DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 INIT_TIMEOUT_S = 20  # wandb's own default (90 s) is long for a job waiting on its GPUs

@@ -2,7 +2,7 @@
 
 `pretrain(run)` takes a validated, frozen RunConfig (megalite/arguments.py) through one run:
 
-    resolve data and tokenizer -> build model and optimizer -> load a checkpoint (--load)
+    resolve data (megalite/run/data.py) and tokenizer -> build model and optimizer -> load a checkpoint (--load)
     -> data loaders from the consumed samples -> iterations -> test evaluation -> save
 
 One iteration is one global batch: its micro-batches run forward and backward one after
@@ -10,17 +10,18 @@ another, gradients accumulate in fp32 (megalite/data_parallel/grad_buffer.py), a
 optimizer steps once. The loss of an iteration is the mean over every unmasked token of
 the global batch, so the number of micro-batches changes no arithmetic.
 
-Stopping: after `--train-iters`; at a multiple of `--exit-interval`; once
-`--exit-duration-in-mins` have passed; or after SIGTERM or SIGINT on any rank (the exit
-signal handler, on whenever `--save` is set; `--no-exit-signal-handler` turns it off).
+Stopping (`exit_reason` in megalite/run/resilience.py): after `--train-iters`; at a multiple
+of `--exit-interval`; once `--exit-duration-in-mins` have passed; or after SIGTERM or SIGINT
+on any rank (the exit signal handler, on whenever `--save` is set; `--no-exit-signal-handler`
+turns it off).
 Every early stop happens at an iteration boundary that all ranks agree on, saves a
 checkpoint when `--save` is set, and returns normally (exit code 0), so a scheduler can
 requeue the same command and the run continues exactly where it stopped (`--load`
 defaults to `--save` when that holds a checkpoint). Without the handler a SIGTERM
 kills the run where it stands, except while wandb or TensorBoard track it
-(megalite/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
+(megalite/run/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
 
-Faults (megalite/reliability.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
+Faults (megalite/run/resilience.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
 the run naming the iteration and the last good checkpoint (`--check-for-nan-in-loss-and-grad`);
 fp16 skips overflowing steps, and stops after too many in a row; loss spikes get a
 warning line; a failed save stops with the path and the error, its partial folder
@@ -39,7 +40,7 @@ from megalite import parallel_state
 from megalite.checkpoint import Checkpointer
 from megalite.checkpoint.checkpointer import json_able
 from megalite.config import RunConfig
-from megalite.data import build_data_loader, build_gpt_datasets
+from megalite.data import build_data_loader
 from megalite.data.loader import next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import global_token_count
@@ -47,13 +48,13 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
                                               NonFiniteGradError)
 from megalite.errors import UserError
 from megalite.kernels import set_kernels
-from megalite.logging import TrainingLogger
-from megalite.tracking import exit_code_of, start_tracking
-from megalite.lr_schedule import LRSchedule
-from megalite.reliability import (MAX_SKIPPED_AT_MIN_SCALE, LossSpikeDetector, owned_signals,
-                                  PeerWatch, agreed_stop, check_token_dtypes, checked_token_ids,
-                                  divergence_message, is_collective_failure, signal_name,
-                                  skipped_message)
+from megalite.run.logger import TrainingLogger
+from megalite.run.tracking import exit_code_of, start_tracking
+from megalite.run.lr_schedule import LRSchedule
+from megalite.run.data import build_datasets, resolve_data
+from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, agreed_stop, check_token_dtypes,
+                                     checked_token_ids, divergence_message, exit_reason, is_collective_failure,
+                                     owned_signals, signal_name)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.options import apply_options
@@ -61,8 +62,6 @@ from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import sequence_parallel_enabled
 from megalite.tensor_parallel.random import model_parallel_seed
-
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @dataclass
@@ -92,34 +91,6 @@ def seed_everything(seed: int, parallel) -> None:
     random.seed(stage_seed)
     np.random.seed(stage_seed)
     model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
-
-
-def resolve_data(run: RunConfig) -> RunConfig:
-    """`run`, or for the default run a copy whose data flags point at the built-in corpus (built
-    here, or reused)."""
-    if not run.data.builtin_corpus:
-        return run
-    from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
-
-    prefix, tokenizer_model = ensure_builtin_corpus(os.path.join(REPO_ROOT, "data", "build"))
-    return dataclasses.replace(run, data=dataclasses.replace(
-        run.data, data_path=[prefix], tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer_model))
-
-
-def build_datasets(run: RunConfig, tokenizer):
-    """Train/valid/test datasets sized like Megatron's: every sample the run will draw."""
-    train = run.train
-    evaluations = train.train_iters // train.eval_interval + 1 if train.eval_interval else 1
-    num_samples = (train.train_iters * train.global_batch_size,
-                   evaluations * train.eval_iters * train.global_batch_size,
-                   train.eval_iters * train.global_batch_size)
-    data = run.data
-    return build_gpt_datasets(
-        data.data_path, data.split, run.model.seq_length, train.seed, num_samples, data.data_cache_path,
-        eod=tokenizer.eod, pad=tokenizer.pad, eod_mask_loss=data.eod_mask_loss,
-        reset_position_ids=data.reset_position_ids, train_data_path=data.train_data_path,
-        valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
-        mock_vocab_size=tokenizer.vocab_size - 1 if data.mock_data else None)
 
 
 def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
@@ -218,24 +189,6 @@ def allreduce_embedding_grads(model, parallel) -> None:
     for param in model.parameters():
         if getattr(param, "shared_embedding", False):
             torch.distributed.all_reduce(param.main_grad, group=parallel.embedding_group)
-
-
-def exit_reason(run: RunConfig, state: TrainState, stop_signal: int, overtime: bool) -> str | None:
-    """Why the loop should stop after the iteration just finished, or None to go on.
-
-    stop_signal / overtime: `Trainer.agreed_stop`'s answer, the same on every rank, so every
-    rank takes the same decision.
-    """
-    train = run.train
-    if state.iteration >= train.train_iters:
-        return "finished"
-    if stop_signal:
-        return signal_name(stop_signal)
-    if train.exit_interval and state.iteration % train.exit_interval == 0:
-        return f"--exit-interval {train.exit_interval}"
-    if overtime:
-        return f"--exit-duration-in-mins {train.exit_duration_in_mins:g}"
-    return None
 
 
 class Trainer:
@@ -403,7 +356,7 @@ class Trainer:
         run, state = self.run, self.state
         start_time = time.time()
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
-        spikes, skipped_in_a_row = LossSpikeDetector(run.train.loss_spike_threshold), 0
+        spikes, skipped = LossSpikeDetector(run.train.loss_spike_threshold), SkippedSteps()
         exit_code, failure = 0, None
         try:
             if self.evaluation_pending:  # the checkpoint's own evaluation was cut short by a signal
@@ -421,13 +374,8 @@ class Trainer:
                 self.logger.log_iteration(state.iteration, state.consumed_train_samples,
                                           time.perf_counter() - step_start, lr, loss,
                                           self.optimizer.loss_scale, grad_norm, skipped=not updated)
-                scaler = self.optimizer.loss_scaler
-                stuck = not updated and (scaler is None or scaler.scale <= scaler.min_scale)
-                skipped_in_a_row = skipped_in_a_row + 1 if stuck else 0
-                if skipped_in_a_row >= MAX_SKIPPED_AT_MIN_SCALE:
-                    raise UserError(skipped_message(skipped_in_a_row, state.iteration,
-                                                    scaler.min_scale if scaler else None,
-                                                    self.checkpointer.last_checkpoint))
+                skipped.check(updated, self.optimizer.loss_scaler, state.iteration,
+                              self.checkpointer.last_checkpoint)
                 warning = spikes.check(state.iteration, loss)
                 if warning:
                     self.log(warning)
@@ -437,7 +385,7 @@ class Trainer:
                 if self.checkpointer.due(state.iteration):
                     self.save()
                     saved_at = state.iteration
-                reason = exit_reason(run, state, *self.agreed_stop(start_time))
+                reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
             if reason == "finished":
                 self._final_evaluation()
             if saved_at != state.iteration:
