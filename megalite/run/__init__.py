@@ -11,8 +11,8 @@
     tracking.py     wandb and TensorBoard
     generation.py   sampling a continuation from a trained model
 
-The entry points below are imported on first use, so that megalite.config can use
-lr_schedule and tracking without importing the whole training loop.
+The entry points below are imported on first use, so that a module of this package (the
+command line reads tracking's wandb defaults) can be imported without the training loop.
 """
 
 _EXPORTS = {

@@ -9,6 +9,8 @@ OUT=${OUT:-/tmp/gpu_check}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
 python3 -c "import torch, triton, sys; print('python', sys.version.split()[0], 'torch', torch.__version__, 'triton', triton.__version__)"
 summary='(passed|failed|FAILED|ERROR|gpu-marked|Timeout|SKIPPED)'
+# The suite needs this checkout installed (tests/conftest.py); offline, so no build isolation.
+python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$what" = tests ] || [ "$what" = all ]; then
   timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu --timeout 120 -p no:benchmark 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "$summary"
