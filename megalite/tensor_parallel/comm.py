@@ -254,10 +254,9 @@ def allreduce_sequence_parallel_grads(params, group) -> None:
     `param.grad`; parameters without either are skipped. One all-reduce for all.
 
     When: once per iteration, after the backward of the last micro-batch and before
-    grad clipping and the optimizer step (Megatron calls it after the data-parallel
-    grad sync has finished; the TP and DP sums commute, so before that sync is also
-    right as long as no DP reduction of these grads is in flight). Without SP these
-    grads are already complete and identical on every TP rank: do not call it.
+    grad clipping and the optimizer step; the DDP's finish_grad_sync calls it last, after
+    the data-parallel reduction, as Megatron does (the TP and DP sums commute). Without
+    SP these grads are already complete and identical on every TP rank: do not call it.
     """
     if group_size(group) == 1:
         return
