@@ -11,7 +11,9 @@ That part is pure index arithmetic (`rank_grid`, `group_ranks`, `coordinates`).
 
 `build_parallel_state` turns it into torch.distributed groups and a `ParallelState`;
 `initialize` does the same from torchrun's environment. There is no global singleton:
-builders take the state as an argument, and tests build as many as they like.
+builders take the state as an argument, and tests build as many as they like. A
+process on its own is a state too, of ones (`ONE_PROCESS`, the default of the model's
+constructors): no code asks whether it was given a state.
 
 Groups of size 1: when torch.distributed is initialised, every group is a real
 ProcessGroup, even one of a single rank (tp 1, dp 1, ...). Only a world of one without
@@ -106,6 +108,10 @@ class ParallelState:
     backend: str = "gloo"
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
 
+    def __post_init__(self):
+        # Sequence parallelism splits along TP ranks: with one, there is nothing to split.
+        self.sequence_parallel = bool(self.sequence_parallel) and self.tp_size > 1
+
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -164,6 +170,22 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
         mp_group=own["mp"], embedding_group=own["embedding"], embedding_ranks=groups["embedding"][pipeline],
         device=device, sequence_parallel=sequence_parallel,
         backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
+
+
+def single_process_state(device: torch.device | str = "cpu") -> ParallelState:
+    """The state of a process on its own: every size 1, every rank 0, every group None.
+
+    What build_parallel_state() returns outside torch.distributed, without touching
+    torch.distributed; the collectives skip every size-1 group, so None groups are never used.
+    """
+    return ParallelState(rank=0, world_size=1, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
+                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None, mp_group=None, embedding_group=None,
+                         embedding_ranks=[0], device=torch.device(device))
+
+
+# The default state of library functions (model constructors, the optimizer's DDP): one process.
+# Shared, so never modify it; build your own with single_process_state() for another device.
+ONE_PROCESS = single_process_state()
 
 
 def _create_groups(groups: dict[str, list[list[int]]], rank: int, timeout: timedelta | None) -> dict:

@@ -17,12 +17,12 @@ from megalite.checkpoint.pieces import Piece, model_pieces, optimizer_pieces
 from megalite.checkpoint.rng import restore_rng_state
 from megalite.config import ModelConfig
 from megalite.errors import UserError
-from megalite.tensor_parallel.layers import tensor_parallel_rank_size
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 
 
 def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_config: ModelConfig,
                     iteration: int | None = None, load_optim: bool = True, load_rng: bool = True,
-                    rank: int = 0, parallel=None) -> dict:
+                    rank: int = 0, parallel: ParallelState = ONE_PROCESS) -> dict:
     """Restore `model` (+ `optimizer`, + this rank's RNG) from `<load>` at `iteration` (default: latest).
 
     Tensors are cast to the destination's dtype; everything else is bitwise. Returns
@@ -32,7 +32,7 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
     path = resolve_checkpoint(load, iteration)
     metadata = read_metadata(path)
     check_model_config(metadata["model_config"], model_config, path)
-    tp_rank, tp_size = tensor_parallel_rank_size(parallel)
+    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     pieces = model_pieces(model, tp_rank, tp_size)
     vocab = (metadata["model_config"]["vocab_size"], model_config.vocab_size)
     with CheckpointReader(path, metadata) as reader:

@@ -23,7 +23,7 @@ from megalite.checkpoint.pieces import Piece, model_pieces, optimizer_pieces
 from megalite.checkpoint.rng import write_rng_state
 from megalite.config import ModelConfig
 from megalite.errors import UserError
-from megalite.tensor_parallel.layers import tensor_parallel_rank_size
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 
 
 class CheckpointSaveError(UserError):
@@ -37,7 +37,7 @@ def _no_barrier() -> None:
 
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
-                    extra: dict | None = None, rank: int = 0, parallel=None, barrier=_no_barrier,
+                    extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS, barrier=_no_barrier,
                     failed_ranks=None) -> str:
     """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder.
 
@@ -64,10 +64,10 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
             raise CheckpointSaveError(_save_failure(save, iteration, what, error, failed, rank)) from error
 
     step("create its folder", lambda: create_staging(save, staging) if rank == 0 else None)
-    tp_rank, tp_size = tensor_parallel_rank_size(parallel)
+    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
     # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shard.
-    replica = getattr(parallel, "dp_rank", 0) > 0
+    replica = parallel.dp_rank > 0
     optim_pieces = optim_meta = None
     if optimizer is not None:
         optim_state = optimizer.state_dict()
@@ -89,7 +89,7 @@ def failed_ranks_across(parallel):
     """A `failed_ranks(ok)` for megalite.checkpoint.save_checkpoint: the ranks whose step failed,
     known to every rank (one all-reduce of a world-size vector)."""
     def failed_ranks(ok: bool) -> list[int]:
-        if parallel is None or parallel.world_size == 1:
+        if parallel.world_size == 1:
             return [] if ok else [0]
         flags = torch.zeros(parallel.world_size, dtype=torch.int32, device=parallel.device)
         flags[parallel.rank] = 0 if ok else 1

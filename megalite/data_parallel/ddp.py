@@ -1,4 +1,5 @@
-"""Gradient reduction across data-parallel ranks, bucket by bucket.
+"""DDP: the grad buffer and the one gradient synchronisation of an iteration (Megatron's
+DistributedDataParallel plus finalize_model_grads).
 
 Each DP rank runs its share of the global batch; its micro-batch losses are already
 divided by the token count of the whole global batch (training.forward_backward), so
@@ -6,48 +7,69 @@ the gradient of the global mean loss is the plain SUM of the ranks' accumulated
 gradients. Summing (rather than averaging) is what keeps gradient accumulation exact:
 no rank's token count is assumed equal to another's.
 
-After the last micro-batch, each bucket of the grad buffer (grad_buffer.py) is
-- all-reduced across DP (plain data parallelism): every rank holds the summed grads;
-- or reduce-scattered (distributed optimizer): DP rank d receives the summed shard d
-  of every bucket, the part its optimizer owns; the rest of its buffer is stale.
+After the last micro-batch, `finish_grad_sync` makes the grads whole, in this order:
+1. pipeline: the tied word embedding's grads on the first and last stage are summed
+   over the embedding group, so both copies take the same step;
+2. data parallel: each bucket of the grad buffer (grad_buffer.py) is
+   - all-reduced across DP (plain data parallelism): every rank holds the summed grads;
+   - or reduce-scattered (distributed optimizer): DP rank d receives the summed shard d
+     of every bucket, the part its optimizer owns; the rest of its buffer is stale;
+3. sequence parallel: the grads of parameters replicated over TP that act on
+   sequence-split activations (norms, row-parallel biases) are summed over TP. TP peers
+   lay out their buffers alike, so this also holds for a reduce-scattered shard.
+The optimizer (optimizer.py) then only reads the reduced grads.
 
-With `overlap` (--overlap-grad-reduce), a bucket's collective starts during the last
+With `overlap` (--overlap-grad-reduce), a bucket's DP collective starts during the last
 backward as soon as every parameter in it has received its last gradient of the
-iteration; `finish()` launches any bucket that is not done yet (parameters that got no
-gradient, or a pipeline-tied embedding, which is first summed across its two stages)
-and waits for all of them.
+iteration; `finish_grad_sync` launches any bucket that is not done yet (parameters that
+got no gradient, or a pipeline-tied embedding, which step 1 must sum first) and waits
+for all of them.
 """
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from megalite.data_parallel.grad_buffer import Bucket, GradBuffer
-from megalite.tensor_parallel.comm import _reduce_scatter_single
+from megalite.parallel_state import ONE_PROCESS, ParallelState
+from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads, reduce_scatter_single
 
 
 class DataParallelGrads:
-    """Reduces `buffer`'s buckets over `dp_group` once per iteration.
+    """The grad buffer of `model`'s trainable parameters and its reduction over `parallel`.
 
-    dp_group / dp_size / dp_rank: the data-parallel group (None or size 1: nothing to do).
-    shard: reduce-scatter for the distributed optimizer instead of all-reduce.
-    overlap: start each bucket's collective from the backward hooks.
+    model: a module, or ModelChunks (one buffer range per chunk). parallel: this rank's
+    ParallelState. bucket_size: elements per bucket (--ddp-bucket-size; None: one per
+    chunk). shard: reduce-scatter for the distributed optimizer instead of all-reduce
+    (the buckets are then padded to split into dp_size shards). overlap: start each
+    bucket's DP collective from the backward hooks (--overlap-grad-reduce).
+
+    Per iteration: `zero_grad()`, `start_iteration(num_microbatches)`, the backwards,
+    then `finish_grad_sync()`.
     """
 
-    def __init__(self, buffer: GradBuffer, dp_group, dp_size: int, dp_rank: int, shard: bool = False,
-                 overlap: bool = False, defer_shared_embedding: bool = False):
-        self.buffer, self.group, self.size, self.rank = buffer, dp_group, dp_size, dp_rank
-        self.shard, self.overlap = shard, overlap and dp_size > 1
-        # Buckets holding a pipeline-tied embedding wait for `finish`: its grad is first summed
-        # with the other stage's copy (before_reduce), whose buffer is laid out differently.
-        self._deferred = {i for i, bucket in enumerate(buffer.buckets)
-                          if defer_shared_embedding and any(getattr(p, "shared_embedding", False)
-                                                            for p in bucket.params)}
+    def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
+                 shard: bool = False, overlap: bool = False):
+        self.model, self.parallel = model, parallel
+        self.shard, self.overlap = shard, overlap and parallel.dp_size > 1
+        chunks = list(model) if hasattr(model, "chunks") else [model]
+        self.buffer = GradBuffer([[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks],
+                                 bucket_size=bucket_size, shard_count=parallel.dp_size if shard else 1)
+        # The tied embedding's copies sit in differently laid out buffers on the two stages, so
+        # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
+        self._tied = [p for p in self.buffer.params if parallel.pp_size > 1 and getattr(p, "shared_embedding", False)]
+        self._deferred = {i for i, bucket in enumerate(self.buffer.buckets)
+                          if any(getattr(p, "shared_embedding", False) for p in bucket.params) and self._tied}
         self._pending: dict[int, int] = {}  # bucket index -> grads still expected this iteration
         self._remaining: dict[int, int] = {}  # id(param) -> backwards still expected this iteration
         self._launched: dict[int, object] = {}  # bucket index -> async work (or None when done)
-        self._index = {id(bucket): i for i, bucket in enumerate(buffer.buckets)}
+        self._index = {id(bucket): i for i, bucket in enumerate(self.buffer.buckets)}
         if self.overlap:
-            buffer.on_grad_ready = self._grad_ready
+            self.buffer.on_grad_ready = self._grad_ready
+
+    def zero_grad(self) -> None:
+        """Zero the grad buffer, before an iteration's first backward."""
+        self.buffer.zero()
 
     def start_iteration(self, backwards_per_param: int) -> None:
         """Before the first backward: each parameter will receive `backwards_per_param` grads
@@ -57,6 +79,23 @@ class DataParallelGrads:
             return
         self._remaining = {id(param): backwards_per_param for param in self.buffer.params}
         self._pending = {i: len(bucket.params) for i, bucket in enumerate(self.buffer.buckets)}
+
+    def finish_grad_sync(self) -> None:
+        """After the last backward: the tied-embedding sum over pipeline stages, the DP reduction,
+        then the sequence-parallel sum over TP (module docstring); the step may read the grads."""
+        if self._tied and self.parallel.in_embedding_group:
+            for param in self._tied:
+                dist.all_reduce(param.main_grad, group=self.parallel.embedding_group)
+        if self.parallel.dp_size > 1:
+            for index in range(len(self.buffer.buckets)):
+                if index not in self._launched:
+                    self._launch(index, async_op=False)
+            for work in self._launched.values():
+                if work is not None:
+                    work.wait()
+        self._launched = {}
+        if self.parallel.sequence_parallel:
+            allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
 
     def _grad_ready(self, param) -> None:
         key = id(param)
@@ -71,37 +110,20 @@ class DataParallelGrads:
     def _launch(self, index: int, async_op: bool) -> None:
         bucket: Bucket = self.buffer.buckets[index]
         data = self.buffer.data[bucket.start:bucket.end]
+        group = self.parallel.dp_group
         if self.shard:
-            start, end = bucket.shard(self.rank, self.size)
+            start, end = bucket.shard(self.parallel.dp_rank, self.parallel.dp_size)
             # The output is a view of the input's storage; collectives must not alias, so reduce a copy.
-            work = _reduce_scatter_single(self.buffer.data[start:end], data.clone(), group=self.group,
-                                          async_op=async_op)
+            work = reduce_scatter_single(self.buffer.data[start:end], data.clone(), group=group, async_op=async_op)
         else:
-            work = dist.all_reduce(data, group=self.group, async_op=async_op)
+            work = dist.all_reduce(data, group=group, async_op=async_op)
         self._launched[index] = work
 
-    def finish(self, before_reduce=None) -> None:
-        """After the last backward: every bucket reduced (the step may read the grads).
 
-        before_reduce: runs first, on grads of buckets not reduced yet (deferred ones).
-        """
-        if before_reduce is not None:
-            before_reduce()
-        if self.size == 1:
-            return
-        for index in range(len(self.buffer.buckets)):
-            if index not in self._launched:
-                self._launch(index, async_op=False)
-        for work in self._launched.values():
-            if work is not None:
-                work.wait()
-        self._launched = {}
-
-
-def global_token_count(micro_batches, dp_group, dp_size: int, device) -> float:
+def global_token_count(micro_batches, parallel: ParallelState, device) -> float:
     """Unmasked tokens of the whole global batch: this rank's micro-batches, summed over DP."""
     count = torch.tensor(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), dtype=torch.float64,
                          device=device)
-    if dp_size > 1:
-        dist.all_reduce(count, group=dp_group)
+    if parallel.dp_size > 1:
+        dist.all_reduce(count, group=parallel.dp_group)
     return float(count)

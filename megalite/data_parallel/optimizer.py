@@ -9,11 +9,12 @@ One step, in the order Megatron's MixedPrecisionOptimizer takes it:
 3. AdamW on the fp32 main params (decoupled weight decay, none on 1-D params);
 4. copy the main params into the model params (cast to the model's dtype).
 
-Before step 1, `finish_grad_sync` reduces the grads across data-parallel ranks
-(ddp.py). In a parallel run, found_inf is combined over every rank and the grad norm
-over TP x PP (x DP for the distributed optimizer), each gradient element counted once.
-`DistributedOptimizer` (ZeRO-1) keeps main params and moments for this DP rank's shard
-only and all-gathers the updated params in step 4.
+Before step 1, the DDP's `finish_grad_sync` (ddp.py) has made the grads whole: summed
+over the tied embedding's stages, data-parallel ranks and, under sequence parallelism,
+TP ranks; the optimizer only reads them. In a parallel run, found_inf is combined over
+every rank and the grad norm over TP x PP (x DP for the distributed optimizer), each
+gradient element counted once. `DistributedOptimizer` (ZeRO-1) keeps main params and
+moments for this DP rank's shard only and all-gathers the updated params in step 4.
 
 Main params: for an fp32 model they are the model's own parameters (no copy); for a
 bf16/fp16 model, fp32 clones. The optimizer state is keyed by full parameter names,
@@ -28,9 +29,8 @@ from torch import nn
 
 from megalite.config.rules import check_loss_scale_settings
 from megalite.data_parallel.ddp import DataParallelGrads
-from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.errors import UserError
-from megalite.tensor_parallel.comm import _all_gather_single
+from megalite.tensor_parallel.comm import all_gather_single
 
 STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 
@@ -95,43 +95,39 @@ class StepResult(NamedTuple):
 class MixedPrecisionOptimizer:
     """AdamW on fp32 main params for a model in fp32, bf16 or fp16.
 
-    model: a module, or ModelChunks (one grad-buffer range per chunk); its trainable
-    parameters (`named_parameters()`, tied ones once) are optimised. lr: the initial lr
-    (each `step` takes its own). weight_decay: decoupled, on params with ndim >= 2 only.
-    clip_grad: max global grad norm, 0 disables clipping. loss_scaler: dynamic loss
-    scaling (fp16); None means a scale of 1 and no skipping. parallel: the ParallelState
-    (None: one process). bucket_size / overlap_grad_reduce: data-parallel buckets
-    (--ddp-bucket-size, --overlap-grad-reduce).
+    ddp: the model's DataParallelGrads (ddp.py), which owns the grad buffer and reduces
+    it; its model's trainable parameters (`named_parameters()`, tied ones once) are
+    optimised, and its ParallelState says over which ranks found_inf and the grad norm
+    are combined. A DistributedOptimizer needs a sharding DDP (`shard=True`), the other
+    one a non-sharding DDP. lr: the initial lr (each `step` takes its own).
+    weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: max global grad
+    norm, 0 disables clipping. loss_scaler: dynamic loss scaling (fp16); None means a
+    scale of 1 and no skipping.
 
-    Usage per iteration: `zero_grad()` and `start_iteration(num_microbatches)`, then for
-    each micro-batch `optimizer.scale_loss(loss).backward()`, then `finish_grad_sync()`
-    and `step(lr)`.
+    Usage per iteration: `zero_grad()` and `ddp.start_iteration(num_microbatches)`, then
+    for each micro-batch `optimizer.scale_loss(loss).backward()`, then
+    `ddp.finish_grad_sync()` and `step(lr)`.
     """
 
     distributed = False
 
-    def __init__(self, model: nn.Module, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
-                 eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None,
-                 parallel=None, bucket_size: int | None = None, overlap_grad_reduce: bool = False):
+    def __init__(self, ddp: DataParallelGrads, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
+                 eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None):
         _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad)
+        if ddp.shard != self.distributed:
+            raise ValueError(f"{type(self).__name__} needs a DataParallelGrads with shard={self.distributed}")
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
-        self.tp_rank, self.pp_rank = getattr(parallel, "tp_rank", 0), getattr(parallel, "pp_rank", 0)
-        self.tp_size = getattr(parallel, "tp_size", 1)
-        self.dp_size, self.dp_rank = getattr(parallel, "dp_size", 1), getattr(parallel, "dp_rank", 0)
+        self.ddp, parallel = ddp, ddp.parallel
+        self.tp_rank, self.pp_rank, self.tp_size = parallel.tp_rank, parallel.pp_rank, parallel.tp_size
+        self.dp_size, self.dp_rank = parallel.dp_size, parallel.dp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
-        model_parallel = getattr(parallel, "tp_size", 1) * getattr(parallel, "pp_size", 1)
-        self.model_parallel_group = parallel.mp_group if model_parallel > 1 else None
-        self.world = parallel is not None and parallel.world_size > 1
-        named = [(name, param) for name, param in model.named_parameters() if param.requires_grad]
+        self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
+        self.world = parallel.world_size > 1
+        named = [(name, param) for name, param in ddp.model.named_parameters() if param.requires_grad]
         if not named:
             raise ValueError("the model has no trainable parameters to optimise")
-        chunks = list(model) if hasattr(model, "chunks") else [model]
-        self.grad_buffer = GradBuffer([[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks],
-                                      bucket_size=bucket_size, shard_count=self.dp_size if self.distributed else 1)
-        self.ddp = DataParallelGrads(self.grad_buffer, getattr(parallel, "dp_group", None), self.dp_size,
-                                     self.dp_rank, shard=self.distributed, overlap=overlap_grad_reduce,
-                                     defer_shared_embedding=getattr(parallel, "pp_size", 1) > 1)
+        self.grad_buffer = ddp.buffer
         self.name_of = {id(param): name for name, param in named}
         self._build_main_params()
         decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim >= 2]
@@ -148,18 +144,6 @@ class MixedPrecisionOptimizer:
         self.main_params = [_main_param(param) for param in self.model_params]
         self.main_grads = [param.main_grad for param in self.model_params]
 
-    def start_iteration(self, num_microbatches: int) -> None:
-        """Before an iteration's first backward: each parameter gets `num_microbatches` grads."""
-        self.ddp.start_iteration(num_microbatches)
-
-    def finish_grad_sync(self, before_reduce=None) -> None:
-        """After the last backward: reduce the grads across data-parallel ranks.
-
-        before_reduce: runs on the local grads before any bucket not yet reduced is
-        (the tied-embedding sum across pipeline stages, whose buckets never start early).
-        """
-        self.ddp.finish(before_reduce)
-
     @property
     def loss_scale(self) -> float:
         """The factor `scale_loss` multiplies by: the scaler's scale, or 1.0 without one."""
@@ -170,8 +154,8 @@ class MixedPrecisionOptimizer:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
 
     def zero_grad(self) -> None:
-        """Zero the grad buffer, before an iteration's first backward."""
-        self.grad_buffer.zero()
+        """Zero the grad buffer (the DDP's), before an iteration's first backward."""
+        self.ddp.zero_grad()
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
@@ -386,7 +370,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))
         shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
         mine = full[shard_start - bucket.start:shard_end - bucket.start].clone()
-        _all_gather_single(full, mine, group=self.ddp.group)
+        all_gather_single(full, mine, group=self.ddp.parallel.dp_group)
         for param in bucket.params:
             start, numel = buffer.offsets[param]
             param.detach().view(-1).copy_(full[start - bucket.start:start - bucket.start + numel])

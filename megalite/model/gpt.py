@@ -21,18 +21,18 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import TransformerLayer, hidden_dropout, make_norm
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
 from megalite.kernels.linear_cross_entropy import linear_cross_entropy
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
-                                             initialize, mark_parameter, sequence_parallel_enabled,
-                                             tensor_parallel_group, tensor_parallel_rank_size)
+                                             initialize, mark_parameter, tensor_parallel_group)
 
 
 class Embedding(nn.Module):
     """Token ids [b, s] (+ learned positions) -> hidden [s, b, h], with hidden dropout."""
 
-    def __init__(self, config: ModelConfig, parallel=None, with_positions: bool = True):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, with_positions: bool = True):
         super().__init__()
         self.config, self.parallel = config, parallel
         self.word_embeddings = VocabParallelEmbedding(
@@ -57,7 +57,7 @@ class Embedding(nn.Module):
             if position_ids is None:
                 position_ids = torch.arange(tokens.shape[1], device=tokens.device)[None, :]
             hidden = hidden + F.embedding(position_ids.t(), self.position_embeddings)
-        if sequence_parallel_enabled(self.parallel):
+        if self.parallel.sequence_parallel:
             hidden = scatter_to_sequence_parallel_region(hidden, tensor_parallel_group(self.parallel))  # [s/tp, b, h]
         return hidden_dropout(hidden, self.config.hidden_dropout, self.training, self.parallel)
 
@@ -68,16 +68,16 @@ class GPTModel(nn.Module):
     config: the architecture. seed: the init seed; every parameter is drawn from
     (seed, its global name). layer_ids: the global layer ids this stage holds (all by
     default). pre_process / post_process: whether it holds the embedding / the final
-    norm, output layer and loss. parallel: the parallel-state object, None for one process.
+    norm, output layer and loss. parallel: this rank's ParallelState (default: one process).
     """
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
-                 post_process: bool = True, parallel=None):
+                 post_process: bool = True, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         config.validate()
         self.config, self.parallel = config, parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.tp_size = tensor_parallel_rank_size(parallel)[1]
+        self.tp_size = parallel.tp_size
         self.tied = not config.untie_embeddings_and_output_weights
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
         if any(not 0 <= i < config.num_layers for i in layer_ids):
@@ -132,7 +132,7 @@ class GPTModel(nn.Module):
         hidden = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
-            seq_length = hidden.shape[0] * (self.tp_size if sequence_parallel_enabled(self.parallel) else 1)
+            seq_length = hidden.shape[0] * (self.tp_size if self.parallel.sequence_parallel else 1)
             rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
         for layer in self.layers.values():
@@ -163,7 +163,7 @@ class GPTModel(nn.Module):
 
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
                 layer_ids=None, pre_process: bool = True, post_process: bool = True,
-                parallel=None) -> GPTModel:
+                parallel: ParallelState = ONE_PROCESS) -> GPTModel:
     """GPTModel on `device` in `dtype`; 'meta' gives shapes only (no memory, no init).
 
     Weights are drawn on the CPU in fp32, copied to the device, then cast to `dtype`,

@@ -16,12 +16,12 @@ from megalite.kernels.layernorm import layer_norm
 from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
-from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
-                                             sequence_parallel_enabled, tensor_parallel_rank_size)
+from megalite.parallel_state import ONE_PROCESS, ParallelState
+from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_parameter
 from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 
-def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel=None) -> torch.Tensor:
+def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel: ParallelState = ONE_PROCESS) -> torch.Tensor:
     """Dropout on the residual stream `[s, b, h]` (`[s/tp, b, h]` under SP).
 
     Without SP every TP rank holds the same activations and draws the same mask from the
@@ -30,7 +30,7 @@ def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel=None) -> 
     """
     if not training or p == 0.0:
         return x
-    if sequence_parallel_enabled(parallel):
+    if parallel.sequence_parallel:
         with model_parallel_rng_tracker.fork():
             return F.dropout(x, p, True)
     return F.dropout(x, p, True)
@@ -89,9 +89,9 @@ class Attention(nn.Module):
     every rank whole groups with their own query heads.
     """
 
-    def __init__(self, config: ModelConfig, parallel=None):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        _, tp_size = tensor_parallel_rank_size(parallel)
+        tp_size = parallel.tp_size
         self.tp_size = tp_size
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // tp_size
@@ -136,7 +136,7 @@ class MLP(nn.Module):
     block by block so each TP rank holds matching gate and up slices.
     """
 
-    def __init__(self, config: ModelConfig, parallel=None):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.swiglu = config.swiglu
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
@@ -160,7 +160,7 @@ class MLP(nn.Module):
 class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))): `[s, b, h]` in and out."""
 
-    def __init__(self, config: ModelConfig, parallel=None):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.hidden_dropout, self.parallel = config.hidden_dropout, parallel
         self.input_layernorm = make_norm(config)

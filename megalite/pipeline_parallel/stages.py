@@ -20,6 +20,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.config.rules import virtual_stage_layers
 from megalite.model.gpt import build_model
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 
 
 def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int = 1, first: int | None = None,
@@ -67,14 +68,13 @@ class ModelChunks(nn.Module):
 
 
 def build_model_chunks(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
-                       parallel=None, vp: int = 1, first: int | None = None,
+                       parallel: ParallelState = ONE_PROCESS, vp: int = 1, first: int | None = None,
                        last: int | None = None) -> ModelChunks:
     """This rank's `vp` chunks of the model (one GPTModel each), in chunk order.
 
-    parallel: supplies pp_rank / pp_size (None: one process, one stage).
+    parallel: supplies pp_rank / pp_size (default: one process, one stage).
     """
-    pp = getattr(parallel, "pp_size", 1)
-    pp_rank = getattr(parallel, "pp_rank", 0)
+    pp, pp_rank = parallel.pp_size, parallel.pp_rank
     layers = chunk_layers(config.num_layers, pp, pp_rank, vp, first, last)
     last_stage = pp * vp - 1
     chunks = []

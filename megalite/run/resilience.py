@@ -143,7 +143,7 @@ def agreed_stop(received_signal: int, overtime: bool, parallel) -> tuple[int, bo
     take the same decision at the same iteration or the others hang in the next collective.
     One all-reduce of two ints per iteration; nothing in a world of one.
     """
-    if parallel is None or parallel.world_size == 1:
+    if parallel.world_size == 1:
         return received_signal, overtime
     flags = torch.tensor([received_signal, int(overtime)], dtype=torch.int64, device=parallel.device)
     torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
@@ -198,10 +198,10 @@ class PeerWatch:
     """
 
     def __init__(self, parallel):
-        self.rank = getattr(parallel, "rank", 0)
+        self.rank = parallel.rank
         self.host = socket.gethostname()
         self.peers = [(self.host, os.getpid())]
-        if parallel is not None and parallel.world_size > 1:
+        if parallel.world_size > 1:
             self.peers = [None] * parallel.world_size
             torch.distributed.all_gather_object(self.peers, (self.host, os.getpid()))
 

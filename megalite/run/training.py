@@ -43,10 +43,11 @@ from megalite.config import RunConfig
 from megalite.data import build_data_loader
 from megalite.data.loader import next_global_batch
 from megalite.data.tokenizer import build_tokenizer
-from megalite.data_parallel.ddp import global_token_count
+from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
                                               NonFiniteGradError)
 from megalite.errors import UserError
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.kernels import set_kernels
 from megalite.run.logger import TrainingLogger
 from megalite.run.tracking import exit_code_of, start_tracking
@@ -59,8 +60,6 @@ from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.options import apply_options
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
-from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
-from megalite.tensor_parallel.layers import sequence_parallel_enabled
 from megalite.tensor_parallel.random import model_parallel_seed
 
 
@@ -102,13 +101,15 @@ def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
                              growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
 
 
-def build_optimizer(model, run: RunConfig, parallel=None) -> MixedPrecisionOptimizer:
-    """The mixed-precision optimizer, or the distributed one with --use-distributed-optimizer."""
+def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrecisionOptimizer:
+    """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the
+    distributed one with --use-distributed-optimizer."""
     train, layout = run.train, run.parallel
     kind = DistributedOptimizer if layout.use_distributed_optimizer else MixedPrecisionOptimizer
-    return kind(model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run), parallel=parallel,
-                bucket_size=layout.ddp_bucket_size, overlap_grad_reduce=layout.overlap_grad_reduce)
+    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, shard=kind.distributed,
+                            overlap=layout.overlap_grad_reduce)
+    return kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run))
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -126,43 +127,44 @@ def with_schedule_settings(run: RunConfig, schedule: LRSchedule) -> RunConfig:
         lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
 
 
-def forward_backward(model, micro_batches, optimizer=None, parallel=None, comm=None, log=None) -> float:
+def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
+                     log=None) -> float:
     """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
 
     model: a GPTModel, or ModelChunks (this pipeline rank's chunks). micro_batches: dicts
     of [b, s] tensors (this DP rank's part of the global batch). The loss of each
     micro-batch is divided by the token count of the whole global batch (all DP ranks),
     so the accumulated gradients, summed over DP, are the gradient of the global mean.
-    Runs the pipeline schedule for `parallel` (one stage without it), exchanging
+    Runs the pipeline schedule for `parallel` (default: one process, one stage), exchanging
     activations through `comm`; the loss is computed on the last stage and returned on
     every pipeline rank. `log`: prints the schedule's every step (--debug-pipeline-schedule).
     """
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     device = next(chunks[0].parameters()).device
-    dp_group, dp_size = getattr(parallel, "dp_group", None), getattr(parallel, "dp_size", 1)
-    total_tokens = global_token_count(micro_batches, dp_group, dp_size, device)
+    total_tokens = global_token_count(micro_batches, parallel, device)
     if total_tokens == 0:
         raise UserError("a global batch has no tokens that count towards the loss (every loss_mask "
                         "is zero); check --eod-mask-loss and the data")
     micro_batches = [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in micro_batches]
-    pp, pp_rank = getattr(parallel, "pp_size", 1), getattr(parallel, "pp_rank", 0)
-    steps = schedule_steps(pp, len(chunks), len(micro_batches), pp_rank, forward_only=optimizer is None)
+    steps = schedule_steps(parallel.pp_size, len(chunks), len(micro_batches), parallel.pp_rank,
+                           forward_only=optimizer is None)
     runner = ScheduleRunner(chunks, micro_batches, total_tokens, comm,
                             optimizer.scale_loss if optimizer is not None else None, log,
-                            getattr(parallel, "rank", 0))
+                            parallel.rank)
     loss = runner.run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
     # The last stage's loss to every stage, summed over data-parallel ranks (each already
     # divided by the global token count): every rank gets the global mean and decides alike.
-    for group, size in ((getattr(parallel, "pp_group", None), pp), (dp_group, dp_size)):
+    for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_group, parallel.dp_size)):
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return float(total_loss)  # one device sync per global batch
 
 
 @torch.no_grad()
-def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int, parallel=None,
-             comm=None, should_stop=None) -> float | None:
+def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int,
+             parallel: ParallelState = ONE_PROCESS, comm=None,
+             should_stop=None) -> float | None:
     """Mean over `eval_iters` global batches of their mean token loss (dropout off).
 
     `should_stop()`, asked before each batch (a boundary every rank reaches, so it must give
@@ -181,14 +183,6 @@ def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int
     return sum(losses) / len(losses)
 
 
-def allreduce_embedding_grads(model, parallel) -> None:
-    """Sum the grads of the tied word embeddings the first and last pipeline stages each hold,
-    so both copies take the same step and stay identical."""
-    if parallel is None or parallel.pp_size == 1 or not parallel.in_embedding_group:
-        return
-    for param in model.parameters():
-        if getattr(param, "shared_embedding", False):
-            torch.distributed.all_reduce(param.main_grad, group=parallel.embedding_group)
 
 
 class Trainer:
@@ -293,18 +287,12 @@ class Trainer:
         """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
         lr = self.schedule.lr_at(self.state.iteration)
         self.optimizer.zero_grad()
-        self.optimizer.start_iteration(self.num_microbatches)
+        self.optimizer.ddp.start_iteration(self.num_microbatches)
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
         loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm,
                                 self.schedule_log)
-        # Once per iteration, after the last backward: the tied embedding's two pipeline copies
-        # are summed on local grads, then grads are reduced across DP...
-        self.optimizer.finish_grad_sync(before_reduce=lambda: allreduce_embedding_grads(self.model, self.parallel))
-        if sequence_parallel_enabled(self.parallel):
-            # ...and norm weights and row-parallel biases, which saw only this rank's s/tp tokens,
-            # are summed across TP (TP peers lay out their grad buffers alike, so this also holds
-            # for the distributed optimizer's reduce-scattered shard).
-            allreduce_sequence_parallel_grads(self.model.parameters(), self.parallel.tp_group)
+        # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
+        self.optimizer.ddp.finish_grad_sync()
         # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
         iteration, check = self.state.iteration + 1, self.run.train.check_for_nan_in_loss_and_grad
         if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:

@@ -19,9 +19,11 @@ input or incoming grad) is modified in place.
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the single-tensor collectives; the old names still work but warn.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+# torch 2.13 renamed the single-tensor collectives; the old names still work but warn. Public:
+# DDP reduce-scatters grad buckets and the distributed optimizer all-gathers params with them.
+# (output, input, group=None, async_op=False), as torch's: output is size x input, or input / size.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group) -> int:
@@ -76,7 +78,7 @@ def _split_first_dim(x: torch.Tensor, group) -> torch.Tensor:
 def _gather_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
     output = x.new_empty((size * x.shape[0], *x.shape[1:]))
-    _all_gather_single(output, x.contiguous(), group=group)
+    all_gather_single(output, x.contiguous(), group=group)
     return output
 
 
@@ -84,7 +86,7 @@ def _reduce_scatter_first_dim(x: torch.Tensor, group) -> torch.Tensor:
     size = group_size(group)
     length = _chunk_size(x.shape[0], size, "sequence length")
     output = x.new_empty((length, *x.shape[1:]))
-    _reduce_scatter_single(output, x.contiguous(), group=group)
+    reduce_scatter_single(output, x.contiguous(), group=group)
     return output
 
 
@@ -252,10 +254,9 @@ def allreduce_sequence_parallel_grads(params, group) -> None:
     `param.grad`; parameters without either are skipped. One all-reduce for all.
 
     When: once per iteration, after the backward of the last micro-batch and before
-    grad clipping and the optimizer step (Megatron calls it after the data-parallel
-    grad sync has finished; the TP and DP sums commute, so before that sync is also
-    right as long as no DP reduction of these grads is in flight). Without SP these
-    grads are already complete and identical on every TP rank: do not call it.
+    grad clipping and the optimizer step; the DDP's finish_grad_sync calls it last, after
+    the data-parallel reduction, as Megatron does (the TP and DP sums commute). Without
+    SP these grads are already complete and identical on every TP rank: do not call it.
     """
     if group_size(group) == 1:
         return

@@ -1,12 +1,10 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Every layer takes `parallel`, the object `megalite/parallel_state.py` builds (or None for
-one process). The layer reads its tensor-parallel rank and size, group and
-sequence-parallel flag from it through `tensor_parallel_rank_size`,
-`tensor_parallel_group` and `sequence_parallel_enabled`, the one place that knows the
-attribute names. With TP=1 the layers are plain `F.linear` / `F.embedding` on full
-weights shaped like `nn.Linear` / `nn.Embedding` (the collectives of
-`tensor_parallel/comm.py` are then no-ops).
+Every layer takes `parallel`, the ParallelState `megalite/parallel_state.py` builds
+(default: one process), and reads its tensor-parallel rank and size, its group
+(`tensor_parallel_group`) and the sequence-parallel flag from it. With TP=1 the layers
+are plain `F.linear` / `F.embedding` on full weights shaped like `nn.Linear` /
+`nn.Embedding` (the collectives of `tensor_parallel/comm.py` are then no-ops).
 
 Initialisation is layout-independent: each weight is drawn as the FULL tensor from a
 generator seeded by (global seed, the parameter's global name), then this rank's shard
@@ -21,7 +19,7 @@ Parameter attributes (read by grad clipping, DDP and sequence parallelism):
   code can cut or join any shard from these attributes alone.
 - `sequence_parallel`: the parameter acts on sequence-split activations under SP
   (norm weights, row-parallel biases), so its grads must be summed across TP then
-  (`allreduce_sequence_parallel_grads`, re-exported here from comm.py).
+  (`allreduce_sequence_parallel_grads` in comm.py, called by the DDP's finish_grad_sync).
 """
 
 import hashlib
@@ -30,8 +28,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from megalite.tensor_parallel.comm import (allreduce_sequence_parallel_grads,  # noqa: F401 - re-exported
-                                           copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
+from megalite.parallel_state import ONE_PROCESS, ParallelState
+from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
                                            gather_from_tensor_parallel_region,
                                            reduce_from_tensor_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region,
@@ -80,25 +78,14 @@ def mark_parameter(param: nn.Parameter, tensor_model_parallel: bool, partition_d
     return param
 
 
-def tensor_parallel_rank_size(parallel) -> tuple[int, int]:
-    """(tp_rank, tp_size) of `parallel`; (0, 1) for None."""
-    if parallel is None:
-        return 0, 1
-    return parallel.tp_rank, parallel.tp_size
-
-
-def tensor_parallel_group(parallel):
-    """The TP process group of `parallel`; None (no collectives) for None or TP=1."""
-    if parallel is None or parallel.tp_size == 1:
+def tensor_parallel_group(parallel: ParallelState):
+    """The group the comm.py collectives take: `parallel.tp_group`, or None at TP=1, so they
+    return at once without asking torch.distributed (and a compiled graph holds no group)."""
+    if parallel.tp_size == 1:
         return None
     if parallel.tp_group is None:
         raise ValueError(f"tensor-parallel size {parallel.tp_size} needs a process group, got tp_group=None")
     return parallel.tp_group
-
-
-def sequence_parallel_enabled(parallel) -> bool:
-    """Whether activations outside the TP regions are split along the sequence (SP)."""
-    return parallel is not None and parallel.tp_size > 1 and bool(parallel.sequence_parallel)
 
 
 def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
@@ -130,10 +117,10 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,
-                 real_output_size: int | None = None, parallel=None):
+                 real_output_size: int | None = None, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
-        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
+        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
         if output_size % (output_chunks * self.tp_size):
@@ -190,10 +177,10 @@ class RowParallelLinear(nn.Module):
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
-                 input_is_parallel: bool = True, parallel=None):
+                 input_is_parallel: bool = True, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
-        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), sequence_parallel_enabled(parallel)
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
+        self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
         self.init_std, self.input_is_parallel = init_std, input_is_parallel
@@ -239,9 +226,9 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
-                 real_num_embeddings: int | None = None, parallel=None):
+                 real_num_embeddings: int | None = None, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.tp_rank, self.tp_size = tensor_parallel_rank_size(parallel)
+        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_group = tensor_parallel_group(parallel)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "vocabulary size")

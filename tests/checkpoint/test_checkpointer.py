@@ -10,6 +10,7 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.checkpoint import Checkpointer, read_metadata
+from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.optimizer import MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
@@ -29,7 +30,7 @@ class Run:
         if layout is not None:  # what the saved run record says about the parallel layout
             self.run = dataclasses.replace(self.run, parallel=dataclasses.replace(self.run.parallel, **layout))
         self.model = build_model(self.run.model, seed=seed, dtype=dtype)
-        self.optimizer = MixedPrecisionOptimizer(self.model, lr=1e-2)
+        self.optimizer = MixedPrecisionOptimizer(DataParallelGrads(self.model), lr=1e-2)
         self.schedule = build_lr_schedule(self.run)
         self.lines = []
         self.checkpointer = Checkpointer(self.run, build_parallel_state(), log=self.lines.append)
@@ -37,9 +38,9 @@ class Run:
     def step(self):
         tokens = torch.randint(0, 99, (2, 16), generator=torch.Generator().manual_seed(0))
         self.optimizer.zero_grad()
-        self.optimizer.start_iteration(1)
+        self.optimizer.ddp.start_iteration(1)
         self.optimizer.scale_loss(self.model(tokens, labels=tokens.roll(-1, dims=1)).float().mean()).backward()
-        self.optimizer.finish_grad_sync()
+        self.optimizer.ddp.finish_grad_sync()
         self.optimizer.step(1e-2)
 
     def save(self, iteration, evaluation_pending=False):

@@ -10,13 +10,13 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
+from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.checkpoint import tensor_parallel_pieces
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner
 from megalite.pipeline_parallel.stages import build_model_chunks
-from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
-from megalite.run.training import allreduce_embedding_grads, forward_backward
+from megalite.run.training import forward_backward
 from tests.distributed import run_world
 
 SEQ, MICRO, MICRO_BATCHES = 8, 2, 4
@@ -72,6 +72,7 @@ def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
     each sent output at the time of its backward)."""
     parallel = build_parallel_state(tp, pp, sequence_parallel=sequence_parallel)
     model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
+    ddp = DataParallelGrads(model, parallel)  # grads accumulate in its buffer (param.main_grad)
     tokens = SEQ // tp if sequence_parallel else SEQ
     comm = PipelineComm(parallel, (tokens, MICRO, 32), torch.float32)
     released = []
@@ -90,11 +91,9 @@ def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
         loss = forward_backward(model, micro_batches(), Unscaled(), parallel, comm)
     finally:
         training.ScheduleRunner = original
-    if sequence_parallel:
-        allreduce_sequence_parallel_grads(model.parameters(), parallel.tp_group)
+    ddp.finish_grad_sync()  # the tied embedding's sum over its stages, SP grads over TP
     for param in model.parameters():
-        param.main_grad = param.grad  # allreduce_embedding_grads reduces main_grad (the grad buffer's view)
-    allreduce_embedding_grads(model, parallel)
+        param.grad = param.main_grad
     return loss, full_grads(model, parallel), [size for size in released if size is not None]
 
 

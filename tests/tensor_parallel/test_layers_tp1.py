@@ -1,14 +1,16 @@
 """The parallel layers at TP=1 equal nn.Linear / nn.Embedding; the init helpers are layout-free."""
 
+import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from megalite.parallel_state import ONE_PROCESS, single_process_state
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             init_full_tensor, init_seed, initialize, sequence_parallel_enabled,
-                                             shard_full_tensor, tensor_parallel_group, tensor_parallel_rank_size)
+                                             init_full_tensor, init_seed, initialize, shard_full_tensor,
+                                             tensor_parallel_group)
 
 
 def check_against_linear(layer, x):
@@ -92,18 +94,16 @@ def test_shards_reassemble_the_full_tensor():
 
 
 def test_parallel_state_accessors_and_size_checks():
-    assert tensor_parallel_rank_size(None) == (0, 1)
-    assert tensor_parallel_rank_size(SimpleNamespace(tp_rank=0, tp_size=1)) == (0, 1)
-    assert tensor_parallel_group(None) is None and not sequence_parallel_enabled(None)
-    one = SimpleNamespace(tp_rank=0, tp_size=1, tp_group=None, sequence_parallel=True)
-    assert tensor_parallel_group(one) is None and not sequence_parallel_enabled(one)  # SP needs TP > 1
+    assert tensor_parallel_group(ONE_PROCESS) is None and not ONE_PROCESS.sequence_parallel
+    assert ONE_PROCESS.tp_size == ONE_PROCESS.pp_size == ONE_PROCESS.dp_size == ONE_PROCESS.world_size == 1
+    # SP needs TP > 1: a state of one TP rank never claims it.
+    one = dataclasses.replace(single_process_state(), sequence_parallel=True)
+    assert not one.sequence_parallel and tensor_parallel_group(one) is None
     two = SimpleNamespace(tp_rank=1, tp_size=2, tp_group=None, sequence_parallel=True)
-    assert tensor_parallel_rank_size(two) == (1, 2)
     with pytest.raises(ValueError, match="tensor-parallel size 2 needs a process group"):
         tensor_parallel_group(two)
     # Sizes that do not divide are refused when the layer is built (no collective runs then).
     four = SimpleNamespace(tp_rank=0, tp_size=4, tp_group=object(), sequence_parallel=False)
-    assert sequence_parallel_enabled(SimpleNamespace(**{**vars(four), "sequence_parallel": True}))
     with pytest.raises(ValueError, match="output size 10 is not divisible by the tensor-parallel size 4"):
         ColumnParallelLinear(8, 10, parallel=four)
     with pytest.raises(ValueError, match="output size 12 .2 equal blocks. is not divisible"):

@@ -14,11 +14,12 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.parallel_state import ONE_PROCESS
 from megalite.tensor_parallel import comm
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
+from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             allreduce_sequence_parallel_grads, initialize, mark_parameter,
-                                             shard_full_tensor)
+                                             initialize, mark_parameter, shard_full_tensor)
 from megalite.tensor_parallel.random import model_parallel_rng_tracker, model_parallel_seed
 from tests.distributed import run_world
 
@@ -261,8 +262,7 @@ def check_sequence_parallel_mlp_block(rank, world_size):
         initialize(fc1, seed=1, prefix="fc1")
         initialize(fc2, seed=1, prefix="fc2")
         with torch.no_grad():
-            fc1.bias.copy_(shard_full_tensor(randn(ffn, seed=13), 0, parallel.tp_rank if parallel else 0,
-                                             parallel.tp_size if parallel else 1))
+            fc1.bias.copy_(shard_full_tensor(randn(ffn, seed=13), 0, parallel.tp_rank, parallel.tp_size))
             fc2.bias.copy_(randn(hidden, seed=14))
 
         def forward(x):
@@ -271,7 +271,7 @@ def check_sequence_parallel_mlp_block(rank, world_size):
                          "fc1.bias": fc1.bias, "fc2.weight": fc2.weight, "fc2.bias": fc2.bias}
 
     x, grad = randn(SEQ, BATCH, hidden, seed=15), randn(SEQ, BATCH, hidden, seed=16)
-    reference, reference_params = build(None)
+    reference, reference_params = build(ONE_PROCESS)
     reference_x = x.clone().requires_grad_()
     reference(reference_x).backward(grad)
 

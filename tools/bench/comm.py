@@ -46,7 +46,7 @@ def time_collectives() -> dict:
         if hasattr(dist, name):
             setattr(dist, name, timer(getattr(dist, name)))
     # comm.py binds its all-gather / reduce-scatter at import: wrap those names too.
-    for name in ("_all_gather_single", "_reduce_scatter_single"):
+    for name in ("all_gather_single", "reduce_scatter_single"):
         setattr(comm, name, timer(getattr(comm, name)))
     return totals
 

@@ -8,7 +8,7 @@ For each data-parallel size the script launches itself under torchrun (gloo on t
 CPU, one thread per rank). Every rank builds a small LLaMA-style model, and for each
 optimizer in turn (MixedPrecisionOptimizer, then DistributedOptimizer as
 --use-distributed-optimizer builds it) takes one real training step on random tokens:
-forward_backward, finish_grad_sync, step. It then sums the bytes of the live tensors;
+forward_backward, the DDP's finish_grad_sync, step. It then sums the bytes of the live tensors;
 rank 0 gathers every rank's figures and the launcher prints one table.
 
 Columns (MB = 2**20 bytes; each measured figure is followed by its closed form, `exp`,
@@ -81,11 +81,12 @@ def expected_figures(config: ModelConfig, dtype: torch.dtype, buffer, shard: int
 
 def measure(kind, config: ModelConfig, dtype: torch.dtype, parallel) -> dict:
     """One training step with optimizer class `kind`; this rank's measured bytes and their closed forms."""
+    from megalite.data_parallel.ddp import DataParallelGrads
     from megalite.pipeline_parallel.stages import build_model_chunks
     from megalite.run.training import forward_backward
 
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
-    optimizer = kind(model, lr=1e-3, parallel=parallel)
+    optimizer = kind(DataParallelGrads(model, parallel, shard=kind.distributed), lr=1e-3)
     generator = torch.Generator().manual_seed(parallel.dp_rank)  # each DP rank its own data
     tokens = torch.randint(0, config.real_vocab_size, (MICRO_BATCH_SIZE, config.seq_length + 1),
                            generator=generator)
@@ -93,9 +94,9 @@ def measure(kind, config: ModelConfig, dtype: torch.dtype, parallel) -> dict:
                    "loss_mask": torch.ones(MICRO_BATCH_SIZE, config.seq_length),
                    "position_ids": torch.arange(config.seq_length).expand(MICRO_BATCH_SIZE, -1)}
     optimizer.zero_grad()
-    optimizer.start_iteration(1)
+    optimizer.ddp.start_iteration(1)
     forward_backward(model, [micro_batch], optimizer, parallel)
-    optimizer.finish_grad_sync()
+    optimizer.ddp.finish_grad_sync()
     optimizer.step(1e-3)
     measured = {"params": sum(tensor_bytes(param) for param in model.parameters()),
                 "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
