@@ -19,9 +19,10 @@ import time
 
 import torch
 
+from megalite import cpu
 from megalite.arguments import parse_args
 from megalite.errors import run_main
-from megalite.parallel_state import world_size_from_env
+from megalite.parallel_state import choose_backend, world_size_from_env
 from megalite.run import generate, hold_signals_until_exit, pretrain
 
 SAMPLE_PROMPT = "def "
@@ -35,6 +36,8 @@ def main(argv) -> None:
 
         dry_run(run)
         return
+    if choose_backend(run.parallel.distributed_backend) == "gloo":  # a CPU run: the CPU backend's process setting
+        cpu.set_up_process()
     # Held until the process exits: a SIGTERM in the last moments still saves (or is ignored once all is saved).
     hold_signals_until_exit(run.train.exit_signal_handler)
     trainer, state = pretrain(run)

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from megalite import parallel_state
+from megalite import cpu, parallel_state
 from megalite.checkpoint import Checkpointer
 from megalite.checkpoint.checkpointer import json_able
 from megalite.config import RunConfig
@@ -208,7 +208,9 @@ class Trainer:
                                         parallel.virtual_pipeline_model_parallel_size,
                                         parallel.decoder_first_pipeline_num_layers,
                                         parallel.decoder_last_pipeline_num_layers)
-        for chunk in self.model:
+        for chunk in self.model:  # the one dispatch point of the device's speed path and the model options
+            if self.device.type == "cpu":
+                cpu.apply(chunk)
             apply_options(chunk, recompute_granularity=run.model.recompute_granularity, compile=train.compile)
         self.comm = None
         if self.parallel.pp_size > 1:

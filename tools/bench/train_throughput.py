@@ -64,6 +64,7 @@ import time
 import torch
 import torch.nn.functional as F
 
+from megalite import cpu
 from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset
 from megalite.errors import UserError, run_main
 from megalite.convert import llama_config_to_hf
@@ -389,8 +390,10 @@ def paired_ratios(mine: dict, my_rates: list, theirs: dict, their_rates: list) -
 
 
 def megalite_variant(model, mode: str, batch):
-    """The step closure of `model` (its own optimizer) in `mode`; compile as --compile does in training:
-    each layer compiled on its own."""
+    """The step closure of `model` (its own optimizer) in `mode`, set up as training sets it up: the CPU
+    backend on a CPU, then (compile) each layer compiled on its own, as --compile does."""
+    if next(model.parameters()).device.type == "cpu":
+        cpu.apply(model)
     if mode == "compile":
         apply_options(model, compile=True)
     return functools.partial(megalite_step, model, make_optimizer(model), batch)
@@ -429,6 +432,8 @@ def main(argv=None):
     args = get_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda asked for, but torch sees no GPU; use --device cpu")
+    if args.device != "cuda":
+        cpu.set_up_process()  # as pretrain_gpt.py does on a CPU; every side runs in this process
     if min(args.iters, args.rounds, args.warmup_iters, args.hf_iters) < 1 or args.hf_warmup_iters < 0:
         raise UserError("--iters, --rounds, --warmup-iters and --hf-iters must be at least 1, "
                         "--hf-warmup-iters at least 0")
