@@ -4,9 +4,9 @@ The model, the parallel layers and the kernels have no CPU-specific code; a CPU 
 these two paths, each kept because it gains at least 5% on a whole step of the default run
 (docs/benchmarks.md says by how much, and which other paths were measured and removed):
 
-- `set_up_process()`, called by the entry script before training: glibc keeps freed memory
-  in the process, so each iteration's activations reuse pages already faulted in instead of
-  having the kernel unmap, fault in and zero them again;
+- `set_up_process()`, called by the entry script before training: huge pages for large CPU
+  tensors, and glibc keeping freed memory in the process, so each iteration's activations
+  reuse pages already faulted in instead of having the kernel unmap, fault in and zero them;
 - `apply(model)`, called by the run where the model is built on a CPU: each layer's core
   attention runs in query blocks (`attention.py`) where that path applies, and PyTorch's SDPA
   (the layer's own code) elsewhere.
@@ -26,12 +26,17 @@ M_MMAP_MAX = -4
 
 
 def set_up_process() -> bool:
-    """Make glibc keep freed memory for reuse: no heap trimming, no blocks served by mmap.
+    """The process's memory for CPU training; call before the first CPU tensor is made.
 
-    The process's memory then stays at its peak, as with a GPU caching allocator.
-    MEGALITE_KEEP_FREED_MEMORY=0 opts out. Returns whether the setting took: False off glibc
-    (no `mallopt`) or when opted out.
+    - Huge pages back CPU tensors of 2 MB and more (PyTorch reads THP_MEM_ALLOC_ENABLE at its
+      first CPU allocation; a value already set, 0 included, is left alone): far fewer page
+      faults for each iteration's large temporaries.
+    - glibc keeps freed memory for reuse: no heap trimming, no blocks served by mmap, so the
+      process's memory stays at its peak, as with a GPU caching allocator.
+      MEGALITE_KEEP_FREED_MEMORY=0 opts out.
+    Returns whether freed memory is kept: False off glibc (no `mallopt`) or when opted out.
     """
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if os.environ.get("MEGALITE_KEEP_FREED_MEMORY", "1") == "0":
         return False
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)  # the C library already loaded
