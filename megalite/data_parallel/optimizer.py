@@ -133,7 +133,7 @@ class MixedPrecisionOptimizer:
         decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim >= 2]
         no_decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim < 2]
         groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        # fused: one kernel pass per tensor (CPU and CUDA), 4x faster than foreach on a CPU.
+        # fused: one kernel pass per tensor (CPU and CUDA), faster than foreach (docs/benchmarks.md).
         self.adam = torch.optim.AdamW([group for group in groups if group["params"]], lr=lr, betas=betas,
                                       eps=eps, fused=True)
 
