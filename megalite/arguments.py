@@ -21,29 +21,32 @@ import math
 
 from megalite.config import (
     MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, RunConfig,
-    TrainConfig, model_config_from_preset, num_parameters, with_tokenizer_vocab,
+    TrainConfig, model_config_from_preset, num_parameters,
 )
 from megalite.config.options import Option, flags_of, option_fields, value_type
+from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
+from megalite.parallel_state import bf16_is_default
 from megalite.run.tracking import with_wandb_defaults
 
-__all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args", "with_tokenizer_vocab"]
+__all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args"]
 
+MODEL_GROUP = "model (defaults: the --model preset's values)"
 # The config classes on the command line, each one argument group, in --help order.
-GROUPS = [(ModelConfig, "model (defaults: the --model preset's values)"), (TrainConfig, "training"),
+GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"),
           (DataConfig, "data"), (CheckpointConfig, "checkpoints"),
           (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"), (ParallelConfig, "parallelism")]
 
 # Flags that are not config fields: (group title, flags, argparse keywords). Each is read in
 # run_config_from_args or parse_args.
 NON_FIELD_FLAGS = [
-    ("model (defaults: the --model preset's values)", ("--model",),
+    (MODEL_GROUP, ("--model",),
      dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) (default: tiny)")),
-    ("model (defaults: the --model preset's values)", ("--list-models",),
+    (MODEL_GROUP, ("--list-models",),
      dict(action="store_true", help="print the presets and exit")),
-    ("model (defaults: the --model preset's values)", ("--group-query-attention",),
+    (MODEL_GROUP, ("--group-query-attention",),
      dict(action="store_true", help="use --num-query-groups key/value heads")),
-    ("model (defaults: the --model preset's values)", ("--recompute-activations",),
+    (MODEL_GROUP, ("--recompute-activations",),
      dict(action="store_true", help="selective recomputation (attention core); same as --recompute-granularity "
                                     "selective")),
     ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch (default: none)")),
@@ -175,10 +178,8 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
     preset = MODEL_PRESETS[args.model]
     rope = overrides.get("position_embedding_type", preset.get("position_embedding_type")) == "rope"
     seq_length = args.seq_length or preset.get("seq_length") or 0
-    if rope and args.max_position_embeddings is not None and seq_length > args.max_position_embeddings:
-        raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings "
-                        f"{args.max_position_embeddings}, the model's stated context length; raise "
-                        f"--max-position-embeddings or lower --seq-length")
+    if rope and args.max_position_embeddings is not None:
+        check_rope_context(seq_length, args.max_position_embeddings)
     if rope and args.seq_length is not None and args.max_position_embeddings is None \
             and args.seq_length > (preset.get("max_position_embeddings") or 0):
         # Rotary positions have no table: a longer --seq-length moves the preset's stated limit along.
@@ -200,8 +201,6 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
-    from megalite.parallel_state import bf16_is_default
-
     bf16_default = not precisions and bf16_is_default(parallel.distributed_backend)
     given["bf16"] = bool(args.bf16) or bf16_default
     if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megalite.arguments import GROUPS, list_models, parse_args, with_tokenizer_vocab
+from megalite.arguments import GROUPS, list_models, parse_args
+from megalite.config import with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 

@@ -17,7 +17,6 @@ that the model can be split that way and pad the vocabulary for that TP size.
 """
 
 import argparse
-import os
 import sys
 
 from megalite.convert import DTYPES, export_checkpoint, import_checkpoint

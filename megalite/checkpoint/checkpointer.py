@@ -76,11 +76,11 @@ class Checkpointer:
             return None
         if note:
             self.log(f"warning: {load}: {note}")
-        finetune = ckpt.finetune
-        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(path)
+        finetune, metadata = ckpt.finetune, read_metadata(path)
+        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(metadata)
         loaded = load_checkpoint(
             load, model, None if finetune or ckpt.no_load_optim else optimizer,
-            model_config=self.run.model, iteration=read_metadata(path)["iteration"],
+            model_config=self.run.model, iteration=metadata["iteration"],
             load_optim=not (finetune or ckpt.no_load_optim), load_rng=load_rng, rank=self.parallel.rank,
             parallel=self.parallel)
         if finetune or ckpt.no_load_optim:
@@ -102,14 +102,14 @@ class Checkpointer:
                  + (" (--load defaults to --save, which holds it)" if implicit else ""))
         return resumed
 
-    def _same_layout_as(self, path: str) -> bool:
-        """Whether checkpoint folder `path` was saved by this parallel layout; if not, say that RNG
-        states stay behind.
+    def _same_layout_as(self, metadata: dict) -> bool:
+        """Whether the checkpoint of `metadata` (its metadata.json) was saved by this parallel layout;
+        if not, say that RNG states stay behind.
 
         RNG states are per rank, and under another layout a rank's dropout masks cover
         other activations anyway, so they carry over only between equal layouts.
         """
-        saved = read_metadata(path)["extra"].get("run", {})
+        saved = metadata["extra"].get("run", {})
         saved = saved.get("parallel", {})
         keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size")

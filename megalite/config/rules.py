@@ -117,3 +117,19 @@ def _stage_sizes(num_layers: int, stages: int, first: int | None, last: int | No
     per_stage = rest_layers // rest_stages if rest_stages else 0
     return [given.get(stage, per_stage) for stage in range(stages)]
 
+
+def check_tensor_parallel_split(num_attention_heads: int, query_groups: int, ffn_hidden_size: int, tp: int) -> None:
+    """UserError naming the flag when TP does not divide a dimension it splits."""
+    for flag, value in [("--num-attention-heads", num_attention_heads), ("--num-query-groups", query_groups),
+                        ("--ffn-hidden-size", ffn_hidden_size)]:
+        if value % tp:
+            raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
+                            f"use a tensor-parallel size that divides it")
+
+
+def check_rope_context(seq_length: int, max_position_embeddings: int) -> None:
+    """UserError when a rotary model's sequence exceeds its stated context length (a learned position
+    table's fit is ModelConfig.validate's)."""
+    if seq_length > max_position_embeddings:
+        raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings {max_position_embeddings}, "
+                        f"the model's stated context length; raise --max-position-embeddings or lower --seq-length")

@@ -8,7 +8,8 @@ from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option
 from megalite.config.parallel import ParallelConfig
-from megalite.config.rules import check_batch_sizes, check_microbatches, virtual_stage_layers
+from megalite.config.rules import (check_batch_sizes, check_microbatches, check_tensor_parallel_split,
+                                   virtual_stage_layers)
 from megalite.config.train import TrainConfig
 from megalite.errors import UserError
 
@@ -125,11 +126,7 @@ class RunConfig:
         model, parallel, train = self.model, self.parallel, self.train
         tp = parallel.tensor_model_parallel_size
         # Every dimension TP splits must divide by it; SP also splits the sequence.
-        for flag, value in [("--num-attention-heads", model.num_attention_heads),
-                            ("--num-query-groups", model.query_groups), ("--ffn-hidden-size", model.ffn_hidden_size)]:
-            if value % tp:
-                raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
-                                f"use a tensor-parallel size that divides it")
+        check_tensor_parallel_split(model.num_attention_heads, model.query_groups, model.ffn_hidden_size, tp)
         if model.fused_output_cross_entropy and tp > 1:
             raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); "
                             f"under TP the vocab-parallel cross-entropy already keeps only a 1/TP slice of the "

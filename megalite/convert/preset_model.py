@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 from megalite.config import MODEL_PRESETS, ModelConfig, ParallelConfig, model_config_from_preset
 from megalite.config.options import flags_of
+from megalite.config.rules import check_rope_context, check_tensor_parallel_split, virtual_stage_layers
 from megalite.errors import UserError
 
 # Presets tried as the base: flags switch some booleans on only (--swiglu, --untie-...,
@@ -60,9 +61,12 @@ def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int 
     for preset in _BASE_PRESETS:
         overrides = _overrides_on_preset(fields, preset)
         try:
-            _check_context(overrides)
+            if overrides["position_embedding_type"] == "rope":
+                check_rope_context(overrides["seq_length"], overrides["max_position_embeddings"])
             config = model_config_from_preset(preset, tp, vocab_size=vocab_size, **overrides)
-            _check_layout(config, tp, pp)
+            # The layout, checked as a run checks it.
+            check_tensor_parallel_split(config.num_attention_heads, config.query_groups, config.ffn_hidden_size, tp)
+            virtual_stage_layers(config.num_layers, pp)
         except UserError as error:  # the layout does not fit, or this preset cannot take the overrides
             errors.append(error)
             continue
@@ -104,24 +108,6 @@ def _overrides_on_preset(fields: dict, preset: str) -> dict:
     return overrides
 
 
-def _check_context(overrides: dict) -> None:
-    """A rope model's sequence fits its stated context (a learned table's fit is ModelConfig.validate's)."""
-    seq_length, limit = overrides["seq_length"], overrides["max_position_embeddings"]
-    if overrides["position_embedding_type"] == "rope" and seq_length > limit:
-        raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings {limit}, the model's stated "
-                        f"context length; raise --max-position-embeddings or lower --seq-length")
-
-
-def _check_layout(config: ModelConfig, tp: int, pp: int) -> None:
-    """UserError, naming the flags, when TP does not divide what it splits or the layers do not split over PP."""
-    from megalite.pipeline_parallel.stages import virtual_stage_layers
-
-    for flag, value in [("--num-attention-heads", config.num_attention_heads),
-                        ("--num-query-groups", config.query_groups), ("--ffn-hidden-size", config.ffn_hidden_size)]:
-        if value % tp:
-            raise UserError(f"{flag} {value} is not divisible by --tensor-model-parallel-size {tp}; "
-                            f"use a tensor-parallel size that divides it")
-    virtual_stage_layers(config.num_layers, pp)
 
 
 def _same_model(config: ModelConfig, fields: dict) -> bool:

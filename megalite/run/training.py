@@ -183,8 +183,6 @@ def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int
     return sum(losses) / len(losses)
 
 
-
-
 class Trainer:
     """One run's objects, built in the order the checkpoint and the data need them."""
 

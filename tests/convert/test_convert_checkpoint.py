@@ -14,7 +14,7 @@ import torch
 import torch.nn.functional as F
 
 from megalite import checkpoint
-from megalite.arguments import parse_args, with_tokenizer_vocab
+from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.data.tokenizer import build_tokenizer, train_sentencepiece

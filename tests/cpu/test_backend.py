@@ -20,8 +20,16 @@ def loss_and_grads(model, config, seed=3):
     return loss.detach(), {name: param.grad for name, param in model.named_parameters()}
 
 
+@pytest.fixture
+def blocked_calls(monkeypatch):
+    """A list that gets one entry per call of the blocked attention."""
+    calls, original = [], cpu.causal_attention
+    monkeypatch.setattr(cpu, "causal_attention", lambda *args: calls.append(1) or original(*args))
+    return calls
+
+
 @pytest.mark.parametrize("recompute", [None, "selective", "full"])
-def test_the_blocked_attention_trains_the_model_like_sdpa(llama_config, recompute, one_thread):
+def test_the_blocked_attention_trains_the_model_like_sdpa(llama_config, recompute, one_thread, blocked_calls):
     """cpu.apply (then the options, as the run applies them): the same loss and grads as the model's own
     SDPA, with each recomputation; the layers' core attention is the blocked one where it applies."""
     config = llama_config(seq_length=80)  # two query blocks, the last one short
@@ -29,30 +37,19 @@ def test_the_blocked_attention_trains_the_model_like_sdpa(llama_config, recomput
     blocked = apply_options(cpu.apply(GPTModel(config, seed=4)), recompute_granularity=recompute)
     assert list(blocked.state_dict()) == list(plain.state_dict())
     expected, expected_grads = loss_and_grads(plain, config)
-    calls = []
-    original = cpu.causal_attention
-    cpu.causal_attention = lambda *args: calls.append(1) or original(*args)
-    try:
-        loss, grads = loss_and_grads(blocked, config)
-    finally:
-        cpu.causal_attention = original
-    assert len(calls) >= config.num_layers
+    assert blocked_calls == []
+    loss, grads = loss_and_grads(blocked, config)
+    assert len(blocked_calls) >= config.num_layers
     torch.testing.assert_close(loss, expected, rtol=1e-5, atol=1e-6)
     for name, grad in grads.items():
         torch.testing.assert_close(grad, expected_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
-def test_attention_dropout_keeps_the_layers_own_attention(llama_config):
+def test_attention_dropout_keeps_the_layers_own_attention(llama_config, blocked_calls):
     config = llama_config(attention_dropout=0.1)
     model = cpu.apply(GPTModel(config, seed=4)).train()
-    calls = []
-    original = cpu.causal_attention
-    cpu.causal_attention = lambda *args: calls.append(1) or original(*args)
-    try:
-        loss_and_grads(model, config)
-    finally:
-        cpu.causal_attention = original
-    assert calls == []
+    loss_and_grads(model, config)
+    assert blocked_calls == []
 
 
 KEPT_SCRIPT = """

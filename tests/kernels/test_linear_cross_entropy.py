@@ -13,7 +13,6 @@ from megalite.config import ModelConfig
 from megalite.errors import UserError
 from megalite.kernels import cross_entropy as ce_module
 from megalite.kernels.cross_entropy import IGNORE_INDEX
-from megalite.kernels import linear_cross_entropy as lce_module
 from megalite.kernels.linear_cross_entropy import _LinearCrossEntropy, chunk_size, linear_cross_entropy
 from megalite.model.gpt import build_model
 
