@@ -219,8 +219,7 @@ class Trainer:
         self.optimizer = build_optimizer(self.model, run, self.parallel)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
-        # `self.log` changes to the progress logger's printer below: look it up per line.
-        self.checkpointer = Checkpointer(run, self.parallel, log=lambda line: self.log(line))
+        self.checkpointer = Checkpointer(run, self.parallel, log=self.log)
         self.load()
         self.num_microbatches = run.num_microbatches
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
@@ -238,7 +237,11 @@ class Trainer:
                                      start_iteration=self.state.iteration,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
-            self.log = self.logger.print  # above the progress bar, and only on the logging rank
+            # Above the progress bar, and only on the logging rank. Handed to the checkpointer, not looked
+            # up through the Trainer: a closure over the Trainer makes a reference cycle that keeps it and
+            # its process groups alive until the collector runs at interpreter exit, where gloo ranks then
+            # aborted ("terminate called without an active exception").
+            self.log = self.checkpointer.log = self.logger.print
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
