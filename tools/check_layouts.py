@@ -41,6 +41,8 @@ TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-si
 V2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
 DISTOPT = "--use-distributed-optimizer"
 OVERLAP = ["--overlap-grad-reduce", "--ddp-bucket-size", "3000"]  # small buckets: several per chunk
+ZERO2 = ["--data-parallel-sharding-strategy", "optim_grads"]
+ZERO3 = ["--data-parallel-sharding-strategy", "optim_grads_params"]
 LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes no arithmetic
     "tp2": (2, TP2, 1e-5),
     "tp4": (4, ["--tensor-model-parallel-size", "4"], 1e-5),
@@ -56,6 +58,16 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
     "dp4-distopt": (4, [DISTOPT], 1e-5),
     "dp2-tp2-sp-distopt-overlap": (4, [*TP2, "--sequence-parallel", DISTOPT, *OVERLAP], 1e-5),
     "tp2-pp2-dp2-sp-vp2-distopt-overlap": (8, [*TP2, *PP2, *V2, "--sequence-parallel", DISTOPT, *OVERLAP], 1e-5),
+    "dp2-zero2": (2, [*ZERO2, *OVERLAP], 1e-5),
+    "dp4-zero2": (4, ZERO2, 1e-5),
+    "dp2-zero3": (2, ZERO3, 1e-5),
+    "dp4-zero3": (4, ZERO3, 1e-5),
+    "dp2-tp2-sp-zero2": (4, [*TP2, "--sequence-parallel", *ZERO2], 1e-5),
+    "dp2-tp2-sp-zero3": (4, [*TP2, "--sequence-parallel", *ZERO3], 1e-5),
+    "pp2-dp2-zero2": (4, [*PP2, *ZERO2], 1e-5),
+    "pp2-dp2-zero3": (4, [*PP2, *ZERO3], 1e-5),
+    "tp2-pp2-vp2-dp2-sp-zero2": (8, [*TP2, *PP2, *V2, "--sequence-parallel", *ZERO2], 1e-5),
+    "tp2-pp2-vp2-dp2-sp-zero3": (8, [*TP2, *PP2, *V2, "--sequence-parallel", *ZERO3], 1e-5),
 }
 
 

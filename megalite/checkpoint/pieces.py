@@ -88,7 +88,17 @@ def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_
 
 
 def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> dict[str, list[Piece]]:
-    """Every tensor of `model.state_dict()` (full global names) as pieces of views of the live tensors."""
+    """Every tensor of `model.state_dict()` (full global names) as pieces of views of the live tensors.
+
+    Under ZeRO-3 (the model has `param_shards`, megalite/data_parallel/param_shards.py) the
+    parameters this rank stores: the flat ranges of its shards, views of the stored values.
+    """
+    shards = getattr(model, "param_shards", None)
+    if shards is not None:
+        names = {id(param): name for name, param in model.named_parameters()}
+        return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start,
+                                                    tp_rank, tp_size)
+                for param, (start, end) in shards.owned_ranges().items()}
     params = dict(model.named_parameters())
     return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
             for name, tensor in model.state_dict().items()}

@@ -66,15 +66,16 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     step("create its folder", lambda: create_staging(save, staging) if rank == 0 else None)
     tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
-    # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shard.
+    # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shards.
     replica = parallel.dp_rank > 0
+    sharded_model = getattr(model, "param_shards", None) is not None
     optim_pieces = optim_meta = None
     if optimizer is not None:
         optim_state = optimizer.state_dict()
         optim_meta = optim_state["meta"]
         optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
             optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
-    model_part = {} if replica else model_pieces(model, tp_rank, tp_size)
+    model_part = {} if replica and not sharded_model else model_pieces(model, tp_rank, tp_size)
     step("write its files", lambda: write_rank_files(staging, rank, model_part, optim_pieces))
     header = {"iteration": iteration, "consumed_samples": consumed_samples,
               "consumed_valid_samples": consumed_valid_samples,

@@ -5,6 +5,9 @@ from dataclasses import dataclass
 from megalite.config.options import derived, option
 from megalite.errors import UserError
 
+# Megatron's names: nothing, + optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3).
+SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+
 
 @dataclass(frozen=True)
 class ParallelConfig:
@@ -24,7 +27,13 @@ class ParallelConfig:
         None, "layers on the last pipeline stage (the rest split evenly)")
     sequence_parallel: bool = option(False, "split norms, dropout and activations along the sequence over "
                                             "the tensor-parallel ranks")
-    use_distributed_optimizer: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1)")
+    use_distributed_optimizer: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1, "
+                                                    "the same as --data-parallel-sharding-strategy optim)")
+    data_parallel_sharding_strategy: str = option(
+        "no_shard", "what data-parallel ranks shard: nothing, the optimizer state (ZeRO-1), + gradients (ZeRO-2), "
+                    "+ parameters (ZeRO-3, fully sharded)", choices=SHARDING_STRATEGIES)
+    use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
+                                            "its FSDP; --data-parallel-sharding-strategy picks the stage")
     overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last "
                                               "backward")
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
@@ -33,6 +42,14 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(10.0, "a collective that waits longer (a dead or hung rank) "
                                                       "fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
+
+    @property
+    def sharding(self) -> str:
+        """The sharding strategy in force: --data-parallel-sharding-strategy, at least `optim` with
+        --use-distributed-optimizer."""
+        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
+            return "optim"
+        return self.data_parallel_sharding_strategy
 
     @property
     def data_parallel_size(self) -> int:

@@ -189,9 +189,9 @@ class MixedPrecisionOptimizer:
         """
         if self.loss_scaler is None:
             return False
-        self.grad_buffer.data.mul_(1.0 / self.loss_scaler.scale)
+        self.grad_buffer.step_grads().mul_(1.0 / self.loss_scaler.scale)
         finite = all(bool(torch.isfinite(grad).all()) for grad in self.main_grads)
-        found_inf = torch.tensor(0.0 if finite else 1.0, device=self.grad_buffer.data.device)
+        found_inf = torch.tensor(0.0 if finite else 1.0, device=self.grad_buffer.step_grads().device)
         if self.world:
             torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX)
         return bool(found_inf > 0)
@@ -212,7 +212,7 @@ class MixedPrecisionOptimizer:
         """Global L2 norm of all main grads (fp32)."""
         grads = [grad for grad, param in zip(self.main_grads, self.model_params) if self._counted(param)]
         norms = torch._foreach_norm(grads, 2.0) if grads else []
-        device = self.grad_buffer.data.device
+        device = self.grad_buffer.step_grads().device
         squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
         if self.distributed and self.world:
             torch.distributed.all_reduce(squared_norm)
@@ -226,7 +226,7 @@ class MixedPrecisionOptimizer:
             return
         clip_coefficient = self.clip_grad / (grad_norm + 1e-6)
         if clip_coefficient < 1.0:
-            self.grad_buffer.data.mul_(clip_coefficient)
+            self.grad_buffer.step_grads().mul_(clip_coefficient)
 
     def _adam_step(self, lr: float) -> None:
         """AdamW on the main params with the grad buffer's views as their grads."""
@@ -309,13 +309,15 @@ class MixedPrecisionOptimizer:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1: each data-parallel rank keeps fp32 main params and Adam moments for its shard only.
+    """ZeRO-1/2/3: each data-parallel rank keeps fp32 main params and Adam moments for its shard only.
 
     The grad buffer's buckets are cut into `dp_size` equal shards; DP rank d owns shard d
     of every bucket (grad_buffer.py). Its grads arrive there by reduce-scatter (ddp.py);
     AdamW runs on the owned ranges; each bucket is then all-gathered so every rank's
     model params are whole again. A parameter's owned part is one contiguous range of
-    its flattened values (buckets close at parameter boundaries).
+    its flattened values (buckets close at parameter boundaries). ZeRO-2 (sharded grads)
+    reads the grads from the buffer's shards; ZeRO-3 (sharded params) also updates the
+    stored parameter shards and gathers nothing: the next forward does (param_shards.py).
 
     Checkpoints: `state_dict()` gives each owned range as flat values with its start in the
     param's local flat shard (`flat_ranges`); the checkpoint cuts them into pieces of the
@@ -337,34 +339,40 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if low >= high:
                     continue
                 local = (low - start, high - start)
-                values = param.detach().view(-1)[local[0]:local[1]]
-                # fp32 models: the main values are a view of the param, updated in place.
+                values = self._values(param, *local)
+                # fp32 models: the main values are a view of the param (or its stored shard), updated in place.
                 main = values if param.dtype == torch.float32 else values.to(torch.float32, copy=True)
                 self.model_params.append(param)
                 self.names.append(self.name_of[id(param)])
                 self.main_params.append(main)
-                self.main_grads.append(param.main_grad.view(-1)[local[0]:local[1]])
+                self.main_grads.append(buffer.shard_view(bucket)[low - shard_start:high - shard_start])
                 self.ranges.append(local)
 
+    def _values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
+        """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view)."""
+        if self.ddp.param_shards is not None:
+            return self.ddp.param_shards.owned_values(param, start, end)
+        return param.detach().view(-1)[start:end]
+
     def _model_values(self) -> list[torch.Tensor]:
-        return [param.detach().view(-1)[start:end] for param, (start, end) in zip(self.model_params, self.ranges)]
+        return [self._values(param, *local) for param, local in zip(self.model_params, self.ranges)]
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the owned ranges into the model params, then all-gather every bucket across DP."""
-        for main, param, (start, end) in zip(self.main_params, self.model_params, self.ranges):
-            if param.dtype != torch.float32:
-                param.view(-1)[start:end].copy_(main)
-        if self.dp_size == 1:
+        """Write the owned ranges into the model params, then all-gather every bucket across DP
+        (under ZeRO-3 into the stored shards, which the next forward gathers)."""
+        for main, values in zip(self.main_params, self._model_values()):
+            if main.dtype != values.dtype:
+                values.copy_(main)
+        if self.dp_size == 1 or self.ddp.param_shards is not None:
             return
         for bucket in self.grad_buffer.buckets:
             self._all_gather_bucket(bucket)
 
     def _all_gather_bucket(self, bucket) -> None:
         """Every DP rank's shard of `bucket`'s params, gathered into the params of all ranks."""
-        buffer, dtype = self.grad_buffer, bucket.params[0].dtype
-        device = buffer.data.device
-        full = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+        buffer, first = self.grad_buffer, bucket.params[0]
+        full = torch.zeros(bucket.end - bucket.start, dtype=first.dtype, device=first.device)
         for param in bucket.params:
             start, numel = buffer.offsets[param]
             full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))

@@ -103,10 +103,10 @@ def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
 
 def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrecisionOptimizer:
     """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the
-    distributed one with --use-distributed-optimizer."""
+    distributed one when the sharding strategy shards anything (ZeRO-1/2/3)."""
     train, layout = run.train, run.parallel
-    kind = DistributedOptimizer if layout.use_distributed_optimizer else MixedPrecisionOptimizer
-    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, shard=kind.distributed,
+    kind = DistributedOptimizer if layout.sharding != "no_shard" else MixedPrecisionOptimizer
+    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, strategy=layout.sharding,
                             overlap=layout.overlap_grad_reduce)
     return kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                 eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run))
