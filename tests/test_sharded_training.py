@@ -1,0 +1,61 @@
+"""ZeRO-2 and ZeRO-3 end to end (pretrain_gpt.py on CPU ranks): losses match one process over 10
+iterations, a ZeRO-3 checkpoint resumes bitwise and loads into other layouts and strategies.
+The grads of one step, per parameter and per layout, are checked in tests/data_parallel/test_sharding.py."""
+
+import os
+import shutil
+
+import pytest
+
+from tools.check_layouts import COMMON, LAYOUTS, MODELS, ZERO2, ZERO3
+from tests.test_parallel_training import assert_matches, train
+
+TEN = [*COMMON, *MODELS["llama"], "--train-iters", "10", "--eval-interval", "5"]
+
+
+@pytest.fixture(scope="module")
+def single10(tmp_path_factory):
+    return train(tmp_path_factory.mktemp("single10"), 1, base=TEN)
+
+
+def test_zero3_at_dp4_resumes_bitwise_and_loads_at_tp2_dp2_optim_and_at_one_process(single10, tmp_path):
+    whole = train(tmp_path / "whole", 4, *ZERO3, base=TEN)
+    assert_matches(single10, whole, 13)
+    stopped = train(tmp_path / "stopped", 4, *ZERO3, "--exit-interval", "5", base=TEN)
+    assert sorted(stopped)[-1] == ("valid", 5)
+    for layout in ("tp2-optim", "one"):
+        shutil.copytree(tmp_path / "stopped", tmp_path / layout)
+    assert train(tmp_path / "stopped", 4, *ZERO3, load=True, base=TEN) == whole  # bitwise
+    elsewhere = train(tmp_path / "tp2-optim", 4, "--tensor-model-parallel-size", "2",
+                      "--data-parallel-sharding-strategy", "optim", load=True, base=TEN)
+    assert_matches(single10, elsewhere, 13)
+    assert_matches(single10, train(tmp_path / "one", 1, load=True, base=TEN), 13)
+
+
+def test_zero2_resumes_at_zero3_and_no_shard(single10, tmp_path):
+    train(tmp_path / "zero2", 2, *ZERO2, "--exit-interval", "5", base=TEN)
+    shutil.copytree(tmp_path / "zero2", tmp_path / "no-shard")
+    assert_matches(single10, train(tmp_path / "zero2", 4, *ZERO3, load=True, base=TEN), 13)
+    assert_matches(single10, train(tmp_path / "no-shard", 2, load=True, base=TEN), 13)
+
+
+@pytest.mark.parametrize("layout", ["tp2-pp2-vp2-dp2-sp-zero3", "dp2-zero2"])
+def test_sharded_layouts_match_one_process_over_ten_iterations(layout, single10, tmp_path):
+    processes, flags, tolerance = LAYOUTS[layout]
+    assert_matches(single10, train(tmp_path / layout, processes, *flags, base=TEN), 13, tolerance)
+
+
+def test_zero3_with_fp16_loss_scaling_and_recomputation_tracks_one_process(tmp_path):
+    flags = ["--fp16", "--recompute-granularity", "full"]
+    reference = train(tmp_path / "one", 1, *flags, base=TEN)
+    sharded = train(tmp_path / "zero3", 2, *flags, *ZERO3, base=TEN)
+    assert sharded.keys() == reference.keys()
+    for key, loss in reference.items():
+        assert sharded[key] == pytest.approx(loss, rel=2e-3)
+
+
+def test_zero3_run_saves_every_rank_s_model_pieces(tmp_path):
+    train(tmp_path / "run", 2, *ZERO3, "--train-iters", "2", base=TEN)
+    folder = os.path.join(tmp_path / "run", "iter_0000002")
+    assert sorted(name for name in os.listdir(folder) if name.startswith("model_")) == \
+        ["model_00000.safetensors", "model_00001.safetensors"]
