@@ -70,12 +70,9 @@ class DataParallelGrads:
         self.sharded_grads = strategy in ("optim_grads", "optim_grads_params")
         self.overlap = (overlap and parallel.dp_size > 1) or self.sharded_grads
         chunks = list(model) if hasattr(model, "chunks") else [model]
-        if strategy == "optim_grads_params":  # one bucket per unit: the unit of gathering
-            groups, bucket_size = [params for chunk in chunks for params, _, _ in unit_params(chunk)], None
-        else:
-            groups = [list(chunk.parameters()) for chunk in chunks]
-        self.buffer = GradBuffer([[p for p in params if p.requires_grad] for params in groups],
-                                 bucket_size=bucket_size, shard_count=parallel.dp_size if self.shard else 1,
+        self.buffer = GradBuffer(buffer_groups(chunks, strategy),
+                                 bucket_size=None if strategy == "optim_grads_params" else bucket_size,
+                                 shard_count=parallel.dp_size if self.shard else 1,
                                  shard_rank=parallel.dp_rank if self.shard else 0, sharded=self.sharded_grads)
         self.param_shards = None
         if strategy == "optim_grads_params":
@@ -187,6 +184,16 @@ class DataParallelGrads:
                 work.wait()
                 free(self.buffer.buckets[index].grad)
                 self._launched[index] = None
+
+
+def buffer_groups(chunks: list[nn.Module], strategy: str) -> list[list[nn.Parameter]]:
+    """The trainable parameters the grad buffer lays out range after range: each model chunk's, or
+    under ZeRO-3 each unit's (param_shards.py), since a unit is gathered and reduced as one bucket."""
+    if strategy == "optim_grads_params":
+        groups = [params for chunk in chunks for params, _, _ in unit_params(chunk)]
+    else:
+        groups = [list(chunk.parameters()) for chunk in chunks]
+    return [[param for param in params if param.requires_grad] for params in groups]
 
 
 def all_reduce_views(views: list[torch.Tensor], group) -> None:

@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from megalite.config import RunConfig, num_parameters
+from megalite.data_parallel.ddp import buffer_groups
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.kernels import check_kernels
 from megalite.run.flops import DTYPE_NAMES, flops_per_iteration
@@ -98,14 +99,15 @@ class RankClass:
     optimizer_bytes: int
     activation_bytes: int  # estimate (megalite/plan/memory.py)
     in_flight: int  # the most micro-batch chunks held at once by the schedule
+    working_bytes: int = 0  # ZeRO-2/3: gathered units and full grads that exist only during an iteration
 
     @property
     def total_bytes(self) -> int:
-        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.activation_bytes
+        return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.working_bytes + self.activation_bytes
 
     def figures(self) -> tuple:
         return (self.pp_rank, self.params, self.param_bytes, self.grad_bytes, self.optimizer_bytes,
-                self.activation_bytes, self.in_flight)
+                self.working_bytes, self.activation_bytes, self.in_flight)
 
 
 @dataclass
@@ -140,7 +142,8 @@ def plan(run: RunConfig) -> DryRunReport:
     report = DryRunReport(run, vocab, source, num_microbatches,
                           flops_per_iteration(model, train.global_batch_size, model.seq_length),
                           flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True))
-    shards = dp if layout.use_distributed_optimizer else 1
+    strategy = layout.sharding
+    shards = dp if strategy != "no_shard" else 1
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
     for pp_rank in range(pp):
@@ -150,8 +153,8 @@ def plan(run: RunConfig) -> DryRunReport:
         # The optimizer's grad buffer, laid out as MixedPrecisionOptimizer lays it out (building the
         # optimizer itself would import torch's compiler, seconds for nothing; tests/plan/test_dry_run.py
         # checks the two agree against a live run).
-        buffer = GradBuffer([[param for param in chunk.parameters() if param.requires_grad] for chunk in chunks],
-                            bucket_size=layout.ddp_bucket_size, shard_count=shards)
+        buffer = GradBuffer(buffer_groups(list(chunks), strategy), shard_count=shards,
+                            bucket_size=None if strategy == "optim_grads_params" else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
         layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
@@ -161,10 +164,11 @@ def plan(run: RunConfig) -> DryRunReport:
         working = activations.layer_bytes() if model.recompute_granularity == "full" else 0
         activation = peak_activation_bytes(ops, chunk_bytes, working)
         for dp_rank in range(dp):
-            shard = dp_rank if layout.use_distributed_optimizer else 0
-            figures = state_bytes(buffer, dtype, shard, shards)
-            candidate = RankClass([], pp_rank, layers, params, params * element_bytes(dtype), figures["grads"],
-                                  figures["optimizer"], activation, max_in_flight(ops))
+            shard = dp_rank if strategy != "no_shard" else 0
+            figures = state_bytes(buffer, dtype, shard, shards, strategy, num_microbatches)
+            param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
+            candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
+                                  activation, max_in_flight(ops), figures["working"])
             cls = by_figures.setdefault(candidate.figures(), candidate)
             cls.ranks += grid[pp_rank, dp_rank].tolist()  # its TP ranks
     report.classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
@@ -200,8 +204,9 @@ def format_report(report: DryRunReport) -> str:
     run, layout, train, model = report.run, report.run.parallel, report.run.train, report.run.model
     tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     vp = layout.virtual_pipeline_model_parallel_size
+    zero = {"optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}.get(layout.sharding)
     options = [name for name, on in (("sequence parallel", layout.sequence_parallel),
-                                     ("distributed optimizer", layout.use_distributed_optimizer)) if on]
+                                     (f"{zero} ({layout.sharding})", zero is not None)) if on]
     dtype = DTYPE_NAMES[train.params_dtype]
     schedule = "no pipelining" if pp == 1 else "1F1B" if vp == 1 else f"interleaved 1F1B, {vp} chunks per rank"
     padded_params = num_parameters(model)
@@ -219,13 +224,14 @@ def format_report(report: DryRunReport) -> str:
         f"{report.hardware_flops:.3e} with recomputation",
         "per rank (GiB = 2^30 bytes; activations: estimate at the schedule's peak, docs/memory.md):",
     ]
-    header = ("ranks", "stage", "layers", "params", "params GiB", "grads GiB", "optim GiB", "in flight",
-              "activ GiB", "total GiB")
+    header = ("ranks", "stage", "layers", "params", "params GiB", "grads GiB", "optim GiB", "working GiB",
+              "in flight", "activ GiB", "total GiB")
     # Classes that print alike share a row: DP ranks' optimizer shards differ by a few bytes at most.
     ranks_by_cells: dict[tuple, list[int]] = {}
     for cls in report.classes:
         cells = (_stage(cls, pp), _layers(cls.layers), f"{cls.params:,}",
-                 *(f"{value / GIB:.2f}" for value in (cls.param_bytes, cls.grad_bytes, cls.optimizer_bytes)),
+                 *(f"{value / GIB:.2f}" for value in (cls.param_bytes, cls.grad_bytes, cls.optimizer_bytes,
+                                                      cls.working_bytes)),
                  str(cls.in_flight), f"{cls.activation_bytes / GIB:.2f}", f"{cls.total_bytes / GIB:.2f}")
         ranks_by_cells.setdefault(cells, []).extend(cls.ranks)
     rows = [header] + [(format_ranks(sorted(ranks)), *cells) for cells, ranks in ranks_by_cells.items()]

@@ -6,7 +6,9 @@ Parameters, gradients and optimizer state are exact, to the byte:
 
 - params: the rank's parameter count x the bytes of `--bf16` / `--fp16` / fp32;
 - grads: the fp32 grad buffer (data_parallel/grad_buffer.py), every bucket's parameters
-  zero-padded to a multiple of DP under the distributed optimizer;
+  zero-padded to a multiple of DP under the distributed optimizer; under ZeRO-2/3 this
+  rank's shard of it, and under ZeRO-3 the params are its shard of the units too
+  (`state_bytes` also gives the transient `working` bytes of those strategies);
 - optimizer: for every element this rank updates (all of its parameters, or its shard
   of every bucket under --use-distributed-optimizer) 8 bytes of Adam moments, plus 4
   bytes of fp32 main param when the model is bf16/fp16 (an fp32 model's main params
@@ -78,11 +80,31 @@ def optimizer_state_bytes(elements: int, pieces: int, params_dtype: torch.dtype)
     return (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces
 
 
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int) -> dict[str, int]:
-    """{"grads", "optimizer"} bytes of the rank owning shard `shard` of `shards` (0 of 1: unsharded)."""
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
+                num_microbatches: int = 1) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "working"} bytes of the rank owning shard `shard` of `shards`
+    (0 of 1: unsharded) under the sharding `strategy` (--data-parallel-sharding-strategy).
+
+    params, grads, optimizer: what the rank keeps between iterations. working: what exists only
+    during an iteration: under ZeRO-3 the gathered units (the two largest, plus one more for a
+    tied embedding's unit, which stays gathered from the first layer to the last); under ZeRO-2/3
+    the full grads of the buckets being reduced (two), or of every bucket while the grads of
+    several micro-batches accumulate (they are reduced once per global batch).
+    """
     elements, pieces = shard_elements(buffer, shard, shards)
-    return {"grads": grad_buffer_bytes(buffer, shards),
-            "optimizer": optimizer_state_bytes(elements, pieces, params_dtype)}
+    padded = grad_buffer_bytes(buffer, shards) // GRAD_BYTES
+    bucket_sizes = sorted(-(-sum(p.numel() for p in bucket.params) // shards) * shards for bucket in buffer.buckets)
+    params = element_bytes(params_dtype) * (padded // shards if strategy == "optim_grads_params" else buffer.numel)
+    grads = GRAD_BYTES * padded // shards if strategy in ("optim_grads", "optim_grads_params") else \
+        grad_buffer_bytes(buffer, shards)
+    working = 0
+    if strategy == "optim_grads_params":
+        held = 3 if any(getattr(p, "shared_embedding", False) for p in buffer.params) else 2
+        working += element_bytes(params_dtype) * sum(bucket_sizes[-held:])
+    if strategy in ("optim_grads", "optim_grads_params"):
+        working += GRAD_BYTES * (padded if num_microbatches > 1 else sum(bucket_sizes[-2:]))
+    return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(elements, pieces, params_dtype),
+            "working": working}
 
 
 # ----------------------------------------------------------------------------- activations
