@@ -157,6 +157,8 @@ class DataParallelGrads:
             self._launch(index, async_op=True)
 
     def _launch(self, index: int, async_op: bool) -> None:
+        if self.sharded_grads:
+            self._free_reduced()
         bucket: Bucket = self.buffer.buckets[index]
         data = self.buffer.bucket_grads(bucket)
         group = self.parallel.dp_group
@@ -174,13 +176,12 @@ class DataParallelGrads:
         if self.sharded_grads and work is None:
             free(bucket.grad)
         self._launched[index] = work
-        if self.sharded_grads:
-            self._free_reduced()
 
     def _free_reduced(self) -> None:
-        """Free the full grads of every bucket whose reduce-scatter has finished (ZeRO-2/3)."""
+        """Wait for the reduce-scatters in flight and free their buckets' full grads (ZeRO-2/3): one
+        reduction overlaps the next bucket's backward, and at most two buckets' full grads exist."""
         for index, work in self._launched.items():
-            if work is not None and work.is_completed():
+            if work is not None:
                 work.wait()
                 free(self.buffer.buckets[index].grad)
                 self._launched[index] = None

@@ -1,23 +1,25 @@
-"""tools/bench/memory.py on real torchrun worlds: the distributed optimizer halves optimizer state at DP=2."""
+"""tools/bench/memory.py on real torchrun worlds: each sharding strategy's model state per rank at DP=2."""
+
+import pytest
 
 from tools.bench.memory import main as bench_main
 
 
-def test_memory_bench_shards_optimizer_state_over_data_parallel_ranks(capsys):
+def test_memory_bench_shards_model_state_by_strategy(capsys):
     assert bench_main(["--dp", "1", "2", "--dtype", "bf16", "--small"]) == 0
     out = capsys.readouterr().out
     rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
-    # DP, optimizer, rank, params MB, exp, grads MB, exp, optim MB, exp, vs DP=1
-    optim = {(int(row[0]), row[1], int(row[2])): (float(row[7]), float(row[9])) for row in rows}
-    assert sorted(optim) == [(1, "DistributedOptimizer", 0), (1, "MixedPrecisionOptimizer", 0),
-                             (2, "DistributedOptimizer", 0), (2, "DistributedOptimizer", 1),
-                             (2, "MixedPrecisionOptimizer", 0), (2, "MixedPrecisionOptimizer", 1)]
-    baseline, _ = optim[(1, "MixedPrecisionOptimizer", 0)]
-    assert baseline > 0
-    for rank in (0, 1):
-        assert optim[(2, "MixedPrecisionOptimizer", rank)] == (baseline, 1.0)  # replicated: no saving
-        sharded, ratio = optim[(2, "DistributedOptimizer", rank)]
-        assert 0.49 <= ratio <= 0.51
-        assert abs(sharded - baseline / 2) <= 0.01
+    # DP, strategy, rank, params MB, exp, grads MB, exp, optim MB, exp, state/N, formula, ratio, peak MB, vs no_shard
+    state = {(int(row[0]), row[1], int(row[2])): (float(row[9]), float(row[13])) for row in rows}
+    strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+    assert sorted(state) == sorted((dp, strategy, rank) for dp in (1, 2) for strategy in strategies
+                                   for rank in range(dp))
+    for strategy in strategies:  # one rank: nothing to shard
+        assert state[(1, strategy, 0)][0] == pytest.approx(18.0, abs=0.01)
+    for rank in (0, 1):  # bytes per parameter at DP 2: 18, 6 + 12/2, 2 + 16/2, 18/2
+        for strategy, per_param in zip(strategies, (18.0, 12.0, 10.0, 9.0)):
+            assert state[(2, strategy, rank)][0] == pytest.approx(per_param, abs=0.05)
+            assert state[(2, strategy, rank)][1] == pytest.approx(per_param / 18.0, abs=0.005)
     assert "every measured figure equals its closed form to the byte" in out
-    assert "not checked" in out  # DP=4 was not run
+    assert "PASS: every strategy's model state within 10% of its formula" in out
+    assert "not checked" in out  # DP=8 was not run

@@ -10,6 +10,7 @@ units were gathered at once and which memory was released after the step.
 import pytest
 import torch
 
+from megalite.arguments import parse_args
 from megalite.checkpoint import flat_range_pieces, tensor_parallel_pieces
 from megalite.config import ModelConfig
 from megalite.data_parallel.ddp import DataParallelGrads
@@ -19,8 +20,11 @@ from megalite.model.options import apply_options
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.stages import build_model_chunks
+from megalite.plan.dry_run import plan
 from megalite.run.training import forward_backward
 from tests.distributed import run_world
+from tools.bench.memory import PeakSampler, random_micro_batch
+from tools.check_layouts import COMMON, MODELS
 
 SEQ, MICRO, GLOBAL_MICRO_BATCHES = 8, 2, 4
 
@@ -161,3 +165,46 @@ def test_an_unknown_strategy_is_refused():
     model = build_model_chunks(config(False), seed=11)
     with pytest.raises(ValueError, match="unknown sharding strategy 'zero9'"):
         DataParallelGrads(model, strategy="zero9")
+
+
+BUDGET_FLAGS = [*COMMON, *MODELS["llama"], "--bf16", "--data-parallel-sharding-strategy"]
+
+
+def model_state_of_plan(strategy: str) -> int:
+    """The dry run's per-rank model state (params, grads, optimizer state and ZeRO's working bytes)."""
+    report = plan(parse_args([*BUDGET_FLAGS, strategy, "--dry-run", "--world-size", "4"], 4))
+    return max(cls.param_bytes + cls.grad_bytes + cls.optimizer_bytes + cls.working_bytes for cls in report.classes)
+
+
+def budget_world(rank, world_size, strategy, budget, iterations):
+    """Train `iterations` steps under `strategy`; (losses, the most model-state bytes live at once)."""
+    run = parse_args([*BUDGET_FLAGS, strategy], world_size)
+    parallel = build_parallel_state()
+    model = build_model_chunks(run.model, seed=5, dtype=torch.bfloat16, parallel=parallel)
+    ddp = DataParallelGrads(model, parallel, strategy=strategy)
+    optimizer = (MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer)(ddp, lr=3e-3)
+    sampler = PeakSampler(model, optimizer)
+    batch = random_micro_batch(run.model, parallel.dp_rank)
+    losses = []
+    for _ in range(iterations):
+        optimizer.zero_grad()
+        ddp.start_iteration(1)
+        losses.append(forward_backward(model, [batch], optimizer, parallel))
+        ddp.finish_grad_sync()
+        optimizer.step(3e-3)
+        sampler.sample()
+        if sampler.peak > budget:
+            break  # over the budget: a GPU of this size would have run out of memory here
+    return losses, sampler.peak
+
+
+def test_zero3_trains_a_model_whose_unsharded_state_exceeds_the_budget(one_thread):
+    """A per-rank budget between the dry run's ZeRO-3 and no_shard figures: ZeRO-3 trains within it
+    (live model state sampled throughout), no_shard does not fit it."""
+    zero3, unsharded = model_state_of_plan("optim_grads_params"), model_state_of_plan("no_shard")
+    budget = zero3  # what the dry run says ZeRO-3 needs at most, working bytes included
+    assert unsharded > 2 * budget
+    losses, peak = run_world(4, budget_world, "optim_grads_params", budget, 8)[0]
+    assert peak <= budget and len(losses) == 8 and losses[-1] < losses[0] - 0.5
+    _, unsharded_peak = run_world(4, budget_world, "no_shard", budget, 1)[0]
+    assert unsharded_peak > budget
