@@ -73,3 +73,14 @@ def test_bf16_tracks_fp32_on_the_gpu():
     assert next(trainer.model.parameters()).dtype == torch.bfloat16
     assert fp32.losses[-1] < fp32.losses[0] - 0.25  # it learns (20 iterations: 6.92 -> 6.56 on an H200)
     np.testing.assert_allclose(bf16.losses, fp32.losses, rtol=0.02)
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads", "optim_grads_params"])
+def test_each_sharding_strategy_on_one_gpu_tracks_no_shard(strategy):
+    """A world of one runs the same sharded code path (the reduce-scatter a copy, the gathers too):
+    bf16 on the GPU, the losses of no_shard within bf16 rounding."""
+    common = [*SMALL, "--bf16", "--train-iters", "6"]
+    _, reference, _ = train(*common)
+    trainer, state, _ = train(*common, "--data-parallel-sharding-strategy", strategy)
+    assert trainer.device.type == "cuda" and trainer.optimizer.ddp.strategy == strategy
+    np.testing.assert_allclose(state.losses, reference.losses, rtol=1e-2)

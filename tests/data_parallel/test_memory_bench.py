@@ -1,4 +1,5 @@
-"""tools/bench/memory.py on real torchrun worlds: each sharding strategy's model state per rank at DP=2."""
+"""tools/bench/memory.py and tools/bench/sharding_comm.py on real torchrun worlds: model state and bytes
+communicated per rank under each sharding strategy."""
 
 import pytest
 
@@ -23,3 +24,14 @@ def test_memory_bench_shards_model_state_by_strategy(capsys):
     assert "every measured figure equals its closed form to the byte" in out
     assert "PASS: every strategy's model state within 10% of its formula" in out
     assert "not checked" in out  # DP=8 was not run
+
+
+def test_sharding_comm_bench_counts_zero3_at_one_and_a_half_times_plain_dp(capsys):
+    from tools.bench.sharding_comm import main as comm_main
+
+    assert comm_main(["--dp", "2", "--small"]) == 0
+    out = capsys.readouterr().out
+    ratios = {line.split()[0]: float(line.split()[-1]) for line in out.splitlines()
+              if line.split()[:1] and line.split()[0] in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+    assert ratios == {"no_shard": 1.0, "optim": 1.0, "optim_grads": 1.0, "optim_grads_params": 1.5}
+    assert "PASS: ZeRO-3 moves 1.500x plain DP's bytes" in out

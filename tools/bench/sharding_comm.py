@@ -1,0 +1,157 @@
+"""Data-parallel bytes communicated per iteration under each sharding strategy, beside plain DP's.
+
+    python tools/bench/sharding_comm.py                 # DP = 4, fp32 params, every strategy
+    python tools/bench/sharding_comm.py --dp 8 --dtype bf16
+
+The script launches itself under torchrun (gloo on the CPU, one thread per rank). Every
+rank builds a small LLaMA-style model and, for each --data-parallel-sharding-strategy,
+takes two training steps on random tokens; the second is counted. Each collective over
+the data-parallel group is counted by what a ring algorithm moves per rank: an all-reduce
+of S bytes sends 2 S (DP-1)/DP, an all-gather or reduce-scatter of S bytes (the whole
+tensor) S (DP-1)/DP. Plain DP all-reduces the fp32 grads; ZeRO-1 and 2 reduce-scatter
+them and all-gather the updated params (the same volume for fp32 params); ZeRO-3
+all-gathers each unit's params before its forward and again before its backward, and
+reduce-scatters its grads: 1.5x plain DP's volume when params and grads have the same
+dtype. With bf16 params the gathers move half as many bytes.
+
+The last line checks ZeRO-3's volume against plain DP's (target: 1.4x to 1.6x, fp32).
+"""
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+import torch
+
+from megalite.config.parallel import SHARDING_STRATEGIES
+from tools.bench.memory import model_config, random_micro_batch
+
+REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+MB = 2 ** 20
+TARGET = (1.4, 1.6)
+
+
+class DataParallelTraffic:
+    """Counts the bytes each collective over `group` moves per rank while installed (module docstring)."""
+
+    def __init__(self, group, size: int):
+        import torch.distributed as dist
+
+        from megalite.data_parallel import ddp, optimizer, param_shards
+
+        self.group, self.size, self.bytes = group, size, {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
+        self.patched = [(dist, "all_reduce"), (ddp, "reduce_scatter_single"), (optimizer, "all_gather_single"),
+                        (param_shards, "all_gather_single")]
+        self.originals = [getattr(module, name) for module, name in self.patched]
+        counters = {"all_reduce": ("all-reduce", 2, 0), "reduce_scatter_single": ("reduce-scatter", 1, 1),
+                    "all_gather_single": ("all-gather", 1, 0)}
+        for (module, name), original in zip(self.patched, self.originals):
+            setattr(module, name, self._counting(original, *counters[name]))
+
+    def _counting(self, original, kind: str, factor: int, whole: int):
+        """`whole`: the argument holding the whole tensor (the all-gather's output, the reduce-scatter's input)."""
+        def counted(*args, **kwargs):
+            if kwargs.get("group") is self.group:
+                tensor = args[whole]
+                self.bytes[kind] += factor * tensor.numel() * tensor.element_size() * (self.size - 1) // self.size
+            return original(*args, **kwargs)
+        return counted
+
+    def remove(self) -> None:
+        for (module, name), original in zip(self.patched, self.originals):
+            setattr(module, name, original)
+
+
+def measure(strategy: str, dtype: torch.dtype, parallel, small: bool) -> dict:
+    """Bytes per kind of collective in the second of two training steps under `strategy`."""
+    from megalite.data_parallel.ddp import DataParallelGrads
+    from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
+    from megalite.pipeline_parallel.stages import build_model_chunks
+    from megalite.run.training import forward_backward
+
+    config = model_config(small)
+    model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
+    kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
+    optimizer = kind(DataParallelGrads(model, parallel, strategy=strategy), lr=1e-3)
+    batch = random_micro_batch(config, parallel.dp_rank)
+    for step in range(2):
+        traffic = DataParallelTraffic(parallel.dp_group, parallel.dp_size) if step == 1 else None
+        optimizer.zero_grad()
+        optimizer.ddp.start_iteration(1)
+        forward_backward(model, [batch], optimizer, parallel)
+        optimizer.ddp.finish_grad_sync()
+        optimizer.step(1e-3)
+    traffic.remove()
+    return traffic.bytes
+
+
+def worker(args) -> None:
+    import torch.distributed as dist
+
+    from megalite.config import ParallelConfig
+    from megalite.parallel_state import destroy, initialize, world_size_from_env
+
+    parallel = initialize(ParallelConfig(world_size=world_size_from_env(), distributed_backend="gloo"))
+    dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    figures = {strategy: measure(strategy, dtype, parallel, args.small) for strategy in SHARDING_STRATEGIES}
+    gathered = [None] * parallel.world_size
+    dist.all_gather_object(gathered, figures)
+    if parallel.rank == 0:
+        with open(args.output, "w", encoding="utf-8") as file:
+            json.dump(gathered, file)
+    destroy(parallel)
+
+
+def launch(args) -> list[dict]:
+    with tempfile.TemporaryDirectory() as folder:
+        output = os.path.join(folder, "figures.json")
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp),
+                   os.path.abspath(__file__), "--worker", "--output", output, "--dtype", args.dtype,
+                   *(["--small"] if args.small else [])]
+        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        if result.returncode != 0:
+            raise RuntimeError(f"DP={args.dp} failed (exit code {result.returncode}):\n{result.stdout[-2000:]}\n"
+                               f"{result.stderr[-4000:]}")
+        with open(output, encoding="utf-8") as file:
+            return json.load(file)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dp", type=int, default=4, help="data-parallel ranks (at least 2)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32", help="the model params' dtype")
+    parser.add_argument("--small", action="store_true", help="a ~10x smaller model (hidden 64, vocab 4096)")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.dp < 2:
+        parser.error(f"--dp must be at least 2 (one rank communicates nothing), got {args.dp}")
+    if args.worker:
+        worker(args)
+        return 0
+    rank0 = launch(args)[0]
+    plain = sum(rank0["no_shard"].values())
+    print(f"DP={args.dp}, {args.dtype} params, fp32 grads; MB per rank in one iteration (ring algorithm volumes)")
+    print(f"{'strategy':<19} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14} {'total':>8} {'vs no_shard':>11}")
+    for strategy in SHARDING_STRATEGIES:
+        volumes = rank0[strategy]
+        total = sum(volumes.values())
+        print(f"{strategy:<19} {volumes['all-reduce'] / MB:>10.3f} {volumes['all-gather'] / MB:>10.3f} "
+              f"{volumes['reduce-scatter'] / MB:>14.3f} {total / MB:>8.3f} {total / plain:>11.3f}")
+    ratio = sum(rank0["optim_grads_params"].values()) / plain
+    met = TARGET[0] <= ratio <= TARGET[1]
+    if args.dtype != "fp32":
+        print(f"ZeRO-3 moves {ratio:.3f}x plain DP's bytes with {args.dtype} params (the {TARGET[0]}-{TARGET[1]}x "
+              f"target is for params and grads of one dtype: run with --dtype fp32)")
+        return 0
+    print(f"{'PASS' if met else 'FAIL'}: ZeRO-3 moves {ratio:.3f}x plain DP's bytes per iteration "
+          f"(target: {TARGET[0]}x to {TARGET[1]}x)")
+    return 0 if met else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
