@@ -39,7 +39,7 @@ def test_zero2_resumes_at_zero3_and_no_shard(single10, tmp_path):
     assert_matches(single10, train(tmp_path / "no-shard", 2, load=True, base=TEN), 13)
 
 
-@pytest.mark.parametrize("layout", ["tp2-pp2-vp2-dp2-sp-zero3", "dp2-zero2"])
+@pytest.mark.parametrize("layout", ["tp2-pp2-vp2-dp2-sp-zero3", "pp2-dp2-zero3", "dp2-tp2-sp-zero2", "dp2-zero2"])
 def test_sharded_layouts_match_one_process_over_ten_iterations(layout, single10, tmp_path):
     processes, flags, tolerance = LAYOUTS[layout]
     assert_matches(single10, train(tmp_path / layout, processes, *flags, base=TEN), 13, tolerance)
