@@ -1,14 +1,11 @@
 """The built-in default corpus: the running interpreter's standard library, tokenized.
 
-`ensure_builtin_corpus()` turns every `.py` file of the standard library (sorted by
-path, one document each) into `corpus.jsonl`, trains a SentencePiece tokenizer on it
-(megalite.data.tokenizer.train_sentencepiece, as tools/train_tokenizer.py does), and
-tokenizes it with megalite.data.prep.preprocess (end-of-document tokens appended, as
-tools/preprocess_data.py --append-eod does). The result lives in
-`data/build/stdlib-py<version>/` and is reused until it is missing or incomplete:
-`manifest.json` is written last and checked on every call. Building is deterministic,
-and safe when several processes ask at once (a lock file, and a staging folder renamed
-into place).
+Every `.py` file of the standard library (sorted by path, one document each) goes into
+`corpus.jsonl`, which trains a SentencePiece tokenizer and is then tokenized with
+end-of-document tokens, as tools/train_tokenizer.py and tools/preprocess_data.py
+--append-eod would. The result in `data/build/stdlib-py<version>/` is reused while its
+`manifest.json`, written last, checks out. Building is deterministic, and safe when
+several processes ask at once (a lock file, and a staging folder renamed into place).
 """
 
 import fcntl
@@ -43,9 +40,8 @@ def ensure_builtin_corpus(
 ) -> tuple[str, str]:
     """Build the corpus if needed; return (data_prefix, tokenizer_model_path).
 
-    build_dir: relative paths resolve against the repository root, not the cwd.
-    max_files: keep only the first N files (by path), for tests; built in its own folder.
-    force: rebuild even if a complete build exists.
+    build_dir: relative to the repository root, not the cwd. max_files: keep only the first
+    N files (by path), for tests, built in its own folder. force: rebuild even if complete.
     """
     corpus_dir = corpus_folder(build_dir, max_files)
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
@@ -85,10 +81,7 @@ def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None
 
 
 def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
-    """The standard library's root and its .py files (relative posix paths, sorted).
-
-    Third-party packages (site-packages, dist-packages) are left out.
-    """
+    """The standard library's root and its .py files (relative posix paths, sorted), without site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for folder, subfolders, names in os.walk(root):
@@ -134,36 +127,23 @@ def _build_into(staging: Path, max_files: int | None) -> dict:
     """Write corpus.jsonl, the tokenizer and the token files into `staging`; return the manifest."""
     root, files = stdlib_files(max_files)
     if not files:
-        raise UserError(
-            f"found no .py files under {root}; the built-in corpus needs the Python standard library"
-        )
+        raise UserError(f"found no .py files under {root}; the built-in corpus needs the Python standard library")
     print(f"building the built-in corpus from {len(files)} files under {root}", file=sys.stderr)
     jsonl = staging / "corpus.jsonl"
     num_skipped = write_corpus_jsonl(root, files, jsonl)
     # A small max_files corpus cannot fill VOCAB_SIZE pieces; it gets fewer instead of an error.
-    tokenizer = train_sentencepiece(
-        iter_documents([str(jsonl)]),
-        str(staging / TOKENIZER_NAME),
-        vocab_size=VOCAB_SIZE,
-        hard_vocab_limit=False,
-    )
+    tokenizer = train_sentencepiece(iter_documents([str(jsonl)]), str(staging / TOKENIZER_NAME),
+                                    vocab_size=VOCAB_SIZE, hard_vocab_limit=False)
     workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
     summary = preprocess(
         str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
         json_keys=["text"], append_eod=True, workers=workers, log_interval=0,
     )
     return {
-        "format": MANIFEST_FORMAT,
-        "python_version": platform.python_version(),
-        "max_files": max_files,
-        "stdlib": str(root),
-        "num_files": len(files),
-        "num_skipped_not_utf8": num_skipped,
-        "num_empty_files": summary["skipped_empty"],
-        "num_documents": summary["documents"]["text"],
-        "num_tokens": summary["tokens"]["text"],
-        "dtype": summary["dtype"],
-        "vocab_size": tokenizer["vocab_size"],
+        "format": MANIFEST_FORMAT, "python_version": platform.python_version(), "max_files": max_files,
+        "stdlib": str(root), "num_files": len(files), "num_skipped_not_utf8": num_skipped,
+        "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
+        "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
     }
 
 

@@ -1,12 +1,8 @@
 """Tokenize text into Megatron's .bin/.idx token files: the core of tools/preprocess_data.py.
 
-`preprocess(inputs, output_prefix, tokenizer_type, ...)` writes
-`{output_prefix}_{key}_document.bin/.idx`, one pair per JSON key, from JSONL files or
-globs, .txt files, or a Hugging Face dataset (megalite/data/prep/text_sources.py).
-
-The parent cuts the inputs into chunks of raw lines; each worker parses its chunk,
-batch-encodes it and sends back numpy arrays. Results are taken in input order, so the
-output is byte-identical for any number of workers. A failed run leaves no output files.
+The parent cuts the inputs (text_sources.py) into chunks of raw lines; each worker parses
+its chunk, batch-encodes it and sends back numpy arrays. Results are taken in input order,
+so the output is byte-identical for any number of workers.
 """
 
 import multiprocessing
@@ -38,11 +34,10 @@ class EncodeOptions:
 
 @dataclass
 class EncodedChunk:
-    """One chunk's documents, per key: token ids back to back, [sum(lengths)] int,
-    and tokens per document, [num_documents] int64 (eod included)."""
+    """One chunk's documents per key: token ids back to back and tokens per document (eod included)."""
 
-    tokens: dict[str, np.ndarray]
-    lengths: dict[str, np.ndarray]
+    tokens: dict[str, np.ndarray]  # [sum(lengths)] int
+    lengths: dict[str, np.ndarray]  # [num_documents] int64
     stats: ReadStats
 
 
@@ -63,10 +58,7 @@ def encode_chunk(chunk, tokenizer, options: EncodeOptions) -> EncodedChunk:
 
 
 def _tokenize(tokenizer, key, texts, chunk, records):
-    """tokenizer.tokenize_batch_flat(texts); if that fails, a UserError naming the line to blame.
-
-    records: each text's line (row, file) within `chunk`, as ParsedChunk.records holds them.
-    """
+    """tokenizer.tokenize_batch_flat(texts); if that fails, a UserError naming the line (`records`) to blame."""
     try:
         return tokenizer.tokenize_batch_flat(texts)
     except Exception:
@@ -96,9 +88,8 @@ def _encode_in_worker(chunk) -> EncodedChunk:
 def encoded_chunks(chunks, tokenizer, options: EncodeOptions, workers: int) -> Iterator[EncodedChunk]:
     """`encode_chunk` over `chunks`, in order; in this process or in a pool of `workers`.
 
-    At most 2 x workers chunks are in flight, so the reader never runs far ahead of
-    the encoders; a worker's exception is raised here, at its chunk. The tokenizer
-    travels to each worker once, through the pool's initializer.
+    At most 2 x workers chunks are in flight, so the reader never runs far ahead of the
+    encoders. The tokenizer travels to each worker once, through the pool's initializer.
     """
     if workers == 1:
         for chunk in chunks:
@@ -131,45 +122,26 @@ class Progress:
             self.tokens[key] += int(lengths.sum())
         self.stats.add(encoded.stats)
         intervals = sum(self.documents.values()) // self.log_interval if self.log_interval else 0
-        if intervals > self._intervals_logged:  # a chunk may cross several intervals: one line
+        if intervals > self._intervals_logged:  # one line even where a chunk crosses several intervals
             self._intervals_logged = intervals
-            print(self.rates(), file=sys.stderr, flush=True)
-
-    def rates(self) -> str:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        documents, tokens = sum(self.documents.values()), sum(self.tokens.values())
-        return (
-            f"processed {documents} documents ({documents / seconds:.1f} docs/s, "
-            f"{tokens / seconds / 1e6:.3f} M tokens/s, {self.stats.num_bytes / seconds / 1e6:.2f} MB/s)"
-        )
+            seconds = max(time.perf_counter() - self.start, 1e-9)
+            documents, tokens = sum(self.documents.values()), sum(self.tokens.values())
+            print(f"processed {documents} documents ({documents / seconds:.1f} docs/s, "
+                  f"{tokens / seconds / 1e6:.3f} M tokens/s, {self.stats.num_bytes / seconds / 1e6:.2f} MB/s)",
+                  file=sys.stderr, flush=True)
 
 
-def preprocess(
-    inputs: str | Sequence[str],
-    output_prefix: str,
-    tokenizer_type: str,
-    tokenizer_model: str | None = None,
-    vocab_size: int | None = None,
-    *,
-    json_keys: Sequence[str] = ("text",),
-    hf_split: str | None = None,
-    skip_bad_lines: bool = False,
-    append_eod: bool = False,
-    workers: int = 1,
-    log_interval: int = 1000,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> dict:
-    """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each of `json_keys`.
+def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str,
+               tokenizer_model: str | None = None, vocab_size: int | None = None, *,
+               json_keys: Sequence[str] = ("text",), hf_split: str | None = None, skip_bad_lines: bool = False,
+               append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per key.
 
-    inputs: one or several of: JSONL / .txt files or globs, a datasets folder or data files,
-        a hub name (text_sources.resolve_inputs); `hf_split` picks a dataset's split.
-    tokenizer_type, tokenizer_model, vocab_size: as megalite.data.tokenizer.build_tokenizer takes them.
-    skip_bad_lines: count malformed lines and go on, instead of stopping at the first.
-    append_eod: end every document with the tokenizer's end-of-document token.
-    workers: encoding processes (1: encode in this process); the output is the same for any count.
-    log_interval: a progress line to stderr every this many documents (0: never).
-    chunk_bytes: input bytes per worker task.
-
+    The tokenizer flags are build_tokenizer's. skip_bad_lines: count malformed lines and go
+    on. append_eod: end every document with the end-of-document token. workers: encoding
+    processes (1: this one). log_interval: a progress line to stderr every this many
+    documents (0: never). chunk_bytes: input bytes per worker task.
     Returns {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad",
     "bad_examples", "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}.
     Bad input raises UserError and leaves no output files.
@@ -178,9 +150,7 @@ def preprocess(
         raise ValueError(f"workers ({workers}) and chunk_bytes ({chunk_bytes}) must be at least 1")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     if append_eod and tokenizer.eod is None:
-        raise UserError(
-            f"--append-eod needs an end-of-document token, and this {tokenizer_type} has none"
-        )
+        raise UserError(f"--append-eod needs an end-of-document token, and this {tokenizer_type} has none")
     sources = resolve_inputs([inputs] if isinstance(inputs, str) else list(inputs), hf_split)
     options = EncodeOptions(tuple(json_keys), skip_bad_lines, append_eod, tokenizer.eod)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
@@ -195,11 +165,9 @@ def preprocess(
             for key, builder in builders.items():
                 builder.add_documents(encoded.tokens[key], encoded.lengths[key])
             progress.update(encoded)
-        if not all(progress.documents.values()):
-            empty_key = next(key for key, n in progress.documents.items() if not n)
-            raise UserError(
-                f'the inputs hold no non-empty "{empty_key}" document; check --input and --json-keys'
-            )
+        for key, count in progress.documents.items():
+            if not count:
+                raise UserError(f'the inputs hold no non-empty "{key}" document; check --input and --json-keys')
     return {
         "documents": progress.documents,
         "tokens": progress.tokens,
