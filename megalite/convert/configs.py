@@ -126,14 +126,9 @@ def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedCon
     return ImportedConfig(kind, fields, int(hf["vocab_size"]))
 
 
-def _require(hf: dict, field: str, allowed, why: str) -> None:
-    value = hf.get(field)
-    if value not in allowed:
-        raise UserError(f"config.json field {field!r} is {value!r}, {why}")
-
-
 def _llama_fields(hf: dict) -> dict:
-    _require(hf, "hidden_act", ("silu", None), "but megalite's SwiGLU uses silu")
+    if hf.get("hidden_act") not in ("silu", None):
+        raise UserError(f"config.json field 'hidden_act' is {hf['hidden_act']!r}, but megalite's SwiGLU uses silu")
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") or (window is not None and window < hf.get("max_position_embeddings", 0)):
         raise UserError(f"config.json field 'sliding_window' is {window!r}, but megalite attends over the whole "

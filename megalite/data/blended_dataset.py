@@ -14,11 +14,6 @@ from megalite.errors import UserError
 SURPLUS = 0.005  # each part is built 0.5% larger than its share, as Megatron does
 
 
-def normalize_weights(weights: list[float]) -> list[float]:
-    total = float(sum(weights))
-    return [float(w) / total for w in weights]
-
-
 def samples_per_dataset(weights: list[float], size: int, surplus: float = 0.0) -> list[int]:
     """Samples to build from each dataset of a blend of `size` samples (normalised weights)."""
     return [int(np.ceil(np.ceil(size * w) * (1 + surplus))) for w in weights]
@@ -40,19 +35,14 @@ def build_blending_indices(weights: list[float], size: int) -> dict[str, np.ndar
 
 
 class BlendedDataset(torch.utils.data.Dataset):
-    """`size` samples drawn from `datasets` in the proportions of `weights`."""
+    """`size` samples drawn from `datasets` in the proportions of `weights` (normalised)."""
 
     def __init__(self, datasets: list, names: list[str], weights: list[float], size: int,
                  cache_dir: str | None, split_name: str):
         self.datasets = datasets
-        self.weights = normalize_weights(weights)
-        description = {
-            "class": "BlendedDataset",
-            "datasets": [getattr(d, "cache_key", repr(n)) for d, n in zip(datasets, names)],
-            "weights": self.weights,
-            "size": size,
-            "split": split_name,
-        }
+        self.weights = weights
+        description = {"class": "BlendedDataset", "weights": self.weights, "size": size, "split": split_name,
+                       "datasets": [getattr(d, "cache_key", repr(n)) for d, n in zip(datasets, names)]}
         indices = load_or_build(cache_dir, f"BlendedDataset-{split_name}", description,
                                 lambda: build_blending_indices(self.weights, size))
         self.dataset_index = indices["dataset_index"]

@@ -12,9 +12,9 @@ import os
 
 import numpy as np
 
-from megalite.data.blended_dataset import SURPLUS, BlendedDataset, normalize_weights, samples_per_dataset
+from megalite.data.blended_dataset import SURPLUS, BlendedDataset, samples_per_dataset
 from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, cache_dir_for, split_document_ranges
-from megalite.data.indexed_dataset import IndexedDataset, bin_path, exists, idx_path
+from megalite.data.indexed_dataset import IndexedDataset, exists
 from megalite.data.mock_dataset import MockTokenDataset
 from megalite.errors import UserError
 
@@ -28,10 +28,8 @@ def parse_data_path(data_path: list[str] | str, flag: str = "--data-path") -> tu
     if len(items) == 1 or not any(numeric):
         return items, None
     if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise UserError(
-            f"{flag} mixes weights and prefixes ({' '.join(items)}); give either prefixes "
-            "only or weight-prefix pairs such as '0.7 data/a_text_document 0.3 data/b_text_document'"
-        )
+        raise UserError(f"{flag} mixes weights and prefixes ({' '.join(items)}); give either prefixes only or "
+                        "weight-prefix pairs such as '0.7 data/a_text_document 0.3 data/b_text_document'")
     weights = [float(w) for w in items[0::2]]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise UserError(f"{flag} weights {weights} must be non-negative and not all zero")
@@ -56,10 +54,9 @@ def open_token_file(prefix: str, flag: str = "--data-path") -> IndexedDataset:
     folder = os.path.dirname(prefix) or "."
     candidates = [p[: -len(".idx")] for p in glob.glob(os.path.join(folder, "*.idx"))]
     near = difflib.get_close_matches(prefix, candidates, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(near)}?" if near else (
-        f"; no token files are in {folder}, make them with tools/preprocess_data.py"
-    )
-    missing = [p for p in (bin_path(prefix), idx_path(prefix)) if not os.path.isfile(p)]
+    hint = (f"; did you mean {' or '.join(near)}?" if near
+            else f"; no token files are in {folder}, make them with tools/preprocess_data.py")
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
     raise UserError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}")
 
 
@@ -78,10 +75,8 @@ def build_gpt_datasets(
     `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length].
     """
     if (eod_mask_loss or reset_position_ids) and eod is None:
-        raise UserError(
-            "--eod-mask-loss and --reset-position-ids need an end-of-document token, but the "
-            "tokenizer has none; use a tokenizer with an EOS/EOD id or drop those flags"
-        )
+        raise UserError("--eod-mask-loss and --reset-position-ids need an end-of-document token, but the tokenizer "
+                        "has none; use a tokenizer with an EOS/EOD id or drop those flags")
     config = GPTDatasetConfig(seq_length, seed, eod, pad, eod_mask_loss, reset_position_ids, cache_dir)
     if mock_vocab_size is not None:
         mock = MockTokenDataset(mock_vocab_size, eod if eod is not None else mock_vocab_size, seq_length, seed)
@@ -91,10 +86,8 @@ def build_gpt_datasets(
     per_split = (train_data_path, valid_data_path, test_data_path)
     if any(per_split):
         if data_path:
-            raise UserError(
-                "--data-path and --train-data-path/--valid-data-path/--test-data-path were "
-                "both given; use one or the other"
-            )
+            raise UserError("--data-path and --train-data-path/--valid-data-path/--test-data-path were both "
+                            "given; use one or the other")
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
         return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config) if per_split[i] else None
                      for i in range(3))
@@ -119,7 +112,8 @@ def _blend_split(data_path, flag, split, num_samples, split_index, config):
         keep = [i for i, w in enumerate(weights) if w > 0]
         files, prefixes, ranges, weights = ([x[i] for i in keep] for x in (files, prefixes, ranges, weights))
     epoch_samples = [_samples_per_epoch(f, r, config.seq_length) for f, r in zip(files, ranges)]
-    weights = normalize_weights(weights or epoch_samples)
+    weights = weights or epoch_samples  # plain prefixes weigh what one epoch of each gives
+    weights = [w / sum(weights) for w in weights]
     size = num_samples if num_samples is not None else sum(epoch_samples)
     parts = [_gpt_split(f, p, r, n, split_name, config)
              for f, p, r, n in zip(files, prefixes, ranges, samples_per_dataset(weights, size, SURPLUS))]
@@ -140,8 +134,6 @@ def _gpt_split(indexed, name, document_range, num_samples, split_name, config):
         return None
     begin, end = document_range
     if end <= begin:
-        raise UserError(
-            f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); "
-            f"raise its share in --split or ask for no {split_name} samples"
-        )
+        raise UserError(f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); raise its "
+                        f"share in --split or ask for no {split_name} samples")
     return GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), num_samples, split_name, config)

@@ -1,16 +1,8 @@
 """GPT training samples from token files, in the order Megatron's GPTDataset gives them.
 
-Three indices turn a token file into samples (docs/data.md explains them):
-
-- document index: the split's document ids repeated for enough epochs, shuffled with
-  `numpy.random.RandomState(seed)`; a short final epoch is shuffled on its own;
-- sample index: row i = (position in the document index, token offset) where sample i
-  starts; sample i covers tokens `[i * seq_length, (i + 1) * seq_length + 1)` of the
-  concatenated documents, so consecutive samples overlap by one token;
-- shuffle index: a permutation of the samples (the short final epoch apart).
-
-Megatron builds the sample index with a compiled helper; a cumulative sum and a binary
-search in numpy give the same rows.
+docs/data.md explains the three indices: the document index (the split's documents for
+enough epochs, shuffled; a short final epoch apart), the sample index (where each sample of
+`seq_length + 1` tokens starts; consecutive samples share one token) and the shuffle index.
 """
 
 from dataclasses import dataclass
@@ -101,10 +93,8 @@ def build_gpt_indices(
     """The document, sample and shuffle indices of one split (num_samples None: one epoch)."""
     tokens_per_epoch = int(sequence_lengths[documents].sum(dtype=np.int64))
     if tokens_per_epoch <= seq_length:
-        raise UserError(
-            f"the split has {tokens_per_epoch} tokens, not enough for one sample of "
-            f"--seq-length {seq_length} plus one; give it more data via --split or --data-path"
-        )
+        raise UserError(f"the split has {tokens_per_epoch} tokens, not enough for one sample of --seq-length "
+                        f"{seq_length} plus one; give it more data via --split or --data-path")
     num_epochs = 1
     if num_samples is not None:  # the fewest epochs whose tokens cover the samples (ceil division)
         num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
@@ -137,24 +127,17 @@ class GPTDataset(torch.utils.data.Dataset):
         self.indexed = indexed
         self.config = config
         description = {
-            "class": "GPTDataset",
-            "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
-            "index_file": indexed.fingerprint(),
-            "split": split_name,
+            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
+            "index_file": indexed.fingerprint(), "split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
-            "num_samples": num_samples,
-            "seq_length": config.seq_length,
-            "seed": config.seed,
+            "num_samples": num_samples, "seq_length": config.seq_length, "seed": config.seed,
             "add_extra_token_to_sequence": True,
         }
         self.cache_key = description_hash(description)
         # Synthetic data (no path) is cheap to rebuild and has nothing to key a cache on.
         cache_dir = cache_dir_for(indexed.path_prefix, config.cache_dir) if indexed.path_prefix else None
-        indices = load_or_build(
-            cache_dir, f"GPTDataset-{split_name}", description,
-            lambda: build_gpt_indices(indexed.sequence_lengths, documents, num_samples, config.seq_length,
-                                      config.seed),
-        )
+        indices = load_or_build(cache_dir, f"GPTDataset-{split_name}", description, lambda: build_gpt_indices(
+            indexed.sequence_lengths, documents, num_samples, config.seq_length, config.seed))
         self.document_index = indices["document_index"]
         self.sample_index = indices["sample_index"]
         self.shuffle_index = indices["shuffle_index"]

@@ -23,12 +23,7 @@ _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D
 _REBUILD = "rebuild it with tools/preprocess_data.py"
 
 
-def dtype_code(dtype) -> int:
-    """The `.idx` code of a numpy dtype."""
-    for code, candidate in DTYPE_CODES.items():
-        if np.dtype(candidate) == np.dtype(dtype):
-            return code
-    raise ValueError(f"dtype {np.dtype(dtype)} has no code in Megatron's .idx format")
+_CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 
 def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -36,17 +31,9 @@ def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def bin_path(prefix: str) -> str:
-    return prefix + ".bin"
-
-
-def idx_path(prefix: str) -> str:
-    return prefix + ".idx"
-
-
 def exists(prefix: str) -> bool:
     """True when both files of the pair exist."""
-    return os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
 class IndexedDataset:
@@ -57,7 +44,7 @@ class IndexedDataset:
 
     def __init__(self, path_prefix: str):
         self.path_prefix = path_prefix
-        idx_file, bin_file = idx_path(path_prefix), bin_path(path_prefix)
+        idx_file, bin_file = path_prefix + ".idx", path_prefix + ".bin"
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
                 raise UserError(f"token file {path} does not exist; check the prefix given to --data-path "
@@ -100,11 +87,11 @@ class IndexedDataset:
         lengths, pointers, itemsize = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
         expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
         if size != expected:
-            raise UserError(f"{bin_file} is {size} bytes but {idx_path(self.path_prefix)} says {expected}; the "
+            raise UserError(f"{bin_file} is {size} bytes but {self.path_prefix}.idx says {expected}; the "
                             f"pair does not match (truncated or mixed up), {_REBUILD}")
         if len(lengths) and (lengths.min() < 0 or pointers[0] != 0 or np.any(
                 pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64) * itemsize)):
-            raise UserError(f"{idx_path(self.path_prefix)} has sequence offsets that do not follow its lengths; "
+            raise UserError(f"{self.path_prefix}.idx has sequence offsets that do not follow its lengths; "
                             f"the file is corrupt, {_REBUILD}")
         # An empty file cannot be memory-mapped; an empty array serves the same purpose.
         self._bin_map = np.memmap(bin_file, mode="r", dtype=self.dtype) if size else np.empty(0, self.dtype)
@@ -132,7 +119,7 @@ class IndexedDataset:
 
     def fingerprint(self) -> str:
         """Identity of the `.idx` content, for keying caches of indices built on it."""
-        return file_fingerprint(idx_path(self.path_prefix))
+        return file_fingerprint(self.path_prefix + ".idx")
 
 
 class IndexedDatasetBuilder:
@@ -145,9 +132,10 @@ class IndexedDatasetBuilder:
     def __init__(self, path_prefix: str, dtype):
         self.path_prefix = path_prefix
         self.dtype = np.dtype(dtype)
-        dtype_code(self.dtype)  # fail before creating any file
-        self._tmp_bin = bin_path(path_prefix) + ".tmp"
-        self._tmp_idx = idx_path(path_prefix) + ".tmp"
+        if self.dtype not in _CODE_OF_DTYPE:  # fail before creating any file
+            raise ValueError(f"dtype {self.dtype} has no code in Megatron's .idx format")
+        self._tmp_bin = path_prefix + ".bin.tmp"
+        self._tmp_idx = path_prefix + ".idx.tmp"
         self._lengths: list[np.ndarray] = []
         self._document_ends: list[np.ndarray] = []  # sequence counts after each document
         self._num_sequences = 0
@@ -202,7 +190,7 @@ class IndexedDatasetBuilder:
         self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
         self._document_ends.append(self._num_sequences + np.asarray(other.document_indices[1:]))
         self._num_sequences += len(other)
-        with open(bin_path(other_prefix), "rb") as src:
+        with open(other_prefix + ".bin", "rb") as src:
             while chunk := src.read(1 << 24):
                 self._bin.write(chunk)
 
@@ -225,12 +213,12 @@ class IndexedDatasetBuilder:
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
         documents = np.concatenate([[0], *self._document_ends]).astype(np.int64)
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self.dtype), len(lengths), len(documents)))
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF_DTYPE[self.dtype], len(lengths), len(documents)))
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(documents.astype("<i8").tobytes())
-        os.replace(self._tmp_bin, bin_path(self.path_prefix))
-        os.replace(self._tmp_idx, idx_path(self.path_prefix))
+        os.replace(self._tmp_bin, self.path_prefix + ".bin")
+        os.replace(self._tmp_idx, self.path_prefix + ".idx")
 
 
 def merge_datasets(input_prefixes: list[str], output_prefix: str) -> None:

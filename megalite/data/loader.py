@@ -22,10 +22,8 @@ class MicroBatchSampler(torch.utils.data.Sampler):
                  micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1):
         self.num_microbatches = check_batch_sizes(global_batch_size, micro_batch_size, data_parallel_size)
         if not 0 <= consumed_samples <= total_samples:
-            raise UserError(
-                f"the run has consumed {consumed_samples} samples but the dataset has "
-                f"{total_samples}; train on more samples or check the checkpoint given to --load"
-            )
+            raise UserError(f"the run has consumed {consumed_samples} samples but the dataset has {total_samples}; "
+                            "train on more samples or check the checkpoint given to --load")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
         self.global_batch_size = global_batch_size
@@ -63,8 +61,6 @@ def next_global_batch(micro_batches, num_microbatches: int) -> list[dict[str, to
     """This rank's micro-batches of the next global batch, from a micro-batch iterator."""
     batch = list(itertools.islice(micro_batches, num_microbatches))
     if len(batch) < num_microbatches:
-        raise RuntimeError(
-            "the data loader ran out before the run's last iteration: the datasets were "
-            "built for fewer samples than the run consumes"
-        )
+        raise RuntimeError("the data loader ran out before the run's last iteration: the datasets were built "
+                           "for fewer samples than the run consumes")
     return batch

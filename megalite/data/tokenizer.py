@@ -63,10 +63,8 @@ class SentencePieceTokenizer(Tokenizer):
         except (OSError, RuntimeError) as err:
             raise UserError(f"--tokenizer-model {model_path} is not a SentencePiece model ({err})") from err
         self.vocab_size = self._processor.vocab_size()
-        self.bos = _id_or_none(self._processor.bos_id())
-        self.eos = _id_or_none(self._processor.eos_id())
-        self.pad = _id_or_none(self._processor.pad_id())
-        self.unk = _id_or_none(self._processor.unk_id())
+        ids = (self._processor.bos_id(), self._processor.eos_id(), self._processor.pad_id(), self._processor.unk_id())
+        self.bos, self.eos, self.pad, self.unk = (None if i < 0 else i for i in ids)  # -1: the model has none
         self.eod = self.eos
 
     def __reduce__(self):
@@ -88,10 +86,6 @@ class SentencePieceTokenizer(Tokenizer):
 
     def detokenize(self, ids) -> str:
         return self._processor.decode(np.asarray(ids, dtype=np.int64).tolist())
-
-
-def _id_or_none(token_id: int) -> int | None:
-    return None if token_id < 0 else token_id
 
 
 class NullTokenizer(Tokenizer):
@@ -125,21 +119,19 @@ class HuggingFaceTokenizer(Tokenizer):
         try:
             from transformers import AutoTokenizer
         except ImportError as err:
-            raise UserError("--tokenizer-type HuggingFaceTokenizer needs transformers; pip install transformers") from err
+            raise UserError("--tokenizer-type HuggingFaceTokenizer needs transformers; pip install "
+                            "transformers") from err
         self.path = path
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path))
         except (OSError, ValueError) as err:
             reason = str(err).strip().splitlines()[0]
-            raise UserError(
-                f"could not load the Hugging Face tokenizer {path} ({reason}); pass a local tokenizer folder "
-                "as --tokenizer-model"
-            ) from err
+            raise UserError(f"could not load the Hugging Face tokenizer {path} ({reason}); pass a local tokenizer "
+                            "folder as --tokenizer-model") from err
         self.vocab_size = len(self._tokenizer)
-        self.bos = self._tokenizer.bos_token_id
-        self.eos = self._tokenizer.eos_token_id
-        self.pad = self._tokenizer.pad_token_id
-        self.unk = self._tokenizer.unk_token_id
+        tokenizer = self._tokenizer
+        self.bos, self.eos, self.pad, self.unk = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                  tokenizer.pad_token_id, tokenizer.unk_token_id)
         self.eod = self.eos
 
     def __reduce__(self):

@@ -16,7 +16,6 @@ import shutil
 import sys
 import sysconfig
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +44,8 @@ def ensure_builtin_corpus(
     """
     corpus_dir = corpus_folder(build_dir, max_files)
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(corpus_dir.with_name(corpus_dir.name + ".lock")):
+    with open(corpus_dir.with_name(corpus_dir.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here; closing the file unlocks
         if force or load_manifest(corpus_dir, max_files) is None:
             _build(corpus_dir, max_files)
     return str(corpus_dir / f"{DATA_NAME}_text_document"), str(corpus_dir / f"{TOKENIZER_NAME}.model")
@@ -135,24 +135,11 @@ def _build_into(staging: Path, max_files: int | None) -> dict:
     tokenizer = train_sentencepiece(iter_documents([str(jsonl)]), str(staging / TOKENIZER_NAME),
                                     vocab_size=VOCAB_SIZE, hard_vocab_limit=False)
     workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
-    summary = preprocess(
-        str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
-        json_keys=["text"], append_eod=True, workers=workers, log_interval=0,
-    )
+    summary = preprocess(str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
+                         json_keys=["text"], append_eod=True, workers=workers, log_interval=0)
     return {
         "format": MANIFEST_FORMAT, "python_version": platform.python_version(), "max_files": max_files,
         "stdlib": str(root), "num_files": len(files), "num_skipped_not_utf8": num_skipped,
         "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
         "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
     }
-
-
-@contextmanager
-def _exclusive_lock(path: Path):
-    """Hold an exclusive lock on `path` (created if missing); a second process waits here."""
-    with open(path, "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)

@@ -17,9 +17,9 @@ from typing import Iterator
 
 from megalite.errors import UserError
 
-JSONL_SUFFIXES = (".jsonl", ".json")
-TEXT_SUFFIXES = (".txt",)
-DATA_FILE_BUILDERS = {".parquet": "parquet", ".csv": "csv", ".arrow": "arrow"}
+# File suffix -> Source kind; a data file's suffix names its `datasets` builder.
+FILE_KINDS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "txt", ".parquet": "data_file", ".csv": "data_file",
+              ".arrow": "data_file"}
 DATASET_FOLDER_MARKERS = ("dataset_info.json", "state.json", "dataset_dict.json")
 
 DEFAULT_CHUNK_BYTES = 1 << 20
@@ -70,7 +70,6 @@ class ReadStats:
             self.bad_examples.append(f"{where}: {reason}")
 
 
-@dataclass
 class ParsedChunk:
     """Documents of one chunk: key -> its non-empty texts in input order, and for each the index
     of its line (file, row) in the chunk, which the chunk's `location` names in errors.
@@ -78,13 +77,10 @@ class ParsedChunk:
     A bad line is skipped for every key, so all keys see the same lines.
     """
 
-    texts: dict[str, list[str]]
-    records: dict[str, list[int]]
-    stats: ReadStats
-
-    @classmethod
-    def empty(cls, json_keys, num_bytes: int) -> "ParsedChunk":
-        return cls({key: [] for key in json_keys}, {key: [] for key in json_keys}, ReadStats(num_bytes=num_bytes))
+    def __init__(self, json_keys, num_bytes: int):
+        self.texts: dict[str, list[str]] = {key: [] for key in json_keys}
+        self.records: dict[str, list[int]] = {key: [] for key in json_keys}
+        self.stats = ReadStats(num_bytes=num_bytes)
 
     def add_record(self, record: int, values: list[str]) -> None:
         """Add the texts of the chunk's `record`-th line, one per key in `texts`' order."""
@@ -108,7 +104,7 @@ class JsonlChunk:
         return f"{self.path}:{self.first_line + record}"
 
     def parse(self, json_keys, skip_bad_lines: bool) -> ParsedChunk:
-        parsed = ParsedChunk.empty(json_keys, len(self.data))
+        parsed = ParsedChunk(json_keys, len(self.data))
         for record, raw in enumerate(self.data.split(b"\n")):
             if not raw.strip():
                 continue  # blank lines (a trailing one, say) hold no document
@@ -165,7 +161,7 @@ class TextFilesChunk:
         return self.paths[record]
 
     def parse(self, json_keys, skip_bad_lines: bool) -> ParsedChunk:
-        parsed = ParsedChunk.empty(json_keys, sum(map(len, self.contents)))
+        parsed = ParsedChunk(json_keys, sum(map(len, self.contents)))
         for record, content in enumerate(self.contents):
             try:
                 parsed.add_record(record, [content.decode("utf-8")])
@@ -188,7 +184,7 @@ class RowsChunk:
 
     def parse(self, json_keys, skip_bad_lines: bool) -> ParsedChunk:
         num_chars = sum(len(v) for values in self.columns.values() for v in values if isinstance(v, str))
-        parsed = ParsedChunk.empty(json_keys, num_chars)
+        parsed = ParsedChunk(json_keys, num_chars)
         for record, values in enumerate(zip(*(self.columns[key] for key in json_keys))):
             bad_key = next((key for key, v in zip(json_keys, values) if not isinstance(v, str)), None)
             if bad_key is None:
@@ -220,23 +216,16 @@ def resolve_inputs(inputs: list[str], hf_split: str | None = None) -> list[Sourc
         elif hf_split is not None:
             sources.append(Source("hub", name))
         else:
-            raise UserError(
-                f"--input {name} is no file, folder or glob match; pass an existing path, "
-                "or a Hugging Face hub dataset name together with --hf-split"
-            )
+            raise UserError(f"--input {name} is no file, folder or glob match; pass an existing path, or a "
+                            "Hugging Face hub dataset name together with --hf-split")
     return sources
 
 
 def _file_source(path: str) -> Source:
-    suffix = os.path.splitext(path)[1].lower()
-    if suffix in JSONL_SUFFIXES:
-        return Source("jsonl", path)
-    if suffix in TEXT_SUFFIXES:
-        return Source("txt", path)
-    if suffix in DATA_FILE_BUILDERS:
-        return Source("data_file", path)
-    known = ", ".join(JSONL_SUFFIXES + TEXT_SUFFIXES + tuple(DATA_FILE_BUILDERS))
-    raise UserError(f"--input {path} has an unknown file type; use one of {known}")
+    kind = FILE_KINDS.get(os.path.splitext(path)[1].lower())
+    if kind is None:
+        raise UserError(f"--input {path} has an unknown file type; use one of {', '.join(FILE_KINDS)}")
+    return Source(kind, path)
 
 
 def iter_chunks(
@@ -291,10 +280,8 @@ def _dataset_chunks(source: Source, json_keys, hf_split, chunk_bytes) -> Iterato
     dataset = load_dataset_source(source, hf_split)
     missing = [key for key in json_keys if key not in dataset.column_names]
     if missing:
-        raise UserError(
-            f"dataset {source.location} has no column {missing[0]!r} (its columns: "
-            f"{', '.join(dataset.column_names)}); choose columns with --json-keys"
-        )
+        raise UserError(f"dataset {source.location} has no column {missing[0]!r} (its columns: "
+                        f"{', '.join(dataset.column_names)}); choose columns with --json-keys")
     chunk = RowsChunk(source.location, 0, {key: [] for key in json_keys})
     size = 0
     # Small batches from Arrow, merged until a chunk holds about chunk_bytes of text.
@@ -329,18 +316,16 @@ def load_dataset_source(source: Source, hf_split: str | None):
                             "--hf-split")
         return dataset[hf_split]
     if source.kind == "data_file":
-        builder = DATA_FILE_BUILDERS[os.path.splitext(source.location)[1].lower()]
+        builder = os.path.splitext(source.location)[1].lower()[1:]
         # A list of local data files is one "train" split; --hf-split may slice it ("train[:10%]").
         return datasets.load_dataset(builder, data_files=[source.location], split=hf_split or "train")
     try:
         return datasets.load_dataset(source.location, split=hf_split)
     except Exception as err:  # offline, unknown name, unknown split: all reported the same way
         reason = (str(err).strip().splitlines() or [""])[0]
-        raise UserError(
-            f"could not load hub dataset {source.location} split {hf_split} "
-            f"({type(err).__name__}: {reason}); "
-            "the hub needs internet access, or pass a local file or save_to_disk folder as --input"
-        ) from err
+        raise UserError(f"could not load hub dataset {source.location} split {hf_split} ({type(err).__name__}: "
+                        f"{reason}); the hub needs internet access, or pass a local file or save_to_disk folder "
+                        "as --input") from err
 
 
 def iter_documents(inputs: list[str], json_keys=("text",), hf_split: str | None = None,
