@@ -1,9 +1,4 @@
-"""megalite <-> Hugging Face `transformers`: checkpoints, tensors, configurations, tokenizers.
-
-maps.py (tensor names and layouts), configs.py (ModelConfig <-> HF config), preset_model.py
-(the flags of an imported model), tokenizer.py (a run's tokenizer as an HF folder), hf_files.py
-(safetensors streamed out and read lazily), export.py (to-hf) and importer.py (from-hf).
-"""
+"""megalite <-> Hugging Face `transformers`: checkpoints (export.py, importer.py), tensors, configs, tokenizers."""
 
 from megalite.convert.configs import gpt2_config_to_hf, llama_config_to_hf, model_fields_from_hf
 from megalite.convert.export import export_checkpoint

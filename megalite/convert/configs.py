@@ -16,8 +16,6 @@ from megalite.errors import UserError
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-SUPPORTED = ("LLaMA-style (rope, RMSNorm, SwiGLU) and GPT-2-style (learned positions, LayerNorm, GELU, "
-             "biases, multi-head attention)")
 
 
 def hf_architecture(config: ModelConfig) -> str:
@@ -36,7 +34,9 @@ def hf_architecture(config: ModelConfig) -> str:
         return GPT2
     shape = {key: getattr(config, key) for key in ("position_embedding_type", "normalization", "swiglu",
                                                    "add_bias_linear")}
-    raise UserError(f"no transformers architecture computes this model ({shape}); conversion supports {SUPPORTED}")
+    raise UserError(f"no transformers architecture computes this model ({shape}); conversion supports LLaMA-style "
+                    "(rope, RMSNorm, SwiGLU) and GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head "
+                    "attention)")
 
 
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):

@@ -88,8 +88,7 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
 
 def continue_command(load: str, save: str, model_flags: list[str], tokenizer: bool, tensor_model_parallel_size: int,
                      pipeline_model_parallel_size: int) -> list[str]:
-    """The pretrain_gpt.py command, for the user to read, that continues from checkpoint `save`
-    (`...` where the user must fill in a value)."""
+    """The pretrain_gpt.py command that continues from checkpoint `save` (`...` for the user to fill in)."""
     layout = []
     if tensor_model_parallel_size > 1:
         layout += ["--tensor-model-parallel-size", str(tensor_model_parallel_size)]

@@ -34,8 +34,13 @@ def export_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_siz
         backend, special = sentencepiece_to_tokenizers(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
         shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
         described = f"SentencePiece model {tokenizer_model} as tokenizer.json (+ tokenizer.model)"
-    else:
-        backend, special = null_tokenizer_to_tokenizers(ours.eod), {"eos_token": str(ours.eod)}
+    else:  # NullTokenizer: whitespace-separated ids 0..eod, each its own word
+        from tokenizers import Tokenizer, pre_tokenizers
+        from tokenizers.models import WordLevel
+
+        backend = Tokenizer(WordLevel({str(i): i for i in range(ours.eod + 1)}, unk_token=str(ours.eod)))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        special = {"eos_token": str(ours.eod)}
         described = f"NullTokenizer (ids 0..{ours.eod} as words) as tokenizer.json"
     backend.save(os.path.join(out_dir, "tokenizer.json"))
     # PreTrainedTokenizerFast loads tokenizer.json as it is; LlamaTokenizer would replace its
@@ -76,9 +81,8 @@ def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
         vocab = {piece.piece: i for i, piece in enumerate(pieces)}
         mergeable = {piece.piece for piece in pieces if piece.type == _NORMAL}
         merges = []
-        for piece in sorted(pieces, key=lambda piece: -piece.score):  # stable: ties keep id order
-            if piece.type != _NORMAL:
-                continue
+        normal = [piece for piece in pieces if piece.type == _NORMAL]
+        for piece in sorted(normal, key=lambda piece: -piece.score):  # stable: ties keep id order
             text = piece.piece
             merges += [(text[:cut], text[cut:]) for cut in range(1, len(text))
                        if text[:cut] in mergeable and text[cut:] in mergeable]
@@ -105,23 +109,11 @@ def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
     tokenizer.decoder = decoders.Sequence(steps)
     tokenizer.add_special_tokens([AddedToken(piece.piece, special=True, normalized=False)
                                   for piece in pieces if piece.type in (_UNKNOWN, _CONTROL)])
-    special = {}
-    for key, index in [("unk_token", trainer.unk_id), ("bos_token", trainer.bos_id),
-                       ("eos_token", trainer.eos_id), ("pad_token", trainer.pad_id)]:
-        if 0 <= index < len(pieces):
-            special[key] = pieces[index].piece
+    named_ids = {"unk_token": trainer.unk_id, "bos_token": trainer.bos_id, "eos_token": trainer.eos_id,
+                 "pad_token": trainer.pad_id}
+    special = {key: pieces[index].piece for key, index in named_ids.items() if 0 <= index < len(pieces)}
     if add_bos and "bos_token" in special:
         bos = special["bos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, trainer.bos_id)])
     return tokenizer, special
-
-
-def null_tokenizer_to_tokenizers(eod: int):
-    """NullTokenizer as a `tokenizers.Tokenizer`: whitespace-separated ids 0..eod, each its own word."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    tokenizer = Tokenizer(WordLevel({str(i): i for i in range(eod + 1)}, unk_token=str(eod)))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tokenizer

@@ -60,13 +60,11 @@ def open_token_file(prefix: str, flag: str = "--data-path") -> IndexedDataset:
     raise UserError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}")
 
 
-def build_gpt_datasets(
-    data_path, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
-    num_samples=(None, None, None), cache_dir: str | None = None, *, eod: int | None = None,
-    pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-    train_data_path=None, valid_data_path=None, test_data_path=None,
-    mock_vocab_size: int | None = None,
-):
+def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
+                       num_samples=(None, None, None), cache_dir: str | None = None, *, eod: int | None = None,
+                       pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                       train_data_path=None, valid_data_path=None, test_data_path=None,
+                       mock_vocab_size: int | None = None):
     """Return (train, valid, test) datasets; a split with no data or no samples is None.
 
     data_path: a blend (see module doc) cut by `split`; or None with the per-split paths;

@@ -49,9 +49,8 @@ def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int
             if end > begin else None for begin, end in zip(bounds[:-1], bounds[1:])]
 
 
-def needs_separate_final_epoch(
-    num_samples: int | None, num_epochs: int, tokens_per_epoch: int, seq_length: int
-) -> bool:
+def needs_separate_final_epoch(num_samples: int | None, num_epochs: int, tokens_per_epoch: int,
+                               seq_length: int) -> bool:
     """True when the last epoch contributes under 80% of an epoch's samples."""
     if num_epochs == 1:
         return False
@@ -60,10 +59,8 @@ def needs_separate_final_epoch(
     return samples_from_final < int(SEPARATE_FINAL_EPOCH_THRESHOLD * samples_per_epoch)
 
 
-def build_sample_index(
-    sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, num_epochs: int,
-    tokens_per_epoch: int,
-) -> np.ndarray:
+def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, num_epochs: int,
+                       tokens_per_epoch: int) -> np.ndarray:
     """Start of every sample in the document index, plus one end row. Shape: [n + 1, 2].
 
     Row i = (position p in the document index, token offset in document_index[p]); the
@@ -86,10 +83,8 @@ def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
     return array
 
 
-def build_gpt_indices(
-    sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
-    seed: int,
-) -> dict[str, np.ndarray]:
+def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
+                      seed: int) -> dict[str, np.ndarray]:
     """The document, sample and shuffle indices of one split (num_samples None: one epoch)."""
     tokens_per_epoch = int(sequence_lengths[documents].sum(dtype=np.int64))
     if tokens_per_epoch <= seq_length:

@@ -15,8 +15,7 @@ from megalite.errors import UserError
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
-    """Yields this DP rank's micro-batches (lists of sample indices), stopping before a global
-    batch that would run past `total_samples`."""
+    """Yields this DP rank's micro-batches (lists of sample indices) while whole global batches remain."""
 
     def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int,
                  micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1):
@@ -44,8 +43,7 @@ class MicroBatchSampler(torch.utils.data.Sampler):
 def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
                       num_workers: int = 0) -> torch.utils.data.DataLoader:
-    """A DataLoader of micro-batches: dicts of `tokens`, `labels`, `loss_mask`,
-    `position_ids`, each [micro_batch_size, seq_length]."""
+    """A DataLoader of micro-batches: dicts of `tokens`, `labels`, `loss_mask`, `position_ids`, each [micro, seq]."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, global_batch_size,
                                 micro_batch_size, data_parallel_rank, data_parallel_size)
     # An own generator: DataLoader draws its worker base seed when an iterator starts, and

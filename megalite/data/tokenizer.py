@@ -22,7 +22,7 @@ SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
 
 class Tokenizer:
-    """The interface; subclasses set the attributes and implement `tokenize` / `detokenize`."""
+    """The interface; subclasses set the attributes and implement `tokenize` and `detokenize`."""
 
     vocab_size: int
     bos: int | None = None
@@ -147,9 +147,8 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist())
 
 
-def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
-) -> Tokenizer:
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by Megatron's `--tokenizer-type`, `--tokenizer-model`, `--vocab-size`."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise UserError(f"--tokenizer-type {tokenizer_type} is unknown; use one of {', '.join(TOKENIZER_TYPES)}")

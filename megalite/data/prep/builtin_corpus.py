@@ -1,11 +1,9 @@
 """The built-in default corpus: the running interpreter's standard library, tokenized.
 
-Every `.py` file of the standard library (sorted by path, one document each) goes into
-`corpus.jsonl`, which trains a SentencePiece tokenizer and is then tokenized with
-end-of-document tokens, as tools/train_tokenizer.py and tools/preprocess_data.py
---append-eod would. The result in `data/build/stdlib-py<version>/` is reused while its
-`manifest.json`, written last, checks out. Building is deterministic, and safe when
-several processes ask at once (a lock file, and a staging folder renamed into place).
+Every stdlib `.py` file (one document each) goes into `corpus.jsonl`, which trains a
+SentencePiece tokenizer and is tokenized with end-of-document tokens. The result in
+`data/build/stdlib-py<version>/` is reused while its `manifest.json`, written last, checks
+out. Building is deterministic and safe when several processes ask at once.
 """
 
 import fcntl
@@ -34,9 +32,8 @@ DATA_NAME = "stdlib"  # preprocessing writes stdlib_text_document.bin/.idx
 TOKENIZER_NAME = "tokenizer"  # training writes tokenizer.model/.vocab
 
 
-def ensure_builtin_corpus(
-    build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None, force: bool = False
-) -> tuple[str, str]:
+def ensure_builtin_corpus(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None,
+                          force: bool = False) -> tuple[str, str]:
     """Build the corpus if needed; return (data_prefix, tokenizer_model_path).
 
     build_dir: relative to the repository root, not the cwd. max_files: keep only the first
@@ -63,13 +60,9 @@ def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None
         manifest = json.loads((corpus_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    expected = {
-        "format": MANIFEST_FORMAT,
-        "python_version": platform.python_version(),
-        "max_files": max_files,
-        "num_files": len(stdlib_files(max_files)[1]),  # an edited installation means a rebuild
-    }
-    if any(manifest.get(key) != value for key, value in expected.items()):
+    # Another Python, or an edited installation (another file count), means a rebuild.
+    identity = _identity(max_files, len(stdlib_files(max_files)[1]))
+    if any(manifest.get(key) != value for key, value in identity.items()):
         return None
     bin_file = corpus_dir / f"{DATA_NAME}_text_document.bin"
     needed = [bin_file, bin_file.with_suffix(".idx"), corpus_dir / f"{TOKENIZER_NAME}.model"]
@@ -78,6 +71,11 @@ def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None
     if bin_file.stat().st_size != manifest["num_tokens"] * np.dtype(manifest["dtype"]).itemsize:
         return None
     return manifest
+
+
+def _identity(max_files: int | None, num_files: int) -> dict:
+    return {"format": MANIFEST_FORMAT, "python_version": platform.python_version(), "max_files": max_files,
+            "num_files": num_files}
 
 
 def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
@@ -107,39 +105,33 @@ def write_corpus_jsonl(root: Path, files: list[str], path: Path) -> int:
 
 
 def _build(corpus_dir: Path, max_files: int | None) -> None:
-    """Build into a staging folder, then swap it in; the manifest is the last file written."""
+    """Write corpus.jsonl, the tokenizer, the token files and last the manifest into a staging folder; swap it in."""
     start = time.perf_counter()
-    staging = corpus_dir.with_name(f"{corpus_dir.name}.staging")
-    shutil.rmtree(staging, ignore_errors=True)  # what a killed build left behind
-    staging.mkdir()
-    try:
-        manifest = _build_into(staging, max_files)
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise
-    manifest["build_seconds"] = round(time.perf_counter() - start, 1)
-    (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
-    shutil.rmtree(corpus_dir, ignore_errors=True)
-    staging.rename(corpus_dir)
-
-
-def _build_into(staging: Path, max_files: int | None) -> dict:
-    """Write corpus.jsonl, the tokenizer and the token files into `staging`; return the manifest."""
     root, files = stdlib_files(max_files)
     if not files:
         raise UserError(f"found no .py files under {root}; the built-in corpus needs the Python standard library")
     print(f"building the built-in corpus from {len(files)} files under {root}", file=sys.stderr)
-    jsonl = staging / "corpus.jsonl"
-    num_skipped = write_corpus_jsonl(root, files, jsonl)
-    # A small max_files corpus cannot fill VOCAB_SIZE pieces; it gets fewer instead of an error.
-    tokenizer = train_sentencepiece(iter_documents([str(jsonl)]), str(staging / TOKENIZER_NAME),
-                                    vocab_size=VOCAB_SIZE, hard_vocab_limit=False)
-    workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
-    summary = preprocess(str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
-                         json_keys=["text"], append_eod=True, workers=workers, log_interval=0)
-    return {
-        "format": MANIFEST_FORMAT, "python_version": platform.python_version(), "max_files": max_files,
-        "stdlib": str(root), "num_files": len(files), "num_skipped_not_utf8": num_skipped,
+    staging = corpus_dir.with_name(f"{corpus_dir.name}.staging")
+    shutil.rmtree(staging, ignore_errors=True)  # what a killed build left behind
+    staging.mkdir()
+    try:
+        jsonl = staging / "corpus.jsonl"
+        num_skipped = write_corpus_jsonl(root, files, jsonl)
+        # A small max_files corpus cannot fill VOCAB_SIZE pieces; it gets fewer instead of an error.
+        tokenizer = train_sentencepiece(iter_documents([str(jsonl)]), str(staging / TOKENIZER_NAME),
+                                        vocab_size=VOCAB_SIZE, hard_vocab_limit=False)
+        workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
+        summary = preprocess(str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
+                             json_keys=["text"], append_eod=True, workers=workers, log_interval=0)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    manifest = {
+        **_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
         "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
         "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
+        "build_seconds": round(time.perf_counter() - start, 1),
     }
+    (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    shutil.rmtree(corpus_dir, ignore_errors=True)
+    staging.rename(corpus_dir)

@@ -1,11 +1,9 @@
-"""Documents from the inputs the data tools accept: JSONL files, .txt files, HF datasets.
+"""Documents from the data tools' `--input`: JSONL files (Megatron's "loose json"), .txt files
+(one document each), `datasets` folders or data files, or a hub dataset (with `--hf-split`).
 
-`--input` takes `.jsonl`/`.json` files or globs (one JSON object per line, Megatron's
-"loose json"), `.txt` files (one document each), a `datasets` save_to_disk folder or
-`.parquet`/`.csv`/`.arrow` files, or else a hub dataset name (with `--hf-split`).
 So that preprocessing scales with worker processes, the parent only cuts the inputs into
-chunks (raw bytes of whole lines, a few .txt files, rows of a dataset) and `parse`, run in
-the workers, turns a chunk into documents, naming file and 1-based line of a bad one.
+chunks and `parse`, run in the workers, turns a chunk into documents, naming the file and
+1-based line of a bad one.
 """
 
 import glob
@@ -116,7 +114,7 @@ class JsonlChunk:
 
 
 class _BadLine(Exception):
-    """A malformed input line; the message says what is wrong with it."""
+    """A malformed input line; the message says what is wrong."""
 
 
 _JSON_TYPE_NAMES = {dict: "object", list: "array", int: "number", float: "number", bool: "boolean",
@@ -228,9 +226,8 @@ def _file_source(path: str) -> Source:
     return Source(kind, path)
 
 
-def iter_chunks(
-    sources: list[Source], json_keys, hf_split: str | None = None, chunk_bytes: int = DEFAULT_CHUNK_BYTES
-) -> Iterator[Chunk]:
+def iter_chunks(sources: list[Source], json_keys, hf_split: str | None = None,
+                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> Iterator[Chunk]:
     """Cut the sources, in order, into chunks of about `chunk_bytes` each (lines are never split)."""
     if len(json_keys) > 1 and any(source.kind == "txt" for source in sources):
         raise UserError("a .txt --input holds one text per file; pass a single --json-keys with it")
