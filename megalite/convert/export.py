@@ -42,7 +42,8 @@ def export_checkpoint(load: str, save: str, iteration: int | None = None, dtype:
     config = load_model_config(metadata)
     architecture = hf_architecture(config)
     maps = tensor_maps(config)
-    stored, expected = set(metadata["tensors"]["model"]), {tensor_map.ours for tensor_map in maps}
+    stored_tensors = metadata["tensors"]["model"]  # name -> its dtype, shape and pieces
+    stored, expected = set(stored_tensors), {tensor_map.ours for tensor_map in maps}
     unknown, missing = stored - expected, expected - stored
     if unknown or missing:
         raise UserError(f"checkpoint {path} does not hold the tensors its model config implies (unexpected "
@@ -56,11 +57,13 @@ def export_checkpoint(load: str, save: str, iteration: int | None = None, dtype:
     if not skip_tokenizer:
         tokenizer_line, ids = _export_tokenizer(load, save, metadata, config, tokenizer_type, tokenizer_model)
     # Without dtype, the embedding's: what the run trained in.
-    stored_dtype = getattr(torch, metadata["tensors"]["model"]["embedding.word_embeddings.weight"]["dtype"])
+    stored_dtype = getattr(torch, stored_tensors["embedding.word_embeddings.weight"]["dtype"])
     hf_config_for(config, dtype or stored_dtype, **ids).save_pretrained(save)
     GenerationConfig(bos_token_id=ids["bos"], eos_token_id=ids["eos"], pad_token_id=ids["pad"]).save_pretrained(save)
 
-    entries = _plan(metadata, maps, config, dtype)
+    # (hf name, dtype, shape) of every HF tensor, in map order.
+    entries = [(name, dtype or getattr(torch, stored_tensors[m.ours]["dtype"]), shape) for m in maps
+               for name, shape in zip(m.theirs, hf_shapes(m, tuple(stored_tensors[m.ours]["shape"]), config))]
     files = _write_weights(path, metadata, maps, config, entries, max_bytes, save)
     total = sum(tensor_nbytes(dtype, shape) for _, dtype, shape in entries)
     log(f"wrote {save}: {architecture}, {len(entries)} tensors, {total / 1e6:.1f} MB in {len(files)} "
@@ -74,20 +77,9 @@ def load_model_config(metadata: dict) -> ModelConfig:
     return ModelConfig(**{key: value for key, value in metadata["model_config"].items() if key in fields})
 
 
-def _plan(metadata: dict, maps: list[TensorMap], config: ModelConfig, dtype: torch.dtype | None):
-    """[(hf name, dtype, shape)] of every HF tensor, in the order `maps` produces them."""
-    entries = []
-    for tensor_map in maps:
-        entry = metadata["tensors"]["model"][tensor_map.ours]
-        out_dtype = dtype or getattr(torch, entry["dtype"])
-        for name, shape in zip(tensor_map.theirs, hf_shapes(tensor_map, tuple(entry["shape"]), config)):
-            entries.append((name, out_dtype, shape))
-    return entries
-
-
 def _write_weights(path: str, metadata: dict, maps: list[TensorMap], config: ModelConfig, entries: list,
                    max_bytes: int, save: str) -> list[str]:
-    """Write `entries` (from _plan) into one file or shards of at most `max_bytes`; the file names."""
+    """Write `entries` [(hf name, dtype, shape)] into one file or shards of at most `max_bytes`; the file names."""
     shards = shard_plan(entries, max_bytes)
     names = [WEIGHTS_FILE] if len(shards) == 1 else \
         [f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors" for i in range(len(shards))]

@@ -46,7 +46,7 @@ def is_builder_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def load_or_build(cache_dir: str | None, name: str, description: dict, build, log=print):
+def load_or_build(cache_dir: str | None, name: str, description: dict, build):
     """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them.
 
     cache_dir None builds in memory. name: readable part of the file names ("GPTDataset-train").
@@ -61,7 +61,7 @@ def load_or_build(cache_dir: str | None, name: str, description: dict, build, lo
             start = time.perf_counter()
             arrays = build()
             _publish(cache_dir, base, marker, description, arrays)
-            log(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
+            print(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
             return arrays
         deadline = time.monotonic() + WAIT_TIMEOUT_S
         while not os.path.isfile(marker):

@@ -242,21 +242,12 @@ def iter_chunks(sources: list[Source], json_keys, hf_split: str | None = None,
 
 def _jsonl_chunks(path: str, chunk_bytes: int) -> Iterator[JsonlChunk]:
     next_line = 1
-    carry = b""  # the start of a line that the previous read cut
     with open(path, "rb") as file:
-        while block := file.read(chunk_bytes):
-            if next_line == 1 and not carry and block.startswith(b"\xef\xbb\xbf"):
-                block = block[3:]  # a UTF-8 byte-order mark is not part of the first line
-            block = carry + block
-            end = block.rfind(b"\n") + 1
-            if end == 0:  # one line longer than a chunk: keep reading
-                carry = block
-                continue
-            data, carry = block[:end], block[end:]
-            yield JsonlChunk(path, next_line, data)
-            next_line += data.count(b"\n")
-    if carry:
-        yield JsonlChunk(path, next_line, carry)
+        while lines := file.readlines(chunk_bytes):  # whole lines, until they pass chunk_bytes
+            if next_line == 1:
+                lines[0] = lines[0].removeprefix(b"\xef\xbb\xbf")  # a UTF-8 byte-order mark is no part of line 1
+            yield JsonlChunk(path, next_line, b"".join(lines))
+            next_line += len(lines)
 
 
 def _txt_chunks(paths: list[str], chunk_bytes: int) -> Iterator[TextFilesChunk]:
