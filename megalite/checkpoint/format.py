@@ -1,11 +1,9 @@
 """The checkpoint format: safetensors files of pieces, metadata.json, and reading them back.
 
-A rank's model and optimizer pieces go into one safetensors file per section whose
-header says which piece of which global tensor each key holds; `index_pieces` merges
-those headers into metadata.json's tensor index, and `CheckpointReader` reads any slice
-of any tensor from the pieces that cover it. Only safetensors and JSON are ever read:
-nothing is unpickled, so a checkpoint cannot run code. Folders and their publishing are
-megalite/checkpoint/folder.py's.
+Each rank writes one safetensors file per section whose header says which piece of which global
+tensor each key holds; `index_pieces` merges the headers into metadata.json's index, and
+`CheckpointReader` reads any slice of any tensor from the pieces that cover it. Only safetensors
+and JSON are read: nothing is unpickled, so a checkpoint cannot run code.
 """
 
 import dataclasses
@@ -22,16 +20,12 @@ from megalite.errors import UserError
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
-SECTIONS = ("model", "optimizer")  # the tensor index's parts; files model_*, optim_*
-
-
-# -- writing ------------------------------------------------------------------------------------
 
 
 def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> None:
-    """One safetensors file whose header says, per key, which piece of which tensor it holds.
+    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece.
 
-    Not fsynced: making it durable is the saver's part (megalite/checkpoint/saving.py).
+    Not fsynced: making it durable is the saver's part.
     """
     tensors, described = {}, {}
     for name, name_pieces in pieces.items():
@@ -41,7 +35,7 @@ def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> Non
             tensors[key] = piece.tensor.detach().to("cpu").contiguous()
             described[key] = {"name": name, "shape": list(piece.tensor.shape),
                               "global_shape": list(piece.global_shape), "offsets": list(piece.offsets),
-                              "dtype": _dtype_name(piece.tensor.dtype)}
+                              "dtype": str(piece.tensor.dtype).removeprefix("torch.")}
     save_file(tensors, path, metadata={"megalite": json.dumps({"section": section, "pieces": described})})
 
 
@@ -54,17 +48,11 @@ def _check_piece(name: str, piece: Piece) -> None:
                          f"does not fit its global shape {list(piece.global_shape)}")
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
-
-
 def index_pieces(staging: str) -> dict:
-    """The tensor index of metadata.json, merged from the headers of every rank's files.
-
-    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`;
-    identical pieces from several ranks (replicas) are listed once.
-    """
-    index = {section: {} for section in SECTIONS}
+    """metadata.json's tensor index, merged from the headers of every rank's files:
+    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`.
+    Identical pieces from several ranks (replicas) are listed once."""
+    index = {"model": {}, "optimizer": {}}
     for file_name in sorted(os.listdir(staging)):
         if not file_name.endswith(".safetensors") or file_name.startswith("rng_"):
             continue
@@ -95,9 +83,6 @@ def metadata_text(metadata: dict) -> str:
     return head[:-2] + ',\n "tensors": {\n' + ",\n".join(sections) + "\n }\n}\n"
 
 
-# -- reading ------------------------------------------------------------------------------------
-
-
 def read_metadata(path: str) -> dict:
     """metadata.json of checkpoint folder `path`; UserError when missing, garbled or too new."""
     file_path = os.path.join(path, METADATA_FILE)
@@ -119,11 +104,8 @@ def read_metadata(path: str) -> dict:
 
 
 def file_problem(path: str, metadata: dict) -> str | None:
-    """What is wrong with the files of checkpoint `path` against its metadata.json, or None.
-
-    Checks that every file the index or the RNG states need exists, with the size
-    metadata.json recorded (checkpoints from before sizes were recorded: existence only).
-    """
+    """What is wrong with the files of checkpoint `path`, or None: every file the index or the RNG
+    states need must exist, with the size metadata.json recorded (when it recorded sizes)."""
     sizes = metadata.get("files") or {}
     needed = {piece["file"] for section in metadata.get("tensors", {}).values()
               for entry in section.values() for piece in entry["pieces"]}
@@ -138,7 +120,7 @@ def file_problem(path: str, metadata: dict) -> str | None:
     return None
 
 
-# Fields that do not change any weight or arithmetic: a resumed run may change them.
+# Fields that change no weight and no arithmetic: a resumed run may change them.
 _FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
                 "fused_output_cross_entropy"}
 
@@ -146,16 +128,15 @@ _FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", 
 def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
     """UserError naming every field where the checkpoint's model config differs from `current`.
 
-    `vocab_size` may differ when the tokenizer's vocabulary is the same: the padding
-    depends on the TP size, and padding rows are zero (they load as zero or are dropped).
+    `vocab_size` may differ when the tokenizer's vocabulary is the same: the padding depends on
+    the TP size, and padding rows are zero (they load as zero or are dropped).
     """
     now = dataclasses.asdict(current)
-    defaults = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
-    saved = {**{key: value for key, value in defaults.items() if key not in saved}, **saved}
+    saved = {**{field.name: field.default for field in dataclasses.fields(ModelConfig)}, **saved}
     free = set(_FREE_FIELDS)
-    if (saved.get("tokenizer_vocab_size") or saved["vocab_size"]) == current.real_vocab_size:
+    if (saved["tokenizer_vocab_size"] or saved["vocab_size"]) == current.real_vocab_size:
         free |= {"vocab_size", "tokenizer_vocab_size"}
-    if saved.get("position_embedding_type") == now["position_embedding_type"] == "rope":
+    if saved["position_embedding_type"] == now["position_embedding_type"] == "rope":
         free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
     differences = [f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
                    for key in sorted(set(saved) | set(now))
@@ -168,8 +149,8 @@ def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
 class CheckpointReader:
     """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it.
 
-    Files are opened once (header checked, nothing unpickled) and read lazily: a slice
-    reads only the bytes of the pieces it overlaps.
+    Each file is opened once (its header checked) and read lazily: a slice reads only the bytes
+    of the pieces it overlaps.
     """
 
     def __init__(self, path: str, metadata: dict):
@@ -184,19 +165,13 @@ class CheckpointReader:
             file.__exit__(None, None, None)
         self._files.clear()
 
-    def names(self, section: str) -> list[str]:
-        return list(self.index.get(section, {}))
-
     def shape(self, section: str, name: str) -> tuple[int, ...]:
         return tuple(self._entry(section, name)["shape"])
 
     def read(self, section: str, name: str, offsets=None, shape=None, pad_rows: bool = False) -> torch.Tensor:
-        """`global[offsets : offsets + shape]` of tensor `name` in `section` ("model", "optimizer").
-
-        Default: the whole tensor. Returned in the checkpoint's dtype. `pad_rows`: rows
-        past the checkpoint's dim 0 read as zero (vocabulary padding). UserError when
-        the stored pieces do not cover the region.
-        """
+        """`global[offsets : offsets + shape]` (default: all) of tensor `name` of `section`, in the
+        checkpoint's dtype. `pad_rows`: rows past the saved dim 0 read as zero (vocabulary padding).
+        UserError when the stored pieces do not cover the region."""
         entry = self._entry(section, name)
         global_shape = entry["shape"]
         offsets = list(offsets) if offsets is not None else [0] * len(global_shape)
@@ -251,12 +226,9 @@ class CheckpointReader:
 
 
 def open_safetensors(path: str, size: int | None = None):
-    """`safe_open(path)`; UserError naming the file when it is missing, not valid safetensors, or
-    not `size` bytes long (the size metadata.json recorded, when it did).
-
-    safetensors parses a JSON header and checks it against the file size, so a pickle, a
-    truncated file or random bytes are refused here without executing anything.
-    """
+    """`safe_open(path)`; UserError naming the file when it is missing, not safetensors, or not
+    `size` bytes long. safetensors checks its JSON header against the file size, so a pickle, a
+    truncated file or random bytes are refused without executing anything."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
                         f"restore it or load another iteration")

@@ -1,8 +1,7 @@
 """Piece geometry: how a tensor a process holds is cut into pieces of the global tensor.
 
-A piece is a hyper-rectangle of a global tensor with its offsets. Pieces are what make
-checkpoints layout-free: every layout describes what it holds in global coordinates, so
-any other layout finds the parts it needs (docs/checkpoints.md).
+Every layout describes what it holds in global coordinates, so any other layout finds the
+parts it needs: that is what makes checkpoints layout-free.
 """
 
 from dataclasses import dataclass
@@ -12,10 +11,9 @@ import torch
 
 @dataclass
 class Piece:
-    """A hyper-rectangle of a global tensor: `tensor` is `global[o0:o0+n0, o1:o1+n1, ...]`.
+    """`tensor` is `global[o0:o0+n0, o1:o1+n1, ...]` of a tensor of `global_shape`, at `offsets`.
 
-    `tensor` may be a view of a live tensor: loading copies into it, so a piece built
-    from a parameter's view restores that part of the parameter.
+    It may be a view of a live tensor: loading copies into it, restoring that part of the parameter.
     """
 
     tensor: torch.Tensor
@@ -30,13 +28,12 @@ class Piece:
 
 def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: int,
                            local_offsets: tuple[int, ...] | None = None) -> list[Piece]:
-    """Where this TP rank's local `tensor` sits in the global tensor, as pieces.
+    """Where this TP rank's local `tensor` sits in the global tensor, from the attributes that
+    megalite/tensor_parallel/layers.py gives `param`.
 
-    The one place that maps a TP shard to global coordinates, from the parameter
-    attributes of megalite/tensor_parallel/layers.py. A replicated parameter (or TP=1) is
-    one full piece. A sharded one holds, for each of its `partition_chunks` equal blocks
-    along `partition_dim`, this rank's `1/tp_size` of that block (`shard_full_tensor`).
-    local_offsets: `tensor` is only the region of the local shard starting there (a
+    A replicated parameter (or TP 1) is one piece. A sharded one holds, of each of its
+    `partition_chunks` equal blocks along `partition_dim`, this rank's 1/tp_size (`shard_full_tensor`).
+    `local_offsets`: `tensor` is only the region of the local shard that starts there (a
     distributed-optimizer range); None: the whole local shard.
     """
     local_shape = tuple(param.shape) if param is not None and local_offsets is not None else tuple(tensor.shape)
@@ -61,11 +58,10 @@ def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: i
 
 
 def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_size: int) -> list[Piece]:
-    """`values` = `param`'s local flat elements `[start, start + len)` as pieces of the global tensor.
+    """`values`, `param`'s local flat elements `[start, start + len)`, as pieces of the global tensor.
 
-    A distributed-optimizer shard owns a contiguous range of a parameter's flattened
-    local shard; split into at most three rectangles (a partial first row, whole rows,
-    a partial last row), each is a view of `values` that `tensor_parallel_pieces` places.
+    A distributed-optimizer shard owns such a range. It is cut into at most three rectangles (a
+    partial first row, whole rows, a partial last row), each placed by `tensor_parallel_pieces`.
     """
     shape = tuple(param.shape)
     if len(shape) == 1:
@@ -87,34 +83,28 @@ def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_
     return pieces
 
 
-def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> dict[str, list[Piece]]:
-    """Every tensor of `model.state_dict()` (full global names) as pieces of views of the live tensors."""
+def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dict[str, list[Piece]]:
+    """Every tensor of `model.state_dict()` (global names) as pieces of views of the live tensors."""
     params = dict(model.named_parameters())
     return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
             for name, tensor in model.state_dict().items()}
 
 
-def optimizer_pieces(tensors: dict, model: torch.nn.Module | None = None, tp_rank: int = 0,
-                     tp_size: int = 1, flat_ranges: dict[str, int] | None = None) -> dict[str, list[Piece]]:
-    """The tensors of an optimizer's `state_dict()` as pieces of global tensors (views of them).
+def optimizer_pieces(tensors: dict, model: torch.nn.Module, tp_rank: int, tp_size: int,
+                     flat_ranges: dict[str, int] | None) -> dict[str, list[Piece]]:
+    """The tensors of an optimizer's `state_dict()`, named `<param name>.<kind>`, as pieces.
 
-    Tensors are named `<param name>.<kind>`. A value is the whole local tensor, placed
-    like its TP-sharded param of `model` (`tensor_parallel_pieces`); or, when
-    `flat_ranges` maps its param name to `start`, the param's local flat elements from
-    `start` on (a distributed-optimizer range, `flat_range_pieces`); or a `Piece` or a
-    list of `Piece`s already placed in the global tensor.
+    A value is a `Piece` already placed; or, when `flat_ranges` maps its param name to `start`,
+    the param's local flat elements from `start` on (a distributed-optimizer range); or the whole
+    local tensor, placed like its param of `model`.
     """
-    params = dict(model.named_parameters()) if model is not None else {}
-    flat_ranges = flat_ranges or {}
-
-    def pieces(name: str, value) -> list[Piece]:
-        if isinstance(value, Piece):
-            return [value]
-        if isinstance(value, list):
-            return list(value)
+    params, flat_ranges, pieces = dict(model.named_parameters()), flat_ranges or {}, {}
+    for name, value in tensors.items():
         param_name = name.rsplit(".", 1)[0]
-        if param_name in flat_ranges:
-            return flat_range_pieces(value, params[param_name], flat_ranges[param_name], tp_rank, tp_size)
-        return tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
-
-    return {name: pieces(name, value) for name, value in tensors.items()}
+        if isinstance(value, Piece):
+            pieces[name] = [value]
+        elif param_name in flat_ranges:
+            pieces[name] = flat_range_pieces(value, params[param_name], flat_ranges[param_name], tp_rank, tp_size)
+        else:
+            pieces[name] = tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
+    return pieces
