@@ -1,5 +1,5 @@
 """DataConfig: where tokens come from (`--data-path` blends, per-split paths, `--mock-data`, or
-the built-in corpus when none is given)."""
+the built-in corpus when none is given: megalite/run/data.py's `resolve_data` points a copy at it)."""
 
 from dataclasses import dataclass
 
@@ -12,9 +12,6 @@ TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer"
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The data flags. For the default run, `resolve_data` (megalite/run/data.py) returns a copy
-    pointing at the built-in corpus and its tokenizer."""
-
     data_path: list[str] | None = option(None, "token file prefixes, optionally weighted",
                                          default_text="the built-in corpus")
     split: str = option("969,30,1", "train,valid,test weights of --data-path's documents")

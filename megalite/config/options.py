@@ -1,11 +1,6 @@
-"""One definition per option: a config dataclass field carries its flag, help and choices.
-
-    lr: float = option(1e-3, "peak learning rate")
-
-declares the field `lr` and the flag `--lr` (type from the annotation, default from the
-field) in one line; `megalite/arguments.py` generates the parser from these fields. A
-field that no flag sets (a value derived from others, or from the launcher) is declared
-with `derived(...)`; every field of a config class is one or the other, and
+"""One definition per option: `lr: float = option(1e-3, "peak learning rate")` declares the field
+`lr` and the flag `--lr` (type from the annotation, default from the field), from which
+megalite/arguments.py generates the parser. A field no flag sets is declared with `derived(...)`;
 tests/test_arguments.py fails when a field and the parser drift apart.
 """
 
@@ -22,18 +17,16 @@ class Option:
     help: str
     flags: tuple[str, ...] = ()  # () : "--" + the field name with dashes; more than one: aliases
     choices: tuple | None = None
-    metavar: str | None = None
     off_flag: str | None = None  # a second flag that sets a boolean field False
     inverted: bool = False  # the flag sets a boolean field False (`--disable-bias-linear`)
     default_text: str | None = None  # what --help says the default is, when the field default does not say it
 
 
-def option(default, help: str, *, flag: str | tuple[str, ...] = (), choices=None, metavar: str | None = None,
-           off_flag: str | None = None, inverted: bool = False, default_text: str | None = None):
-    """A dataclass field that is also a command-line flag (see the module docstring)."""
+def option(default, help: str, *, flag: str | tuple[str, ...] = (), choices=None, off_flag: str | None = None,
+           inverted: bool = False, default_text: str | None = None):
+    """A dataclass field that is also a command-line flag."""
     flags = (flag,) if isinstance(flag, str) else tuple(flag)
-    spec = Option(help, flags, tuple(choices) if choices is not None else None, metavar, off_flag, inverted,
-                  default_text)
+    spec = Option(help, flags, tuple(choices) if choices is not None else None, off_flag, inverted, default_text)
     return dataclasses.field(default=default, metadata={"option": spec})
 
 

@@ -1,8 +1,5 @@
-"""Named architectures: `--model NAME` -> ModelConfig field values with the published numbers.
-
-A preset's `vocab_size` is the tokenizer's vocabulary; `model_config_from_preset` pads it.
-On the command line, a model flag that is given overrides the preset's value.
-"""
+"""Named architectures: `--model NAME` -> ModelConfig field values with the published numbers
+(`vocab_size` is the tokenizer's, padded by `model_config_from_preset`)."""
 
 import dataclasses
 
@@ -54,11 +51,8 @@ MODEL_PRESETS: dict[str, dict] = {
 
 
 def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **overrides) -> ModelConfig:
-    """The validated ModelConfig of preset `name` with `overrides` applied.
-
-    `vocab_size` (from the preset or the overrides) is the tokenizer's vocabulary; the
-    config's `vocab_size` is it padded per `make_vocab_size_divisible_by` x TP.
-    """
+    """The validated ModelConfig of preset `name` with `overrides` applied, its `vocab_size` (the
+    tokenizer's, from the preset or the overrides) padded per `make_vocab_size_divisible_by` x TP."""
     if name not in MODEL_PRESETS:
         raise UserError(f"--model {name!r} is not a known preset; use one of "
                         f"{', '.join(MODEL_PRESETS)} (see --list-models)")
