@@ -20,8 +20,6 @@ from megalite.errors import UserError
 from megalite.parallel_state import bf16_is_default
 from megalite.run.tracking import with_wandb_defaults
 
-__all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args"]
-
 MODEL_GROUP = "model (defaults: the --model preset's values)"
 # The config classes on the command line, each one argument group, in --help order.
 GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"),

@@ -39,12 +39,8 @@ def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
 
 
 def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """The rank lists of every group of every kind in GROUP_KINDS; each rank is in one per kind.
-
-    "tp": ranks sharing (pp, dp); "dp": sharing (pp, tp); "pp": sharing (dp, tp); "mp" (one model
-    replica): sharing dp; "embedding": per pipeline, its first and last stage ranks (just the first
-    when pp is 1), which hold tied word embeddings. Middle stages are in no embedding group.
-    """
+    """The rank lists of every group of each kind: "tp" shares (pp, dp), "dp" (pp, tp), "pp" (dp, tp), "mp"
+    (a model replica) dp; "embedding" is each pipeline's first and last stage, which hold tied embeddings."""
     grid = rank_grid(world_size, tp, pp)
     _, dp, _ = grid.shape
     pipelines = grid.transpose(1, 2, 0).reshape(-1, pp).tolist()
@@ -67,25 +63,26 @@ def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int,
 
 @dataclass
 class ParallelState:
-    """This rank's place in the grid, its process groups (None in a world of one without
-    torch.distributed), and its device. `embedding_group` is also None on middle pipeline stages:
-    check `in_embedding_group` before using it."""
+    """This rank's place in the grid, its process groups, and its device; the defaults are a process on
+    its own. Groups are None only there, and `embedding_group` on middle pipeline stages too: check
+    `in_embedding_group` before using it."""
 
-    rank: int
-    world_size: int
-    tp_size: int
-    tp_rank: int
-    tp_group: ProcessGroup | None
-    pp_size: int
-    pp_rank: int
-    pp_group: ProcessGroup | None
-    dp_size: int
-    dp_rank: int
-    dp_group: ProcessGroup | None
-    mp_group: ProcessGroup | None
-    embedding_group: ProcessGroup | None
-    embedding_ranks: list[int]  # this rank's pipeline's embedding ranks, whether or not it is one
-    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: ProcessGroup | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: ProcessGroup | None = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: ProcessGroup | None = None
+    mp_group: ProcessGroup | None = None
+    embedding_group: ProcessGroup | None = None
+    # This rank's pipeline's embedding ranks, whether or not it is one.
+    embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sequence_parallel: bool = False
     backend: str = "gloo"
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
@@ -128,13 +125,9 @@ class ParallelState:
 
 def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
                          device: torch.device | None = None, timeout: timedelta | None = None) -> ParallelState:
-    """This rank's ParallelState for tensor size `tp` and pipeline size `pp` (DP is what remains), in
-    the initialised torch.distributed world, or a world of one without it.
-
-    Every rank must call this together: each creates every group of every kind. `device`: None picks
-    the current CUDA device under nccl (or, without torch.distributed, when CUDA is available), else
-    the CPU. `timeout`: the new groups' (None: the backend's default, not init_process_group's).
-    """
+    """This rank's ParallelState for sizes `tp` and `pp` in the torch.distributed world (a world of one
+    without it); every rank calls it, creating every group. `device` None: CUDA under nccl (or without
+    torch.distributed when CUDA is there), else the CPU. `timeout` None: the backend's default."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     groups = group_ranks(world_size, tp, pp)
@@ -163,11 +156,8 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
 
 
 def single_process_state(device: torch.device | str = "cpu") -> ParallelState:
-    """The state of a process on its own (every size 1, every group None), without touching
-    torch.distributed: what build_parallel_state() returns outside it."""
-    return ParallelState(rank=0, world_size=1, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
-                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None, mp_group=None, embedding_group=None,
-                         embedding_ranks=[0], device=torch.device(device))
+    """What build_parallel_state() returns outside torch.distributed, without touching it."""
+    return ParallelState(device=torch.device(device))
 
 
 # The default state of library functions (model constructors, the optimizer's DDP): one process.
@@ -181,12 +171,8 @@ def world_size_from_env() -> int:
 
 
 def initialize(parallel_config: ParallelConfig) -> ParallelState:
-    """Join torchrun's world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and build the state.
-
-    Without WORLD_SIZE it is a world of one and torch.distributed stays uninitialised. An already
-    initialised world is used as is (and `destroy` leaves it alone). nccl runs on cuda:LOCAL_RANK,
-    gloo on the CPU.
-    """
+    """Join torchrun's world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none without WORLD_SIZE,
+    and build the state. An initialised world is used as is, and `destroy` leaves it alone."""
     world_size = world_size_from_env()
     if parallel_config.world_size != world_size:
         raise ValueError(f"the ParallelConfig was made for a world of {parallel_config.world_size} but "
@@ -231,9 +217,8 @@ def choose_backend(requested: str | None) -> str:
 
 
 def bf16_is_default(requested_backend: str | None) -> bool:
-    """With no precision flag: bf16 where the run trains on a GPU with bf16 units (CUDA present and
-    the backend not gloo), fp32 elsewhere (many CPUs have no bf16 matrix units, and fp32 is the
-    reference arithmetic)."""
+    """With no precision flag: bf16 where the run trains on a GPU with bf16 units (CUDA and not gloo), fp32
+    elsewhere (many CPUs have no bf16 matrix units, and fp32 is the reference arithmetic)."""
     return torch.cuda.is_available() and requested_backend != "gloo" and torch.cuda.is_bf16_supported()
 
 
@@ -257,12 +242,9 @@ def _limit_cpu_threads(local_world_size: int) -> None:
 
 
 def _restart_scoped_rendezvous(world_size: int, timeout: timedelta) -> dict:
-    """init_process_group's store, rank and world size after a torchrun restart; {} on the first attempt.
-
-    After `torchrun --max-restarts` restarts the workers, its store still holds the previous
-    attempt's keys (every rank's address); a new rank that reads one before its peer overwrote it
-    connects to a dead process ("connectFullMesh failed"), so each attempt gets its own prefix.
-    """
+    """init_process_group's store, rank and world size after a torchrun restart ({} on the first attempt).
+    The store still holds the last attempt's keys, such as rank addresses: a rank reading one before its
+    peer overwrote it connects to a dead process ("connectFullMesh failed"), so each attempt gets a prefix."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         return {}

@@ -6,8 +6,6 @@ import os
 import time
 from dataclasses import dataclass
 
-import torch
-
 from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
 from megalite.checkpoint.format import read_metadata
 from megalite.checkpoint.loading import load_checkpoint
@@ -28,12 +26,9 @@ class Resumed:
 
 
 class Checkpointer:
-    """Loads and saves one run's checkpoints as its flags (`run.checkpoint`, `run.train`) say.
-
-    Every rank calls `load` and `save` alike; `log` prints one line. `last_checkpoint` is the newest
-    complete checkpoint of this run (None before any), `resumed_from` the iteration the run resumed
-    at (None: it did not), which --keep-last-n-checkpoints never deletes.
-    """
+    """Loads and saves one run's checkpoints as its flags say; every rank calls `load` and `save`.
+    `last_checkpoint`: the newest complete one (None before any); `resumed_from`: the iteration the run
+    resumed at (None: it did not), which --keep-last-n-checkpoints never deletes."""
 
     def __init__(self, run: RunConfig, parallel, log=print):
         self.run, self.parallel, self.log = run, parallel, log
@@ -41,17 +36,12 @@ class Checkpointer:
         self.resumed_from: int | None = None
 
     def load(self, model, optimizer, schedule) -> Resumed | None:
-        """Restore `model`, `optimizer` (a MixedPrecisionOptimizer), `schedule` (an LRSchedule) and the
-        RNG states from the checkpoint `choose_checkpoint` picks; None when the run starts at iteration 0.
-
-        --load defaults to --save when that folder exists, so a restarted job resumes by itself.
-        --finetune loads the weights only and returns None; with it or --no-load-optim the optimizer
-        restarts from the loaded weights. RNG states load only from a checkpoint of this layout.
-        """
+        """Restore `model`, `optimizer`, `schedule` (an LRSchedule) and the RNG states from the checkpoint
+        `choose_checkpoint` picks; None when the run starts at iteration 0 (no checkpoint, or --finetune).
+        --load defaults to --save when that exists, so a restarted job resumes by itself."""
         ckpt = self.run.checkpoint
-        load, implicit = ckpt.load, False
-        if load is None and ckpt.save is not None and os.path.isdir(ckpt.save):
-            load, implicit = ckpt.save, True
+        implicit = ckpt.load is None and ckpt.save is not None and os.path.isdir(ckpt.save)
+        load = ckpt.save if implicit else ckpt.load
         if load is None:
             return None
         path, note = choose_checkpoint(load)
@@ -67,11 +57,9 @@ class Checkpointer:
             self.log(f"warning: {load}: {note}")
         metadata = read_metadata(path)
         load_optim = not (ckpt.finetune or ckpt.no_load_optim)
-        loaded = load_checkpoint(
-            load, model, optimizer if load_optim else None, model_config=self.run.model,
-            iteration=metadata["iteration"], load_optim=load_optim,
-            load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata),
-            rank=self.parallel.rank, parallel=self.parallel)
+        loaded = load_checkpoint(load, model, optimizer if load_optim else None, model_config=self.run.model,
+                                 iteration=metadata["iteration"], rank=self.parallel.rank, parallel=self.parallel,
+                                 load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata))
         if not load_optim:
             optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         if ckpt.finetune:
@@ -112,12 +100,8 @@ class Checkpointer:
         return bool(interval) and iteration % interval == 0
 
     def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False) -> str | None:
-        """Save the run at `state` (a TrainState) into --save, then remove old checkpoints per
-        --keep-last-n-checkpoints; return the folder written, None without --save.
-
-        `extra` holds the LR schedule, the model name, the whole run config and `evaluation_pending`,
-        which `load` hands back. CheckpointSaveError on every rank when any rank's part failed.
-        """
+        """Save the run at `state` (a TrainState), with the LR schedule and the run config, into --save;
+        then remove old checkpoints. Return the folder written, None without --save."""
         ckpt = self.run.checkpoint
         if ckpt.save is None:
             return None
@@ -128,8 +112,7 @@ class Checkpointer:
                                consumed_samples=state.consumed_train_samples,
                                consumed_valid_samples=state.consumed_valid_samples,
                                model_config=self.run.model, extra=extra, rank=self.parallel.rank,
-                               parallel=self.parallel, barrier=self._barrier,
-                               failed_ranks=failed_ranks_across(self.parallel))
+                               parallel=self.parallel, failed_ranks=failed_ranks_across(self.parallel))
         self.last_checkpoint = path
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
         if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:
@@ -138,10 +121,6 @@ class Checkpointer:
                                                   keep):
                 self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
         return path
-
-    def _barrier(self) -> None:
-        if self.parallel.world_size > 1:
-            torch.distributed.barrier()
 
 
 def json_able(value):

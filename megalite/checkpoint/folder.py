@@ -136,12 +136,8 @@ def complete_checkpoints(load: str) -> list[tuple[int, str]]:
 
 
 def choose_checkpoint(load: str) -> tuple[str | None, str | None]:
-    """The checkpoint folder to resume from in `load`, and a note when it is not the latest file's.
-
-    That is the latest file's checkpoint when complete; otherwise (no latest file, a garbled one,
-    or one naming a missing or incomplete folder) the newest complete checkpoint at or below the
-    named iteration, else the newest of all. (None, None) when `load` holds no checkpoint at all.
-    """
+    """The folder to resume from in `load` and a note when it is not the latest file's (then the newest
+    complete checkpoint at or below the named iteration, else the newest); (None, None) if there is none."""
     try:
         latest, garbled = read_latest_iteration(load), None
     except UserError as error:
@@ -168,11 +164,9 @@ def choose_checkpoint(load: str) -> tuple[str | None, str | None]:
 
 
 def remove_old_checkpoints(save: str, keep_last: int, retain_interval: int | None, keep: set[int]) -> list[str]:
-    """Delete complete checkpoints beyond the newest `keep_last`; return the folders removed.
-
-    Never removed: the latest file's iteration, multiples of `retain_interval` and the iterations in
-    `keep`. Each folder is renamed to `*.tmp-del` first, so a kill never leaves a half-deleted `iter_*`.
-    """
+    """Delete complete checkpoints beyond the newest `keep_last`, except the latest file's, multiples of
+    `retain_interval` and `keep`; return the folders removed. Each is renamed to `*.tmp-del` first, so a
+    kill never leaves a half-deleted `iter_*`."""
     try:
         latest = read_latest_iteration(save)
     except UserError:

@@ -6,6 +6,7 @@ tensor each key holds; `index_pieces` merges the headers into metadata.json's in
 and JSON are read: nothing is unpickled, so a checkpoint cannot run code.
 """
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -23,14 +24,13 @@ METADATA_FILE = "metadata.json"
 
 
 def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> None:
-    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece.
-
-    Not fsynced: making it durable is the saver's part.
-    """
+    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece."""
     tensors, described = {}, {}
     for name, name_pieces in pieces.items():
         for number, piece in enumerate(name_pieces):
-            _check_piece(name, piece)
+            if not _fits(piece.offsets, piece.tensor.shape, piece.global_shape):
+                raise ValueError(f"piece of {name!r} with shape {list(piece.tensor.shape)} at offsets "
+                                 f"{list(piece.offsets)} does not fit its global shape {list(piece.global_shape)}")
             key = name if number == 0 else f"{name}@{number}"  # '@' never occurs in a parameter name
             tensors[key] = piece.tensor.detach().to("cpu").contiguous()
             described[key] = {"name": name, "shape": list(piece.tensor.shape),
@@ -39,13 +39,10 @@ def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> Non
     save_file(tensors, path, metadata={"megalite": json.dumps({"section": section, "pieces": described})})
 
 
-def _check_piece(name: str, piece: Piece) -> None:
-    shape = tuple(piece.tensor.shape)
-    if len(shape) != len(piece.global_shape) or len(piece.offsets) != len(shape) or any(
-            offset < 0 or offset + size > whole
-            for offset, size, whole in zip(piece.offsets, shape, piece.global_shape)):
-        raise ValueError(f"piece of {name!r} with shape {list(shape)} at offsets {list(piece.offsets)} "
-                         f"does not fit its global shape {list(piece.global_shape)}")
+def _fits(offsets, shape, limits) -> bool:
+    """Whether the box at `offsets` of `shape` lies inside `[0, limits)` in every dimension."""
+    return len(offsets) == len(shape) == len(limits) and all(
+        0 <= offset and offset + size <= limit for offset, size, limit in zip(offsets, shape, limits))
 
 
 def index_pieces(staging: str) -> dict:
@@ -65,11 +62,10 @@ def index_pieces(staging: str) -> dict:
             if (entry["shape"], entry["dtype"]) != (piece["global_shape"], piece["dtype"]):
                 raise ValueError(f"ranks disagree on {name!r}: {entry['shape']} {entry['dtype']} vs "
                                  f"{piece['global_shape']} {piece['dtype']} in {file_name}")
-            if any(known["offsets"] == piece["offsets"] and known["shape"] == piece["shape"]
-                   for known in entry["pieces"]):
-                continue
-            entry["pieces"].append({"file": file_name, "key": key, "offsets": piece["offsets"],
-                                    "shape": piece["shape"]})
+            place = {"offsets": piece["offsets"], "shape": piece["shape"]}
+            if not any(known["offsets"] == place["offsets"] and known["shape"] == place["shape"]
+                       for known in entry["pieces"]):
+                entry["pieces"].append({"file": file_name, "key": key, **place})
     return index
 
 
@@ -126,11 +122,8 @@ _FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", 
 
 
 def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
-    """UserError naming every field where the checkpoint's model config differs from `current`.
-
-    `vocab_size` may differ when the tokenizer's vocabulary is the same: the padding depends on
-    the TP size, and padding rows are zero (they load as zero or are dropped).
-    """
+    """UserError naming every field where the checkpoint's model config differs from `current`. The padded
+    `vocab_size` depends on TP, so it may differ when the tokenizer's vocabulary is the same."""
     now = dataclasses.asdict(current)
     saved = {**{field.name: field.default for field in dataclasses.fields(ModelConfig)}, **saved}
     free = set(_FREE_FIELDS)
@@ -146,24 +139,14 @@ def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
                         f"pass the same model flags (or --model) as the saved run")
 
 
-class CheckpointReader:
-    """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it.
-
-    Each file is opened once (its header checked) and read lazily: a slice reads only the bytes
-    of the pieces it overlaps.
-    """
+class CheckpointReader(contextlib.ExitStack):
+    """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it. Each file
+    is opened once and read lazily, only the bytes a slice needs; leaving the `with` closes them."""
 
     def __init__(self, path: str, metadata: dict):
+        super().__init__()
         self.path, self.metadata, self.index = path, metadata, metadata["tensors"]
         self._files = {}
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for file in self._files.values():
-            file.__exit__(None, None, None)
-        self._files.clear()
 
     def shape(self, section: str, name: str) -> tuple[int, ...]:
         return tuple(self._entry(section, name)["shape"])
@@ -179,8 +162,7 @@ class CheckpointReader:
         limits = list(global_shape)
         if pad_rows and limits:
             limits[0] = max(limits[0], offsets[0] + shape[0])
-        if len(offsets) != len(global_shape) or len(shape) != len(global_shape) or any(
-                o < 0 or o + n > limit for o, n, limit in zip(offsets, shape, limits)):
+        if not _fits(offsets, shape, limits):
             raise ValueError(f"region {offsets} + {shape} is outside {name!r} of shape {global_shape}")
         out = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]))
         covered = torch.zeros(shape, dtype=torch.bool)
@@ -221,7 +203,7 @@ class CheckpointReader:
     def _file(self, file_name: str):
         if file_name not in self._files:
             size = (self.metadata.get("files") or {}).get(file_name)
-            self._files[file_name] = open_safetensors(os.path.join(self.path, file_name), size).__enter__()
+            self._files[file_name] = self.enter_context(open_safetensors(os.path.join(self.path, file_name), size))
         return self._files[file_name]
 
 

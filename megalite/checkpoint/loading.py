@@ -1,8 +1,5 @@
-"""Loading a checkpoint into any layout: each process reads the parts of every tensor it holds.
-
-The live model's and a fresh optimizer state's pieces say what this process holds in global
-coordinates; `CheckpointReader` fills each from whichever files cover it.
-"""
+"""Loading a checkpoint into any layout: the pieces of the live model and of a fresh optimizer state
+say what this process holds, and `CheckpointReader` fills each from whichever files cover it."""
 
 import dataclasses
 import os
@@ -21,12 +18,8 @@ from megalite.parallel_state import ONE_PROCESS, ParallelState
 def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_config: ModelConfig,
                     iteration: int | None = None, load_optim: bool = True, load_rng: bool = True,
                     rank: int = 0, parallel: ParallelState = ONE_PROCESS) -> dict:
-    """Restore `model` (+ `optimizer`, + this rank's RNG) from `<load>` at `iteration` (default: latest).
-
-    Tensors are cast to the destination's dtype; everything else is bitwise. Returns
-    `{"iteration", "consumed_samples", "consumed_valid_samples", "extra", "path"}`. UserError for a
-    missing or corrupt checkpoint and for a different model config.
-    """
+    """Restore `model` (+ `optimizer`, + this rank's RNG) from `<load>` at `iteration` (default: latest),
+    bitwise but for casts to the destination's dtype; return the iteration, consumed samples, extra and path."""
     path = resolve_checkpoint(load, iteration)
     metadata = read_metadata(path)
     check_model_config(metadata["model_config"], model_config, path)
@@ -57,12 +50,8 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
 
 @torch.no_grad()
 def _fill(reader: CheckpointReader, section: str, pieces: dict[str, list[Piece]], vocab: tuple[int, int]) -> None:
-    """Copy every piece of `section` from the checkpoint into its tensor, cast to that tensor's dtype.
-
-    Only the vocabulary padding may differ in shape (`vocab`: the saved and the current
-    `vocab_size`): rows past the saved ones read as zero, saved rows past ours (zero padding) are
-    dropped. Any other shape change is a UserError.
-    """
+    """Copy every piece of `section` from the checkpoint into its tensor. Only the vocabulary padding may
+    change shape (`vocab`: the saved and current `vocab_size`): new rows read as zero, extra ones drop."""
     for name, name_pieces in pieces.items():
         for piece in name_pieces:
             saved, now = reader.shape(section, name), tuple(piece.global_shape)

@@ -11,10 +11,8 @@ import torch
 
 @dataclass
 class Piece:
-    """`tensor` is `global[o0:o0+n0, o1:o1+n1, ...]` of a tensor of `global_shape`, at `offsets`.
-
-    It may be a view of a live tensor: loading copies into it, restoring that part of the parameter.
-    """
+    """`tensor` is `global[o0:o0+n0, o1:o1+n1, ...]` of a tensor of `global_shape`. It may be a view of
+    a live tensor: loading copies into it, restoring that part of the parameter."""
 
     tensor: torch.Tensor
     global_shape: tuple[int, ...]
@@ -28,14 +26,9 @@ class Piece:
 
 def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: int,
                            local_offsets: tuple[int, ...] | None = None) -> list[Piece]:
-    """Where this TP rank's local `tensor` sits in the global tensor, from the attributes that
-    megalite/tensor_parallel/layers.py gives `param`.
-
-    A replicated parameter (or TP 1) is one piece. A sharded one holds, of each of its
-    `partition_chunks` equal blocks along `partition_dim`, this rank's 1/tp_size (`shard_full_tensor`).
-    `local_offsets`: `tensor` is only the region of the local shard that starts there (a
-    distributed-optimizer range); None: the whole local shard.
-    """
+    """Where this TP rank's local `tensor` sits in the global tensor. A sharded `param` (attributes of
+    tensor_parallel/layers.py) holds this rank's 1/tp_size of each of its `partition_chunks` blocks along
+    `partition_dim`. `local_offsets`: `tensor` is only the part of the local shard starting there."""
     local_shape = tuple(param.shape) if param is not None and local_offsets is not None else tuple(tensor.shape)
     local_offsets = tuple(local_offsets) if local_offsets is not None else (0,) * tensor.dim()
     sharded = tp_size > 1 and param is not None and getattr(param, "tensor_model_parallel", False)
@@ -58,11 +51,8 @@ def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: i
 
 
 def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_size: int) -> list[Piece]:
-    """`values`, `param`'s local flat elements `[start, start + len)`, as pieces of the global tensor.
-
-    A distributed-optimizer shard owns such a range. It is cut into at most three rectangles (a
-    partial first row, whole rows, a partial last row), each placed by `tensor_parallel_pieces`.
-    """
+    """`values`, `param`'s local flat elements `[start, start + len)` (a distributed-optimizer range), as
+    at most three rectangles (a partial first row, whole rows, a partial last row) of the global tensor."""
     shape = tuple(param.shape)
     if len(shape) == 1:
         return tensor_parallel_pieces(values, param, tp_rank, tp_size, (start,))
@@ -92,12 +82,8 @@ def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dict[str
 
 def optimizer_pieces(tensors: dict, model: torch.nn.Module, tp_rank: int, tp_size: int,
                      flat_ranges: dict[str, int] | None) -> dict[str, list[Piece]]:
-    """The tensors of an optimizer's `state_dict()`, named `<param name>.<kind>`, as pieces.
-
-    A value is a `Piece` already placed; or, when `flat_ranges` maps its param name to `start`,
-    the param's local flat elements from `start` on (a distributed-optimizer range); or the whole
-    local tensor, placed like its param of `model`.
-    """
+    """The tensors of an optimizer's `state_dict()`, named `<param name>.<kind>`, as pieces: a `Piece`
+    as it is, a flat range from `flat_ranges[param name]` on, or a local tensor placed like its param."""
     params, flat_ranges, pieces = dict(model.named_parameters()), flat_ranges or {}, {}
     for name, value in tensors.items():
         param_name = name.rsplit(".", 1)[0]

@@ -35,13 +35,9 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
                     extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS,
                     barrier=_no_barrier, failed_ranks=None) -> str:
-    """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder.
-
-    Every rank calls this and writes its own files; rank 0 publishes. `extra`: any JSON-able dict,
-    handed back by `load_checkpoint`. `failed_ranks(ok)`, called by every rank after each step,
-    returns the ranks where the step failed (`failed_ranks_across`); without it, `barrier`
-    synchronises the ranks and each sees only its own failure.
-    """
+    """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder. Every rank
+    calls this. `extra`: JSON that `load_checkpoint` hands back. `failed_ranks(ok)` returns the ranks whose
+    step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure."""
     failed_ranks = failed_ranks or _own_failures(barrier, rank)
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX

@@ -34,8 +34,7 @@ class ModelConfig:
     kv_channels: int | None = option(None, "channels per head", default_text="hidden size / heads")
     max_position_embeddings: int | None = option(None, "the model's context length (the learned position "
                                                        "table's size)", default_text="--seq-length")
-    position_embedding_type: str = option("learned_absolute", "position encoding",
-                                          choices=POSITION_EMBEDDING_TYPES)
+    position_embedding_type: str = option("learned_absolute", "position encoding", choices=POSITION_EMBEDDING_TYPES)
     rotary_base: float = option(10000.0, "rope's base period")
     use_rope_scaling: bool = option(False, "Llama 3.1's rope frequency scaling (low 1, high 4, context 8192)")
     rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
@@ -49,8 +48,7 @@ class ModelConfig:
     attention_dropout: float = option(0.1, "dropout of the attention probabilities")
     init_method_std: float = option(0.02, "standard deviation of the weight initialisation")
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP")
-    recompute_granularity: str | None = option(None, "recompute activations in backward: full layers or "
-                                                     "the attention core (selective)",
+    recompute_granularity: str | None = option(None, "recompute full layers or the attention core (selective)",
                                                choices=RECOMPUTE_GRANULARITIES[1:], default_text="none")
     z_loss_weight: float = option(0.0, "PaLM's z-loss: adds w * logsumexp(logits)^2 per token (1e-4 is common)")
     fused_output_cross_entropy: bool = option(False, "output layer + loss in token chunks, never the full "

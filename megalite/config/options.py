@@ -15,19 +15,16 @@ class Option:
     """How one config field appears on the command line."""
 
     help: str
-    flags: tuple[str, ...] = ()  # () : "--" + the field name with dashes; more than one: aliases
+    flag: str | tuple[str, ...] = ()  # () : "--" + the field name with dashes; a tuple: aliases
     choices: tuple | None = None
     off_flag: str | None = None  # a second flag that sets a boolean field False
     inverted: bool = False  # the flag sets a boolean field False (`--disable-bias-linear`)
     default_text: str | None = None  # what --help says the default is, when the field default does not say it
 
 
-def option(default, help: str, *, flag: str | tuple[str, ...] = (), choices=None, off_flag: str | None = None,
-           inverted: bool = False, default_text: str | None = None):
-    """A dataclass field that is also a command-line flag."""
-    flags = (flag,) if isinstance(flag, str) else tuple(flag)
-    spec = Option(help, flags, tuple(choices) if choices is not None else None, off_flag, inverted, default_text)
-    return dataclasses.field(default=default, metadata={"option": spec})
+def option(default, help: str, **spec):
+    """A dataclass field that is also a command-line flag; `spec` holds Option's other fields."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **spec)})
 
 
 def derived(default, why: str):
@@ -43,7 +40,7 @@ def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
 def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
     """The flag(s) that set `field`: its own spelling(s), then the off flag if any."""
     spec: Option = field.metadata["option"]
-    flags = spec.flags or ("--" + field.name.replace("_", "-"),)
+    flags = (spec.flag,) if isinstance(spec.flag, str) else spec.flag or ("--" + field.name.replace("_", "-"),)
     return flags + ((spec.off_flag,) if spec.off_flag else ())
 
 

@@ -3,9 +3,7 @@
 from dataclasses import dataclass
 
 from megalite.config.options import derived, option
-from megalite.config.rules import (
-    DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings,
-)
+from megalite.config.rules import DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings
 from megalite.errors import UserError
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
