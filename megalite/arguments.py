@@ -1,19 +1,13 @@
-"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`).
-
-The parser is generated from the config dataclasses, one argument group per class; the few
-flags that are no config field are in `NON_FIELD_FLAGS`. Model flags override the `--model`
-preset's values. The vocabulary is the preset's (or NullTokenizer's) until the Trainer knows
-the tokenizer (`RunConfig.with_tokenizer_vocab`).
-"""
+"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
+parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS`. The vocabulary is the
+preset's (or NullTokenizer's) until the Trainer knows the tokenizer (`RunConfig.with_tokenizer_vocab`)."""
 
 import argparse
 import dataclasses
 import math
 
-from megalite.config import (
-    MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, RunConfig,
-    TrainConfig, model_config_from_preset, num_parameters,
-)
+from megalite.config import (MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+                             RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.options import Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
@@ -22,9 +16,9 @@ from megalite.run.tracking import with_wandb_defaults
 
 MODEL_GROUP = "model (defaults: the --model preset's values)"
 # The config classes on the command line, each one argument group, in --help order.
-GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"),
-          (DataConfig, "data"), (CheckpointConfig, "checkpoints"),
-          (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"), (ParallelConfig, "parallelism")]
+GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"), (DataConfig, "data"),
+          (CheckpointConfig, "checkpoints"), (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"),
+          (ParallelConfig, "parallelism")]
 
 # Flags that are not config fields: (group title, flags, argparse keywords), read by parse_args
 # and run_config_from_args.
@@ -82,8 +76,7 @@ def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict
     if kind is bool:
         group.add_argument(*own, action="store_const", const=not spec.inverted, help=text, **common)
         if spec.off_flag:
-            group.add_argument(spec.off_flag, action="store_const", const=False, help=f"turn {own[0]} off",
-                               **common)
+            group.add_argument(spec.off_flag, action="store_const", const=False, help=f"turn {own[0]} off", **common)
         return
     group.add_argument(*own, type=kind, choices=spec.choices, nargs="+" if is_list else None, help=text, **common)
 

@@ -1,11 +1,6 @@
-"""Layout-free, atomic, pickle-free checkpoints that resume a run exactly (docs/checkpoints.md).
-
-A tensor is stored as pieces, hyper-rectangles of the global tensor with their offsets, so any
-layout reads the slices it needs. pieces.py cuts tensors into pieces; format.py writes and reads
-the safetensors files and metadata.json; folder.py publishes, chooses and removes checkpoint
-folders; rng.py holds RNG states; saving.py and loading.py run a save and a load; checkpointer.py
-decides what a run loads and when it saves.
-"""
+"""Layout-free, atomic, pickle-free checkpoints that resume a run exactly. A tensor is stored as
+pieces, hyper-rectangles of the global tensor, so any layout reads the slices it needs; the format,
+the save protocol and each module's part are described in docs/checkpoints.md."""
 
 from megalite.checkpoint.checkpointer import Checkpointer
 from megalite.checkpoint.folder import (LATEST_FILE, STAGING_SUFFIX, checkpoint_dir, choose_checkpoint,

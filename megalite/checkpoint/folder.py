@@ -1,11 +1,8 @@
-"""The checkpoint folder protocol: atomic publishing, the latest file, choosing what to resume from,
-and removing old checkpoints.
+"""The checkpoint folder protocol: a save is staged in `iter_0000100.tmp-new/`, moved into place and
+only then named in `latest_checkpointed_iteration.txt`, each step fsynced, so a crash leaves the latest
+file naming a complete checkpoint. Also: choosing what to resume from, and removing old checkpoints."""
 
-Every rank writes into `iter_0000100.tmp-new/`; rank 0 moves it into place and only then replaces
-`latest_checkpointed_iteration.txt`, each step fsynced, so a crash at any point leaves the latest
-file naming a complete checkpoint. `*.tmp-*` leftovers are never loaded and the next save cleans them.
-"""
-
+import contextlib
 import os
 import shutil
 
@@ -94,10 +91,8 @@ def fsync_file(path: str) -> None:
 
 def fsync_dir(path: str) -> None:
     """Make renames and new entries in `path` durable (a no-op where directories cannot be fsynced)."""
-    try:
+    with contextlib.suppress(OSError):
         fsync_file(path)
-    except OSError:
-        pass
 
 
 def resolve_checkpoint(load: str, iteration: int | None = None) -> str:

@@ -1,10 +1,5 @@
-"""The checkpoint format: safetensors files of pieces, metadata.json, and reading them back.
-
-Each rank writes one safetensors file per section whose header says which piece of which global
-tensor each key holds; `index_pieces` merges the headers into metadata.json's index, and
-`CheckpointReader` reads any slice of any tensor from the pieces that cover it. Only safetensors
-and JSON are read: nothing is unpickled, so a checkpoint cannot run code.
-"""
+"""The checkpoint format: safetensors files whose headers place each piece, metadata.json's index of
+them, and `CheckpointReader`. Only safetensors and JSON are read, so a checkpoint cannot run code."""
 
 import contextlib
 import dataclasses

@@ -1,8 +1,5 @@
-"""Piece geometry: how a tensor a process holds is cut into pieces of the global tensor.
-
-Every layout describes what it holds in global coordinates, so any other layout finds the
-parts it needs: that is what makes checkpoints layout-free.
-"""
+"""Piece geometry: what a process holds, as pieces of global tensors, so that any other layout
+finds the parts it needs."""
 
 from dataclasses import dataclass
 

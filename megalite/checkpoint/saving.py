@@ -1,9 +1,6 @@
-"""Saving a checkpoint: every rank writes its pieces and RNG states, rank 0 publishes.
-
-A caller may run the steps (`begin_save`, `write_rank_files`, `finalize_save`) with its own
-barrier; `save_checkpoint` runs them all. A failed save raises `CheckpointSaveError` on every
-rank once rank 0 has removed the partial folder, so the previous checkpoint stays the latest.
-"""
+"""Saving a checkpoint: every rank writes its pieces and RNG states (`write_rank_files`), rank 0
+publishes (`finalize_save`). A failed save raises `CheckpointSaveError` on every rank once rank 0 has
+removed the partial folder, so the previous checkpoint stays the latest."""
 
 import dataclasses
 import os

@@ -18,8 +18,7 @@ class DataConfig:
     train_data_path: list[str] | None = option(None, "token file prefixes of the training split")
     valid_data_path: list[str] | None = option(None, "token file prefixes of the validation split")
     test_data_path: list[str] | None = option(None, "token file prefixes of the test split")
-    data_cache_path: str | None = option(None, "where the sample indices are cached",
-                                         default_text="beside the data")
+    data_cache_path: str | None = option(None, "where the sample indices are cached", default_text="beside the data")
     mock_data: bool = option(False, "deterministic synthetic tokens, no files")
     tokenizer_type: str | None = option(None, "the tokenizer", choices=TOKENIZER_TYPES,
                                         default_text="the built-in corpus's")

@@ -1,8 +1,5 @@
-"""ModelConfig: one model's shape, its fields named as Megatron-LM's arguments.
-
-`vocab_size` is the *padded* vocabulary the model holds; `tokenizer_vocab_size` is the
-tokenizer's, and the rows and logits in between are padding that never reaches the loss.
-"""
+"""ModelConfig, one model's shape with Megatron-LM's names. `vocab_size` is the *padded* vocabulary;
+the rows past `tokenizer_vocab_size` are padding that never reaches the loss."""
 
 import math
 from dataclasses import MISSING, dataclass, replace

@@ -1,8 +1,5 @@
 """One definition per option: `lr: float = option(1e-3, "peak learning rate")` declares the field
-`lr` and the flag `--lr` (type from the annotation, default from the field), from which
-megalite/arguments.py generates the parser. A field no flag sets is declared with `derived(...)`;
-tests/test_arguments.py fails when a field and the parser drift apart.
-"""
+`lr` and the flag `--lr` (type from the annotation); a field no flag sets is `derived(...)`."""
 
 import dataclasses
 import types

@@ -26,8 +26,7 @@ class ParallelConfig:
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
     distributed_backend: str | None = option(None, "collective backend", choices=("nccl", "gloo"),
                                              default_text="nccl with CUDA, else gloo")
-    distributed_timeout_minutes: float = option(10.0, "a collective that waits longer (a dead or hung rank) "
-                                                      "fails the run")
+    distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (a dead or hung rank) fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
 
     @property

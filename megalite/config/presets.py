@@ -61,9 +61,8 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
     if unknown:
         raise ValueError(f"unknown ModelConfig fields: {unknown}")
     values = {**MODEL_PRESETS[name], **overrides}
-    tokenizer_vocab = values.pop("vocab_size")
-    # Validated once the vocabulary is in: the padded size needs a sound --make-vocab-size-divisible-by.
-    unpadded = ModelConfig(**values, vocab_size=tokenizer_vocab)
+    # Validated once the vocabulary is padded, which needs a sound --make-vocab-size-divisible-by.
+    unpadded = ModelConfig(**values)
     if not isinstance(unpadded.make_vocab_size_divisible_by, int) or unpadded.make_vocab_size_divisible_by < 1:
         unpadded.validate()  # names --make-vocab-size-divisible-by
-    return with_tokenizer_vocab(unpadded, tokenizer_vocab, tensor_model_parallel_size)
+    return with_tokenizer_vocab(unpadded, values["vocab_size"], tensor_model_parallel_size)

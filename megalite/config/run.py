@@ -20,15 +20,13 @@ WANDB_MODES = ("online", "offline", "disabled")
 class CheckpointConfig:
     """Where checkpoints go and what a load restores."""
 
-    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, "
-                                                                      "else no checkpoints")
+    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, else none")
     load: str | None = option(None, "resume from the latest checkpoint in this folder",
                               default_text="--save when it holds one")
     save_interval: int | None = option(None, "save every this many iterations",
                                        default_text="only at the end (and on exit)")
-    keep_last_n_checkpoints: int | None = option(
-        None, "after each save, delete all but the newest N checkpoints (never the one resumed from)",
-        default_text="keep all")
+    keep_last_n_checkpoints: int | None = option(None, "after each save, delete all but the newest N checkpoints "
+                                                       "(never the one resumed from)", default_text="keep all")
     save_retain_interval: int | None = option(
         None, "with --keep-last-n-checkpoints: also keep checkpoints at multiples of this iteration")
     no_load_optim: bool = option(False, "on --load, leave the optimizer state behind")
@@ -61,8 +59,7 @@ class LoggingConfig:
 
     log_interval: int = option(10, "print a progress line every this many iterations")
     metrics_file: str | None = option(None, "JSONL metrics", default_text="<save>/metrics.jsonl with --save")
-    debug_pipeline_schedule: bool = option(False, "print each rank's sends, receives, forwards and backwards "
-                                                  "as they happen")
+    debug_pipeline_schedule: bool = option(False, "print each rank's sends, receives, forwards and backwards live")
     wandb_project: str | None = option(None, "track the run in this wandb project (wandb is off without it)")
     wandb_exp_name: str | None = option(None, "the wandb run name", default_text="model, layout and start time")
     wandb_entity: str | None = option(None, "wandb team or user", default_text="the account's default entity")

@@ -39,8 +39,7 @@ class TrainConfig:
                         default_text="on for GPUs with bf16 units, unless --fp16 or --fp32")
     bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU")
     fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling")
-    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the loss scale to start from",
-                                       default_text="2^32")
+    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the initial loss scale", default_text="2^32")
     min_loss_scale: float = option(1.0, "fp16: the scale never goes below")
     loss_scale_window: int = option(1000, "fp16: clean steps before the scale grows")
     hysteresis: int = option(2, "fp16: overflows tolerated before backing off")
