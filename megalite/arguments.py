@@ -166,9 +166,8 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
             raise UserError("--train-iters and --train-samples both given; pick one")
         batch = given.get("global_batch_size", TrainConfig.global_batch_size)
         if batch >= 1 and (args.train_samples < 1 or args.train_samples % batch):  # batch < 1: validate says
-            raise UserError(
-                f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
-                f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
+            raise UserError(f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
+                            f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
         given["train_iters"] = args.train_samples // max(batch, 1)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:

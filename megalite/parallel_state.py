@@ -32,9 +32,8 @@ def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
         if not isinstance(size, int) or size < 1:
             raise UserError(f"{flag} must be a positive integer, got {size!r}")
     if world_size < 1 or world_size % (tp * pp):
-        raise UserError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-            f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
+        raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
+                        f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
     return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
 
 

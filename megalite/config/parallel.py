@@ -42,9 +42,8 @@ class ParallelConfig:
             if size is not None and size < 1:
                 raise UserError(f"{flag} must be at least 1, got {size}")
         if self.world_size % (tp * pp):
-            raise UserError(
-                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-                f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
+            raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
+                            f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
         if not self.distributed_timeout_minutes > 0:
             raise UserError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.num_layers_per_virtual_pipeline_stage is not None \
