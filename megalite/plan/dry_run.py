@@ -1,13 +1,9 @@
 """`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, with no process,
 GPU or data (docs/memory.md).
 
-The flags go through every check a real run makes. Then each pipeline rank's model chunks are built on
-the meta device with placeholder process groups, and the fp32 grad buffer is laid out over them as the
-optimizer lays it out, so its buckets, padding and shards are the real ones; megalite/plan/memory.py
-turns them into bytes. One build per pipeline rank serves all of its TP ranks (every TP split is even),
-and DP ranks differ only in their optimizer shard. Ranks with the same figures form one class.
---world-size defaults to TP x PP. The vocabulary comes from NullTokenizer's --vocab-size, the built-in
-corpus, a --tokenizer-model on this machine, or else the --model preset; the report says which.
+Each pipeline rank's model chunks are built on the meta device, and the grad buffer is laid out over them
+as the optimizer lays it out, so its buckets, padding and shards are the real ones. One build serves all
+TP ranks of a pipeline rank (every TP split is even); DP ranks differ only in their optimizer shard.
 """
 
 import dataclasses
@@ -30,17 +26,12 @@ from megalite.pipeline_parallel.stages import build_model_chunks, chunk_layers
 GIB = 2 ** 30
 
 
-class PlaceholderGroup:
-    """Stands where a process group would be: the layers ask for one when TP > 1, but a dry run never
-    communicates."""
-
-
 def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
     pipelines = group_ranks(world_size, tp, pp)
     embedding = pipelines["embedding"][next(i for i, ranks in enumerate(pipelines["pp"]) if rank in ranks)]
-    group = PlaceholderGroup()
+    group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
                          pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
                          dp_rank=dp_rank, dp_group=group, mp_group=group,
@@ -97,7 +88,6 @@ class DryRunReport:
     run: RunConfig
     tokenizer_vocab: int
     vocab_source: str
-    num_microbatches: int
     model_flops: float  # per iteration, recomputation not counted (what MFU divides)
     hardware_flops: float  # per iteration, recomputation counted
     classes: list[RankClass]
@@ -148,7 +138,7 @@ def plan(run: RunConfig) -> DryRunReport:
     classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
     for cls in classes:
         cls.ranks.sort()
-    return DryRunReport(run, vocab, source, num_microbatches,
+    return DryRunReport(run, vocab, source,
                         flops_per_iteration(model, train.global_batch_size, model.seq_length),
                         flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True),
                         classes, time.perf_counter() - start)
@@ -189,7 +179,7 @@ def format_report(report: DryRunReport) -> str:
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
-        f"{report.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
+        f"{run.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
         f"recompute: {model.recompute_granularity or 'none'}",
         f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
         f"{report.hardware_flops:.3e} with recomputation",

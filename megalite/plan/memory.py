@@ -1,9 +1,6 @@
-"""Bytes per rank in closed form, for `--dry-run` (megalite/plan/dry_run.py) and tools/bench/memory.py.
-
-Parameters, gradients and optimizer state are exact to the byte; activations are an estimate of what
-autograd keeps between a micro-batch's forward and its backward on the GPU code path (flash attention,
-the fused kernels). docs/memory.md derives every figure; tools/bench/memory.py checks the state against
-live tensors and tests/plan/test_dry_run.py all of them against a real TP x DP run.
+"""Bytes per rank in closed form (docs/memory.md derives each): parameters, gradients and optimizer state
+exactly, and an estimate of the activations autograd keeps on the GPU code path (flash attention, the fused
+kernels). Used by `--dry-run` and tools/bench/memory.py, which checks them against live tensors.
 """
 
 import torch
@@ -25,13 +22,9 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int) -> dict[str, int]:
-    """{"grads", "optimizer"} bytes of the rank that owns shard `shard` of `shards` of every bucket of
-    `buffer`, a GradBuffer (shards: DP under the distributed optimizer, else 1).
-
-    grads: the fp32 buffer, each bucket padded to a multiple of `shards` (recomputed here, not read).
-    optimizer: for every element the rank updates, Adam's moments and, for a bf16/fp16 model, an fp32
-    main param; plus a step counter per parameter, or per piece of one inside the shard.
-    """
+    """{"grads", "optimizer"} bytes of the rank that owns shard `shard` of `shards` (DP under the distributed
+    optimizer, else 1) of every bucket of `buffer`, a GradBuffer. The buffer pads each bucket to a multiple
+    of `shards`; the optimizer keeps a step counter per parameter, or per piece of one inside the shard."""
     grad_elements = elements = pieces = 0
     for bucket in buffer.buckets:
         grad_elements += -(-sum(param.numel() for param in bucket.params) // shards) * shards
@@ -48,12 +41,8 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int) -> d
 
 
 class ActivationModel:
-    """Bytes one TP rank keeps per micro-batch in flight, for `config` at `micro_batch_size`.
-
-    element_size: bytes of an activation (the params' dtype). Notation of docs/memory.md: s sequence,
-    b micro-batch, h hidden, a heads, g key/value groups, d head size, f FFN size, t TP, V padded
-    vocabulary, e element_size.
-    """
+    """Bytes one TP rank keeps per micro-batch in flight, for `config` at `micro_batch_size`;
+    element_size: bytes of an activation (the params' dtype)."""
 
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                  element_size: int = 2):
@@ -133,12 +122,9 @@ def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool,
 
 
 def peak_activation_bytes(ops, chunk_bytes: list[int], backward_working_bytes: int = 0) -> int:
-    """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order).
-
-    Each forward `F(chunk, mb)` adds `chunk_bytes[chunk]` until its backward. With full
-    recomputation a backward first rebuilds one layer's activations:
-    `backward_working_bytes` held on top for the duration of the backward.
-    """
+    """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order): each
+    forward holds `chunk_bytes[chunk]` until its backward, which holds `backward_working_bytes` on top
+    (with full recomputation, the one layer it rebuilds)."""
     live = peak = 0
     for op in ops:
         if op.kind == "F":

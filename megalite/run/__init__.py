@@ -1,6 +1,4 @@
-"""A training run: the loop (training.py) and what surrounds it, one concern per module: the run's data,
-the LR schedule, resilience (signals, dead peers, divergence), FLOPs and peaks, the metrics file, the log
-lines, tracking (wandb, TensorBoard) and generation.
+"""A training run: the loop (training.py) and what surrounds it, one concern per module.
 
 The entry points below are imported on first use, so that a module of this package (the command line
 reads tracking's wandb defaults) can be imported without the training loop.

@@ -1,7 +1,5 @@
-"""The two halves of MFU: the model FLOPs of one iteration, from an explicit formula (docs/flops.md works
-it through for llama2-7b), and the dense peak FLOP/s of one device in the run's dtype: a table of GPU
-datasheet values, or a matmul measured on a CPU. An unknown GPU gets no peak, and MFU "unknown": never guessed.
-"""
+"""The two halves of MFU (docs/flops.md): the model FLOPs of one iteration, and the dense peak FLOP/s of one
+device in the run's dtype, from GPU datasheets or measured on a CPU; an unknown GPU's MFU is "unknown"."""
 
 import re
 import time
@@ -14,13 +12,8 @@ from megalite.config import ModelConfig
 
 def forward_flops_per_token(config: ModelConfig, seq_length: int) -> tuple[float, float, float]:
     """Forward FLOPs per token: (layer matmuls, causal attention, output layer), summed over layers.
-
-    One multiply-add is 2 FLOPs. Per layer, with h hidden, a heads, g query groups, d head dim,
-    f ffn hidden, s seq_length: QKV 2·h·(a + 2g)·d, attention output 2·a·d·h, MLP fc1 2·h·f (x2 for
-    SwiGLU) and fc2 2·f·h, attention scores and values 2·2·s·a·d halved by the causal mask. Output
-    layer: 2·h·V, V the padded vocabulary. Norms, activations, softmax, rotary and the embedding
-    lookup are no matmuls and are left out, as in Megatron's and PaLM's counts.
-    """
+    A multiply-add is 2 FLOPs; only matmuls count (no norms, activations, softmax, rotary or embedding
+    lookup), as in Megatron's and PaLM's counts; the output layer covers the padded vocabulary."""
     hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads,
                                        config.query_groups, config.head_dim)
     ffn = config.ffn_hidden_size
@@ -37,12 +30,8 @@ def forward_flops_per_token(config: ModelConfig, seq_length: int) -> tuple[float
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int,
                         include_recompute: bool = False) -> float:
     """Model FLOPs of one training iteration over `global_batch_size` x `seq_length` tokens: 3 x forward
-    (the backward computes the gradients of both the inputs and the weights).
-
-    MFU leaves recomputation out: it is work the hardware does, not work the model needs.
-    `include_recompute` gives hardware FLOPs instead: full recomputation adds one more forward of the
-    layers, selective one more of the attention scores and values.
-    """
+    (the backward takes the gradients of both inputs and weights). Recomputation is work the hardware does,
+    not work the model needs: only `include_recompute` (hardware FLOPs) counts it."""
     layer_matmuls, attention, logits = forward_flops_per_token(config, seq_length)
     per_token = 3 * (layer_matmuls + attention + logits)
     if include_recompute and config.recompute_granularity == "full":
@@ -54,12 +43,8 @@ def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length:
 
 @dataclass(frozen=True)
 class GpuPeak:
-    """Dense (no sparsity) peak TFLOP/s of one GPU model; None where it has no such unit.
-
-    words: whole words that must all appear in `torch.cuda.get_device_name()` (case-insensitive, split
-    on spaces, hyphens and underscores); unless: words that must not. fp32 is the plain
-    (non-tensor-core) rate; tf32 applies to fp32 matmuls when TF32 is on.
-    """
+    """Dense (no sparsity) peak TFLOP/s of one GPU model, None without such a unit; fp32 is the plain
+    (non-tensor-core) rate. words: whole words all in `torch.cuda.get_device_name()`; unless: none of these."""
 
     words: tuple[str, ...]
     bf16: float | None
@@ -155,12 +140,9 @@ def measure_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seco
 
 def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
                cpu_seconds: float = 0.5) -> tuple[float | None, str]:
-    """(peak FLOP/s of one device in `dtype`, or None, and a sentence saying where it comes from).
-
-    CUDA: the GPU_PEAKS entry of the device's name. CPU: no datasheet describes "this many cores of
-    this machine", so a matmul on the current thread count stands in, measured here (about
-    `cpu_seconds`) in `dtype` and, for bf16/fp16, in fp32 too, keeping the faster.
-    """
+    """(peak FLOP/s of one device in `dtype`, or None, and a sentence saying where it comes from). No
+    datasheet describes "this many cores of this machine", so on a CPU a matmul on the current thread
+    count is measured instead, in `dtype` and for bf16/fp16 in fp32 too, keeping the faster."""
     device = torch.device(device)
     if device.type == "cuda":
         return gpu_peak_flops(torch.cuda.get_device_name(device), dtype, tf32=cuda_tf32_enabled())

@@ -57,7 +57,7 @@ class TrainingLogger:
         None is the last torch.distributed rank, which holds the loss under pipeline parallelism.
         start_iteration: a resumed run's; the metrics file's lines past it are dropped. progress_bar: None
         shows one when stdout is a terminal that the lines go to. peak: (FLOP/s or None, source) instead
-        of `peak_flops(device, dtype)`. print_fn: where lines go (None or `print`: stdout)."""
+        of `peak_flops(device, dtype)`. print_fn: where lines go (None: stdout, above the progress bar)."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world_size = torch.distributed.get_world_size() if distributed else 1
         if is_logging_rank is None:
@@ -68,7 +68,7 @@ class TrainingLogger:
         self.device, self.dtype = torch.device(device), dtype
         self.num_devices = num_devices or world_size
         self.is_logging_rank = is_logging_rank
-        self._print_fn = None if print_fn is print else print_fn
+        self._print_fn = print_fn
         self._interval = _Interval()
         self._sinks: list[Callable[[dict], None]] = []
         self._metrics = self._bar = None
@@ -126,14 +126,10 @@ class TrainingLogger:
                       lm_loss: float | None, loss_scale: float | None = 1.0, grad_norm: float | None = None,
                       *, skipped: bool = False, global_batch_size: int | None = None,
                       force: bool = False) -> dict | None:
-        """Record one finished iteration (1-based, as Megatron counts); print and write a line of averages
-        since the last one when `iteration % log_interval == 0`, at `train_iters`, or when `force`.
-
-        elapsed_s: this iteration's wall time. lm_loss: its mean loss over the global batch's tokens.
-        skipped: the optimizer skipped the step (fp16 overflow): its loss stays out of the average, its
-        time and tokens count. global_batch_size: this iteration's, under batch-size ramp-up. Returns
-        the metrics record when a line was written, else None.
-        """
+        """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations, at
+        `train_iters` or when `force`, print and write a line of averages since the last one and return its
+        record (else None). A `skipped` step's loss (fp16 overflow) stays out of the average; its time and
+        tokens count. global_batch_size: this iteration's, under batch-size ramp-up."""
         if not self.is_logging_rank:
             return None
         global_batch_size = global_batch_size or self.global_batch_size

@@ -64,12 +64,9 @@ class LRSchedule:
                     wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters)
 
     def load_state_dict(self, state: dict, override: bool = False, use_checkpoint: bool = False) -> None:
-        """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does.
-
-        Equal settings: nothing changes. Differing settings: `override` keeps this run's,
-        `use_checkpoint` adopts the checkpoint's (validated), neither raises a UserError
-        naming every differing setting. The WSD settings count only when either side is WSD.
-        """
+        """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does: where they differ,
+        `override` keeps this run's, `use_checkpoint` adopts the checkpoint's, and neither raises a UserError
+        naming every differing setting. The WSD settings count only when either side is WSD."""
         if override and use_checkpoint:
             raise UserError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
                             "contradict each other; pass at most one of them")

@@ -1,9 +1,5 @@
-"""The metrics file: one JSON object per line, a training record per log line and one per evaluation.
-
-Values are strict JSON (NaN and inf are written as null), so jq and pandas read every line.
-`MetricsFile` writes one for a run; `read_metrics_records` reads one back (tools/plot_metrics.py,
-tools/loss_compare.py).
-"""
+"""The metrics file: one JSON record per log line and per evaluation, in strict JSON (NaN and inf written as
+null) so that jq and pandas read every line. `MetricsFile` writes one, `read_metrics_records` reads it back."""
 
 import json
 import math

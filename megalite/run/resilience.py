@@ -18,12 +18,9 @@ import torch
 
 from megalite.errors import UserError
 
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
 
 class RunSignals:
     """The one owner of SIGTERM and SIGINT for a run (or, under `hold_signals_until_exit`, the process).
-
     The handler records the first signal. With `save_and_exit` (--exit-signal-handler) the loop agrees on
     it across ranks at its next boundary and saves; a second SIGINT raises KeyboardInterrupt. Without, the
     signal ends the run at once as SystemExit(128 + signum) (KeyboardInterrupt for SIGINT), so the loop's
@@ -39,7 +36,7 @@ class RunSignals:
 
     def install(self) -> "RunSignals":
         if threading.current_thread() is threading.main_thread() and not self._previous:
-            for signum in EXIT_SIGNALS:
+            for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -81,8 +78,8 @@ _owner: RunSignals | None = None  # the owner installed in this process, if any
 
 
 def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
-    """The process's signal owner, installed now and never given back: a signal at any later
-    moment, down to the interpreter's exit, is handled as `RunSignals` says (pretrain_gpt.py)."""
+    """The process's signal owner, installed now and never given back, so that a signal down to the
+    interpreter's exit is handled as `RunSignals` says (pretrain_gpt.py)."""
     global _owner
     if _owner is None:
         _owner = RunSignals(save_and_exit).install()
@@ -112,17 +109,13 @@ def deferred_signals():
     return _owner.deferred() if _owner is not None else contextlib.nullcontext()
 
 
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
-
-
 def exit_reason(train, iteration: int, stop_signal: int, overtime: bool) -> str | None:
     """Why the loop should stop after `iteration` (iterations completed), or None to go on.
     train: the TrainConfig; stop_signal, overtime: `Trainer.agreed_stop`'s answer, the same on every rank."""
     if iteration >= train.train_iters:
         return "finished"
     if stop_signal:
-        return signal_name(stop_signal)
+        return signal.Signals(stop_signal).name
     if train.exit_interval and iteration % train.exit_interval == 0:
         return f"--exit-interval {train.exit_interval}"
     if overtime:
@@ -149,7 +142,7 @@ class PeerWatch:
             self.peers = [None] * parallel.world_size
             torch.distributed.all_gather_object(self.peers, (self.host, os.getpid()))
 
-    def peer_states(self, wait: float = 0.0) -> dict[int, str]:
+    def peer_states(self, wait: float) -> dict[int, str]:
         """{rank: "died" | "is suspended"} for the ranks on this host whose process cannot answer,
         checked for up to `wait` seconds: a killed process closes its sockets before it is gone."""
         deadline = time.monotonic() + wait
@@ -243,9 +236,8 @@ class SkippedSteps:
 
 
 class LossSpikeDetector:
-    """Flags an iteration whose loss exceeds `threshold` x the median of the previous `window` losses
-    (the median, so that one spike does not raise the bar for the next). Judges once it holds
-    `window // 2` finite losses; threshold 0 turns it off."""
+    """Flags a loss above `threshold` x the median of the previous `window` finite losses (the median, so
+    one spike does not raise the bar for the next), from `window // 2` losses on; threshold 0 is off."""
 
     def __init__(self, threshold: float, window: int = 20):
         self.threshold, self.window = threshold, window

@@ -1,17 +1,16 @@
 """The training loop: `pretrain(run)` builds a run's data, model, optimizer and checkpoint, then iterates.
 
-One iteration is one global batch: its micro-batches run forward and backward, gradients accumulate in
-fp32 (megalite/data_parallel/grad_buffer.py) and the optimizer steps once. The loss is the mean over
-every unmasked token of the global batch, so the number of micro-batches changes no arithmetic. Every
-early stop (--exit-interval, --exit-duration-in-mins, SIGTERM or SIGINT on any rank) happens at an
-iteration boundary all ranks agree on, saves when --save is set and returns normally, so the same
-command resumes the run. Stopping and faults: megalite/run/resilience.py and docs/reliability.md.
+An iteration is one global batch: its micro-batches run forward and backward, gradients accumulate in fp32
+and the optimizer steps once. The loss is the mean over every unmasked token of the global batch, so the
+number of micro-batches changes no arithmetic. Every early stop happens at an iteration boundary all ranks
+agree on, saves when --save is set and returns normally, so the same command resumes (docs/reliability.md).
 """
 
 import dataclasses
 import math
 import os
 import random
+import signal
 import time
 from dataclasses import dataclass, field
 
@@ -19,11 +18,9 @@ import numpy as np
 import torch
 
 from megalite import cpu, parallel_state
-from megalite.checkpoint import Checkpointer
-from megalite.checkpoint.checkpointer import json_able
+from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig
-from megalite.data import build_data_loader
-from megalite.data.loader import next_global_batch
+from megalite.data.loader import build_data_loader, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
@@ -36,7 +33,7 @@ from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
 from megalite.run.data import build_datasets, resolve_data
 from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, check_token_dtypes, checked_token_ids,
-                                     divergence_message, exit_reason, is_collective_failure, owned_signals, signal_name)
+                                     divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.options import apply_options
@@ -93,11 +90,9 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
                      log=None) -> float:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank; with `optimizer`, backward too.
-
     model: a GPTModel, or this pipeline rank's ModelChunks. micro_batches: dicts of [b, s] tensors, this DP
-    rank's part of the global batch. Each micro-batch's loss is divided by the token count of the whole
-    global batch, so the gradients summed over DP are those of the global mean.
-    """
+    rank's part of the global batch; each one's loss is divided by the token count of the whole global batch,
+    so the gradients summed over DP are those of the global mean."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     device = next(chunks[0].parameters()).device
     total_tokens = global_token_count(micro_batches, parallel, device)
@@ -198,9 +193,7 @@ class Trainer:
         resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule)
         if resumed is None:
             return
-        self.state.iteration = resumed.iteration
-        self.state.consumed_train_samples = resumed.consumed_train_samples
-        self.state.consumed_valid_samples = resumed.consumed_valid_samples
+        self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
         self.evaluation_pending = resumed.evaluation_pending
         # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
         # the run saves and reports says what it runs on (build_lr_schedule's inverse).
@@ -323,7 +316,7 @@ class Trainer:
             if saved_at != state.iteration:
                 self.save()
             if self.agreed_stop()[0]:  # a signal up to the last save: say that it was heard
-                reason = signal_name(self.stop_signal)
+                reason = signal.Signals(self.stop_signal).name
             state.exit_reason = reason
             if reason != "finished":
                 self.log(f"exiting at iteration {state.iteration}: {reason}")
@@ -339,6 +332,7 @@ class Trainer:
             self.logger.close()
             parallel_state.destroy(self.parallel)
         return state
+
 
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
