@@ -114,9 +114,8 @@ def plan(run: RunConfig) -> DryRunReport:
     for pp_rank in range(pp):
         state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel)
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
-        # The optimizer's grad buffer, laid out as MixedPrecisionOptimizer lays it out (building the
-        # optimizer itself would import torch's compiler, seconds for nothing; tests/plan/test_dry_run.py
-        # checks the two agree against a live run).
+        # The grad buffer as MixedPrecisionOptimizer lays it out: building the optimizer itself would import
+        # torch's compiler, seconds for nothing (tests/plan/test_dry_run.py checks the two agree).
         buffer = GradBuffer([[param for param in chunk.parameters() if param.requires_grad] for chunk in chunks],
                             bucket_size=layout.ddp_bucket_size, shard_count=shards)
         params = sum(param.numel() for param in chunks.parameters())

@@ -67,15 +67,13 @@ GPU_PEAKS: tuple[GpuPeak, ...] = (
     GpuPeak(("H200", "NVL"), 835.5, 835.5, 417.5, 60.0, "NVIDIA H200 NVL datasheet"),
     GpuPeak(("H200",), 989.5, 989.5, 494.5, 67.0, "NVIDIA H200 SXM datasheet"),
     GpuPeak(("A100",), 312.0, 312.0, 156.0, 19.5, "NVIDIA A100 datasheet"),  # SXM and PCIe alike
-    # AWS g5 instances: 80 SMs with half-rate FP32-accumulate tensor cores, unlike the A10.
-    GpuPeak(("A10G",), 70.0, 70.0, 35.0, 35.0, "AWS A10G specification"),
+    GpuPeak(("A10G",), 70.0, 70.0, 35.0, 35.0, "AWS A10G specification"),  # half-rate FP32-accumulate tensor cores
     GpuPeak(("A10",), 125.0, 125.0, 62.5, 31.2, "NVIDIA A10 datasheet"),
     GpuPeak(("L40S",), 362.05, 362.05, 183.0, 91.6, "NVIDIA L40S datasheet"),
     GpuPeak(("L40",), 181.05, 181.05, 90.5, 90.5, "NVIDIA L40 datasheet"),
     GpuPeak(("L4",), 121.0, 121.0, 60.0, 30.3, "NVIDIA L4 datasheet"),
     # BF16/FP16 with FP32 accumulate (what PyTorch uses); the 4090 D is a smaller chip.
-    GpuPeak(("RTX", "4090"), 165.2, 165.2, 82.6, 82.6, "NVIDIA Ada Lovelace whitepaper",
-            unless=("D",)),
+    GpuPeak(("RTX", "4090"), 165.2, 165.2, 82.6, 82.6, "NVIDIA Ada Lovelace whitepaper", unless=("D",)),
     # Volta has FP16 tensor cores only: no BF16 or TF32 units.
     GpuPeak(("V100", "SXM2"), None, 125.0, None, 15.7, "NVIDIA V100 datasheet"),
     GpuPeak(("V100", "PCIE"), None, 112.0, None, 14.0, "NVIDIA V100 datasheet"),

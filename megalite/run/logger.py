@@ -92,8 +92,7 @@ class TrainingLogger:
 
     def add_sink(self, sink: Callable[[dict], None]) -> None:
         """Send every later metrics record (training and evaluation) to `sink(record)` too."""
-        if self.is_logging_rank:
-            self._sinks.append(sink)
+        self._sinks.append(sink)  # records are made on the logging rank only
 
     def _emit(self, record: dict) -> None:
         for sink in self._sinks:

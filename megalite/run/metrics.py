@@ -11,10 +11,7 @@ from megalite.errors import UserError
 
 def finite_or_none(value):
     """NaN and inf become None, so every metrics line is strict JSON (jq, pandas)."""
-    if value is None:
-        return None
-    value = float(value)
-    return value if math.isfinite(value) else None
+    return None if value is None or not math.isfinite(value) else float(value)
 
 
 def read_metrics_records(path: str) -> list[dict]:

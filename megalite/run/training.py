@@ -57,15 +57,6 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def seed_everything(seed: int, parallel) -> None:
-    """Python, numpy and torch RNGs: the same on every TP rank (dropout outside TP regions must
-    match), offset per pipeline stage as Megatron does; the TP-region RNG differs per TP rank."""
-    stage_seed = seed + 100 * parallel.pp_rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
-    model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
-
-
 def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrecisionOptimizer:
     """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the
     distributed one with --use-distributed-optimizer; fp16 gets a dynamic loss scaler."""
@@ -125,7 +116,11 @@ class Trainer:
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
-        seed_everything(train.seed, self.parallel)
+        # Python, numpy and torch RNGs alike on every TP rank (dropout outside TP regions must match), offset
+        # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
+        random.seed(train.seed + 100 * self.parallel.pp_rank)
+        np.random.seed(train.seed + 100 * self.parallel.pp_rank)
+        model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         set_kernels(train.kernels)
         run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
@@ -166,9 +161,8 @@ class Trainer:
                                      start_iteration=self.state.iteration,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
-            # Above the progress bar. Handed over, not looked up through the Trainer: a closure over the
-            # Trainer is a reference cycle that keeps its process groups alive until interpreter exit,
-            # where gloo ranks then aborted ("terminate called without an active exception").
+            # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
+            # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
             self.log = self.checkpointer.log = self.logger.print
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
