@@ -49,6 +49,5 @@ def _blocked(attention: nn.Module, sdpa):
         dropout = attention.attention_dropout if attention.training else 0.0
         if not use_blocked_attention(q, dropout):
             return sdpa(q, k, v)
-        s, b = q.shape[:2]
-        return causal_attention(q, k, v).reshape(s, b, -1)
+        return causal_attention(q, k, v).flatten(2)  # [s, b, heads * d]
     return core_attention

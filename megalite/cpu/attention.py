@@ -109,9 +109,8 @@ def _attention_forward_fake(q, k, v, keep_probs):
     return q.new_empty(q.shape), probs if keep_probs else []
 
 
-def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, probs: list[torch.Tensor]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq `[s, b, heads, d]`, dk and dv `[b * groups, s, d]`) from the forward's output and P."""
     s, b, heads, d = q.shape
     groups = k.shape[2]

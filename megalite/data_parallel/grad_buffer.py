@@ -62,8 +62,7 @@ class GradBuffer:
             param.main_grad = self.data[offset:offset + numel].view(param.shape)
             self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
 
-    def _lay_out_chunk(self, params: list[nn.Parameter], start: int, bucket_size: int | None,
-                       shard_count: int) -> int:
+    def _lay_out_chunk(self, params: list[nn.Parameter], start: int, bucket_size: int | None, shard_count: int) -> int:
         """Place `params` from `start` in buckets; returns the end of the chunk's range."""
         bucket = Bucket(start, start)
         for i, param in enumerate(params):

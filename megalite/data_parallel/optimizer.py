@@ -297,9 +297,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
     def _all_gather_bucket(self, bucket) -> None:
         """Every DP rank's shard of `bucket`'s params, gathered into every rank's params."""
-        buffer, dtype = self.grad_buffer, bucket.params[0].dtype
-        device = buffer.data.device
-        full = torch.zeros(bucket.end - bucket.start, dtype=dtype, device=device)
+        buffer = self.grad_buffer
+        full = torch.zeros(bucket.end - bucket.start, dtype=bucket.params[0].dtype, device=buffer.data.device)
         for param in bucket.params:
             start, numel = buffer.offsets[param]
             full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))

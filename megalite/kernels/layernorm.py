@@ -24,8 +24,7 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-                        BLOCK: tl.constexpr):
+    def _forward_kernel(x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -88,8 +87,7 @@ class _LayerNorm(torch.autograd.Function):
         dy2 = dy.reshape(rows, hidden).contiguous()
         dx = torch.empty_like(x2)
         programs = backward_programs(rows, x2.device)
-        dweight = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)
-        dbias = torch.empty_like(dweight)
+        dweight, dbias = (torch.empty((programs, hidden), dtype=torch.float32, device=x2.device) for _ in range(2))
         _backward_kernel[(programs,)](dy2, x2, weight.contiguous(), mean, rstd, dx, dweight, dbias, rows, hidden,
                                       triton.cdiv(rows, programs), BLOCK=triton.next_power_of_2(hidden))
         return dx.view(ctx.shape), dweight.sum(0).to(weight.dtype), dbias.sum(0).to(ctx.bias_dtype), None

@@ -84,9 +84,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     labels: `[...]`, ids or `ignore_index`; returns losses shaped like labels.
     chunk_elements: logits per chunk (forward: whole rows; backward: whole columns).
     """
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
     vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
-    losses = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, vocab, z_loss_weight, ignore_index,
-                                       chunk_elements)
+    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), vocab,
+                                       z_loss_weight, ignore_index, chunk_elements)
     return losses.view(labels.shape)

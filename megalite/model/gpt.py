@@ -26,9 +26,9 @@ class Embedding(nn.Module):
     def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, with_positions: bool = True):
         super().__init__()
         self.config, self.parallel = config, parallel
-        self.word_embeddings = VocabParallelEmbedding(config.vocab_size, config.hidden_size,
-                                                      init_std=config.init_method_std,
-                                                      real_num_embeddings=config.real_vocab_size, parallel=parallel)
+        self.word_embeddings = VocabParallelEmbedding(
+            config.vocab_size, config.hidden_size, init_std=config.init_method_std,
+            real_num_embeddings=config.real_vocab_size, parallel=parallel)
         self.position_embeddings = None
         if with_positions and config.position_embedding_type == "learned_absolute":
             self.position_embeddings = mark_parameter(
@@ -139,6 +139,5 @@ def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype
     drawn on the CPU in fp32, then copied and cast, so a GPU model starts from exactly the CPU model."""
     # Built directly on the device: Module.to_empty would drop the parameters' TP attributes.
     with torch.device(device):
-        model = GPTModel(config, seed, layer_ids=layer_ids, pre_process=pre_process,
-                         post_process=post_process, parallel=parallel)
+        model = GPTModel(config, seed, layer_ids, pre_process, post_process, parallel)
     return model.to(dtype)

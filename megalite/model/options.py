@@ -23,8 +23,7 @@ def apply_options(model: nn.Module, *, recompute_granularity: str | None = None,
         if recompute_granularity == "full":
             layer.forward = _recomputed(layer.forward)
         elif recompute_granularity == "selective":
-            attention = layer.self_attention
-            attention.core_attention = _recomputed(attention.core_attention)
+            layer.self_attention.core_attention = _recomputed(layer.self_attention.core_attention)
         if compile:
             layer.compile()
     if compile and model.final_layernorm is not None:

@@ -82,14 +82,13 @@ class Attention(nn.Module):
     def core_attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """Causal softmax(q k^T / sqrt(d)) v: q [s, b, heads, d], k/v [s, b, groups, d] -> context
         [s, b, heads * d]. Query head i attends with key/value head i // (heads / groups)."""
-        s, b = q.shape[:2]
         dropout = self.attention_dropout if self.training else 0.0
         q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))  # [b, n, s, d], SDPA's layout
         # Each TP rank holds other heads, so their dropout masks come from the per-rank RNG.
         with model_parallel_rng_tracker.fork() if dropout and self.tp_size > 1 else contextlib.nullcontext():
             context = F.scaled_dot_product_attention(q, k, v, is_causal=True, dropout_p=dropout,
                                                      enable_gqa=self.num_groups != self.num_heads)
-        return context.permute(2, 0, 1, 3).reshape(s, b, self.num_heads * self.head_dim)
+        return context.permute(2, 0, 1, 3).flatten(2)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None) -> torch.Tensor:
         qkv = self.linear_qkv(hidden)  # [s, b, qkv/tp]: under SP the full sequence, gathered by the layer

@@ -31,17 +31,14 @@ class PipelineComm:
     """Batched send/receive of `shape` (`[s or s/tp, micro_batch, hidden]`) tensors over the pipeline group."""
 
     def __init__(self, parallel, shape: tuple[int, ...], dtype: torch.dtype):
-        self.parallel, self.shape, self.dtype = parallel, tuple(shape), dtype
-        self.device = parallel.device
+        self.parallel, self.shape, self.dtype, self.device = parallel, tuple(shape), dtype, parallel.device
         # NCCL creates a communicator lazily on its first call, which must involve every rank
         # of the group; one collective over the pipeline group does that here.
         dist.barrier(group=parallel.pp_group)
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> dict:
-        """Send each `(message, tensor)` and receive each message; {message: received tensor}.
-        Blocks until the whole batch has completed, so send tensors may be reused after."""
-        if not sends and not recvs:
-            return {}
+        """Send each `(message, tensor)` and receive each message (at least one of either); {message: received
+        tensor}. Blocks until the whole batch has completed, so send tensors may be reused after."""
         received = {message: torch.empty(self.shape, dtype=self.dtype, device=self.device) for message in recvs}
         group = self.parallel.pp_group
         ops = [dist.P2POp(dist.isend, tensor.contiguous(), self.parallel.stage_rank(message.dst), group)

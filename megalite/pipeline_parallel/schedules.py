@@ -141,8 +141,7 @@ class ScheduleRunner:
     scale_loss: the optimizer's loss scaling; None runs forward only.
     """
 
-    def __init__(self, chunks, micro_batches, total_tokens: float, comm=None, scale_loss=None,
-                 log=None, rank: int = 0):
+    def __init__(self, chunks, micro_batches, total_tokens: float, comm=None, scale_loss=None, log=None, rank: int = 0):
         self.chunks, self.micro_batches, self.total_tokens = chunks, micro_batches, total_tokens
         self.comm, self.scale_loss, self.log, self.rank = comm, scale_loss, log, rank
         self.pp, self.pp_rank = (comm.parallel.pp_size, comm.parallel.pp_rank) if comm is not None else (1, 0)
@@ -169,15 +168,12 @@ class ScheduleRunner:
         received = self.comm.exchange(sends, list(step.recvs)) if sends or step.recvs else {}  # comm: None at P = 1
         for message, _ in sends:
             self._trace(f"sent {message}")
-        for message, tensor in received.items():
-            if message.kind == "activation":
-                tensor.requires_grad_(self.scale_loss is not None)
-            self.received[message] = tensor
+        self.received.update(received)
 
     def _forward(self, op: Op) -> None:
         chunk, mb = self.chunks[op.chunk], self.micro_batches[op.microbatch]
         recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)
-        hidden = self.received.pop(recv) if not chunk.pre_process else None
+        hidden = self.received.pop(recv).requires_grad_(self.scale_loss is not None) if not chunk.pre_process else None
         labels = mb["labels"] if chunk.post_process else None
         output = chunk(mb["tokens"], mb["position_ids"], labels, mb["loss_mask"] if labels is not None else None,
                        hidden_states=hidden)

@@ -31,10 +31,7 @@ class ModelChunks(nn.ModuleList):
             yield from chunk.named_parameters(prefix, recurse, remove_duplicate)
 
     def state_dict(self, *args, **kwargs):
-        merged = {}
-        for chunk in self:
-            merged.update(chunk.state_dict(*args, **kwargs))
-        return merged
+        return {name: value for chunk in self for name, value in chunk.state_dict(*args, **kwargs).items()}
 
     def forward(self, *args, **kwargs):
         raise TypeError("ModelChunks is run chunk by chunk by megalite/pipeline_parallel/schedules.py")

@@ -8,8 +8,8 @@ TP equal chunks, rank r holding chunk r. Every collective is the identity for a 
 import torch
 import torch.distributed as dist
 
-# torch 2.13 renamed the single-tensor collectives (the old names warn); DDP and the distributed optimizer
-# use them too. (output, input, group=None, async_op=False), output size x input or input / size.
+# torch 2.13 renamed the single-tensor collectives (the old names warn); DDP and the distributed optimizer use
+# them too: (output, input, group=None, async_op=False), output size x input (gather) or input / size (scatter).
 all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 

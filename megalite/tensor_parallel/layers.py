@@ -176,8 +176,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
                  real_num_embeddings: int | None = None, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
-        self.tp_group = tensor_parallel_group(parallel)
+        self.tp_rank, self.tp_size, self.tp_group = parallel.tp_rank, parallel.tp_size, tensor_parallel_group(parallel)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
         self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
