@@ -118,7 +118,7 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.linear_fc1(hidden)
-        x = swiglu(x) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)  # swiglu: per --kernels
+        x = swiglu(x) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)  # swiglu: Triton or PyTorch
         return self.linear_fc2(x)
 
 
