@@ -1,29 +1,11 @@
-"""DDP: the grad buffer and the one gradient synchronisation of an iteration (Megatron's
-DistributedDataParallel plus finalize_model_grads).
+"""DDP: the one gradient synchronisation of an iteration (Megatron's DDP and finalize_model_grads).
 
-Each DP rank runs its share of the global batch; its micro-batch losses are already
-divided by the token count of the whole global batch (training.forward_backward), so
-the gradient of the global mean loss is the plain SUM of the ranks' accumulated
-gradients. Summing (rather than averaging) is what keeps gradient accumulation exact:
-no rank's token count is assumed equal to another's.
-
-After the last micro-batch, `finish_grad_sync` makes the grads whole, in this order:
-1. pipeline: the tied word embedding's grads on the first and last stage are summed
-   over the embedding group, so both copies take the same step;
-2. data parallel: each bucket of the grad buffer (grad_buffer.py) is
-   - all-reduced across DP (plain data parallelism): every rank holds the summed grads;
-   - or reduce-scattered (distributed optimizer): DP rank d receives the summed shard d
-     of every bucket, the part its optimizer owns; the rest of its buffer is stale;
-3. sequence parallel: the grads of parameters replicated over TP that act on
-   sequence-split activations (norms, row-parallel biases) are summed over TP. TP peers
-   lay out their buffers alike, so this also holds for a reduce-scattered shard.
-The optimizer (optimizer.py) then only reads the reduced grads.
-
-With `overlap` (--overlap-grad-reduce), a bucket's DP collective starts during the last
-backward as soon as every parameter in it has received its last gradient of the
-iteration; `finish_grad_sync` launches any bucket that is not done yet (parameters that
-got no gradient, or a pipeline-tied embedding, which step 1 must sum first) and waits
-for all of them.
+Losses are already divided by the global batch's token count, so the global grad is the plain
+SUM over DP ranks. `finish_grad_sync`, after the last backward: (1) sums the tied embedding's
+grads over the first and last stage; (2) all-reduces each grad-buffer bucket over DP, or
+reduce-scatters it (distributed optimizer: rank d gets shard d, the rest goes stale); (3) under
+SP sums TP-replicated grads over TP. With `overlap`, a bucket's collective starts in the last
+backward once its grads are final; (2) launches the others (the tied embedding's among them).
 """
 
 import torch
@@ -36,23 +18,18 @@ from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads, red
 
 
 class DataParallelGrads:
-    """The grad buffer of `model`'s trainable parameters and its reduction over `parallel`.
+    """The grad buffer of `model`'s (or ModelChunks') trainable parameters and its reduction over `parallel`.
 
-    model: a module, or ModelChunks (one buffer range per chunk). parallel: this rank's
-    ParallelState. bucket_size: elements per bucket (--ddp-bucket-size; None: one per
-    chunk). shard: reduce-scatter for the distributed optimizer instead of all-reduce
-    (the buckets are then padded to split into dp_size shards). overlap: start each
-    bucket's DP collective from the backward hooks (--overlap-grad-reduce).
-
-    Per iteration: `zero_grad()`, `start_iteration(num_microbatches)`, the backwards,
-    then `finish_grad_sync()`.
+    shard: reduce-scatter into dp_size shards (distributed optimizer) instead of all-reduce. overlap:
+    start each bucket's collective from the backward hooks. Per iteration: `zero_grad()`,
+    `start_iteration(...)`, the backwards, `finish_grad_sync()`.
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
                  shard: bool = False, overlap: bool = False):
         self.model, self.parallel = model, parallel
         self.shard, self.overlap = shard, overlap and parallel.dp_size > 1
-        chunks = list(model) if hasattr(model, "chunks") else [model]
+        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
         self.buffer = GradBuffer([[p for p in chunk.parameters() if p.requires_grad] for chunk in chunks],
                                  bucket_size=bucket_size, shard_count=parallel.dp_size if shard else 1)
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
@@ -72,8 +49,7 @@ class DataParallelGrads:
         self.buffer.zero()
 
     def start_iteration(self, backwards_per_param: int) -> None:
-        """Before the first backward: each parameter will receive `backwards_per_param` grads
-        (one per micro-batch its chunk runs)."""
+        """Before the first backward: each parameter will receive `backwards_per_param` grads."""
         self._launched = {}
         if not self.overlap:
             return
@@ -81,8 +57,7 @@ class DataParallelGrads:
         self._pending = {i: len(bucket.params) for i, bucket in enumerate(self.buffer.buckets)}
 
     def finish_grad_sync(self) -> None:
-        """After the last backward: the tied-embedding sum over pipeline stages, the DP reduction,
-        then the sequence-parallel sum over TP (module docstring); the step may read the grads."""
+        """After the last backward: the three sums of the module docstring; then the step may read the grads."""
         if self._tied and self.parallel.in_embedding_group:
             for param in self._tied:
                 dist.all_reduce(param.main_grad, group=self.parallel.embedding_group)
@@ -122,8 +97,7 @@ class DataParallelGrads:
 
 def global_token_count(micro_batches, parallel: ParallelState, device) -> float:
     """Unmasked tokens of the whole global batch: this rank's micro-batches, summed over DP."""
-    count = torch.tensor(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), dtype=torch.float64,
-                         device=device)
+    count = torch.tensor(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), dtype=torch.float64, device=device)
     if parallel.dp_size > 1:
         dist.all_reduce(count, group=parallel.dp_group)
     return float(count)

@@ -1,19 +1,9 @@
 """A contiguous fp32 gradient buffer in buckets: every trainable parameter's `main_grad` is a view of it.
 
-Why one buffer: gradients accumulate over micro-batches in fp32 whatever the model's
-dtype, no per-parameter `.grad` outlives its micro-batch, and data-parallel reduction
-and the optimizer's elementwise work (unscale, clip) run on a few large flat tensors.
-
-Layout, for the parameters of each model chunk in turn (a chunk's grads are one
-contiguous range):
-
-- parameters in reverse registration order, the order backward produces their
-  gradients, so the first bucket fills first;
-- cut into buckets at parameter boundaries once a bucket holds `bucket_size` elements
-  (Megatron's --ddp-bucket-size); a bucket is the unit one collective reduces;
-- each bucket zero-padded to a multiple of `shard_count` (the data-parallel size), so
-  it splits into equal contiguous shards: DP rank d owns shard d of every bucket (the
-  distributed optimizer's ownership, and the reduce-scatter's output).
+Grads accumulate in fp32 whatever the model's dtype, and DP reduction and the optimizer work on
+a few flat tensors. Each model chunk is one range, its parameters in backward's (reverse) order,
+cut into buckets (one collective each) of `bucket_size` elements at parameter boundaries, each
+padded to a multiple of `shard_count` so that DP rank d owns shard d of every bucket.
 """
 
 from dataclasses import dataclass, field
@@ -37,23 +27,13 @@ class Bucket:
 
 
 class GradBuffer:
-    """The fp32 buffer holding every trainable parameter's gradient (`param.main_grad`).
-
-    chunks: lists of parameters, one per model chunk, in registration order; duplicates
-    (tied weights) count once. dtype: of the buffer (fp32: gradients accumulate in fp32
-    for bf16/fp16 models too). bucket_size: elements per bucket before it is closed
-    (None: one bucket per chunk). shard_count: each bucket's length is rounded up to a
-    multiple of this.
-
-    Attributes: `data` (the flat buffer, 1-D), `params` (buffer order), `offsets`
-    (param -> (start, numel) in `data`), `buckets`, `numel` (unpadded parameter count).
-    After each backward, `param.main_grad` (shaped like the param) holds the sum of its
-    gradients since the last `zero()`, and `param.grad` is None; `on_grad_ready(param)`,
-    if set, runs after each such accumulation (the DDP bucket hook).
+    """The buffer of `chunks` (per model chunk, its parameters; tied ones count once); bucket_size None: one
+    bucket per chunk. `data` (1-D), `params` (buffer order), `offsets` (param -> (start, numel)),
+    `buckets`, `numel` (unpadded). After each backward `param.main_grad` holds its grads' sum since
+    `zero()`, `param.grad` is None, and `on_grad_ready(param)` runs if set (the DDP bucket hook).
     """
 
-    def __init__(self, chunks: list[list[nn.Parameter]], dtype: torch.dtype = torch.float32,
-                 bucket_size: int | None = None, shard_count: int = 1):
+    def __init__(self, chunks: list[list[nn.Parameter]], bucket_size: int | None = None, shard_count: int = 1):
         if shard_count < 1:
             raise ValueError(f"shard_count must be >= 1, got {shard_count}")
         if bucket_size is not None and bucket_size < 1:
@@ -72,39 +52,28 @@ class GradBuffer:
         for params in per_chunk:
             start = self._lay_out_chunk(params, start, bucket_size, shard_count)
         self.numel = sum(param.numel() for param in self.params)
-        self.data = torch.zeros(start, dtype=dtype, device=device)
+        self.data = torch.zeros(start, dtype=torch.float32, device=device)
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
 
         self.on_grad_ready = None
         self._hooks = []
         for param in self.params:
-            param.main_grad = self.view(param)
+            offset, numel = self.offsets[param]
+            param.main_grad = self.data[offset:offset + numel].view(param.shape)
             self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
 
-    def _lay_out_chunk(self, params: list[nn.Parameter], start: int, bucket_size: int | None,
-                       shard_count: int) -> int:
+    def _lay_out_chunk(self, params: list[nn.Parameter], start: int, bucket_size: int | None, shard_count: int) -> int:
         """Place `params` from `start` in buckets; returns the end of the chunk's range."""
         bucket = Bucket(start, start)
-        for param in params:
+        for i, param in enumerate(params):
             self.offsets[param] = (bucket.end, param.numel())
             bucket.end += param.numel()
             bucket.params.append(param)
-            if bucket_size is not None and bucket.end - bucket.start >= bucket_size:
-                start = self._close(bucket, shard_count)
-                bucket = Bucket(start, start)
-        if bucket.params:
-            start = self._close(bucket, shard_count)
-        return start
-
-    def _close(self, bucket: Bucket, shard_count: int) -> int:
-        bucket.end = bucket.start + -(-(bucket.end - bucket.start) // shard_count) * shard_count
-        self.buckets.append(bucket)
-        return bucket.end
-
-    def view(self, param: nn.Parameter) -> torch.Tensor:
-        """The slice of `data` that holds `param`'s gradient, shaped like `param`."""
-        start, numel = self.offsets[param]
-        return self.data[start:start + numel].view(param.shape)
+            if i == len(params) - 1 or (bucket_size is not None and bucket.end - bucket.start >= bucket_size):
+                bucket.end = bucket.start + -(-(bucket.end - bucket.start) // shard_count) * shard_count  # padded
+                self.buckets.append(bucket)
+                bucket = Bucket(bucket.end, bucket.end)
+        return bucket.start
 
     def zero(self) -> None:
         """Zero every main_grad (and the padding) before the first micro-batch of an iteration."""
@@ -117,11 +86,7 @@ class GradBuffer:
         self._hooks = []
 
     def _accumulate(self, param: nn.Parameter) -> None:
-        """Add this backward's `param.grad` (any dtype) into the fp32 `main_grad`; free `.grad`.
-
-        Runs once per backward per parameter, after autograd has summed every use of it
-        (a tied weight's two uses arrive as one gradient).
-        """
+        """Add this backward's `param.grad` (a tied weight's uses summed) into the fp32 `main_grad`; free it."""
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.on_grad_ready is not None:
