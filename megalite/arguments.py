@@ -1,62 +1,44 @@
-"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig.
-
-The parser is generated from the config dataclasses (megalite/config/): each field that is
-an option gives one flag, with its type, default, choices and help, in one argument group
-per config class. The few flags that are not config fields (presets, aliases, alternative
-spellings, planning switches) are declared once, in `NON_FIELD_FLAGS` below, beside the code
-that turns them into field values.
-
-`parse_args(argv, world_size)` is the one entry. Every problem stops the run with one
-sentence naming the flags involved and the fix, before any data is built or any process
-group is formed. Model flags start from the preset named by `--model` (default `tiny`);
-a model flag given on the command line overrides the preset's value. The model's
-vocabulary comes from the tokenizer, known only once the data is resolved: until then
-`RunConfig.model` carries the preset's (or NullTokenizer's) vocabulary, and the Trainer
-derives the final config with `RunConfig.with_tokenizer_vocab`.
-"""
+"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
+parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS`. The vocabulary is the
+preset's (or NullTokenizer's) until the Trainer knows the tokenizer (`RunConfig.with_tokenizer_vocab`)."""
 
 import argparse
 import dataclasses
 import math
 
-from megalite.config import (
-    MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig, RunConfig,
-    TrainConfig, model_config_from_preset, num_parameters,
-)
+from megalite.config import (MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+                             RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.options import Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
 from megalite.parallel_state import bf16_is_default
 from megalite.run.tracking import with_wandb_defaults
 
-__all__ = ["build_parser", "list_models", "parse_args", "run_config_from_args"]
-
 MODEL_GROUP = "model (defaults: the --model preset's values)"
 # The config classes on the command line, each one argument group, in --help order.
-GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"),
-          (DataConfig, "data"), (CheckpointConfig, "checkpoints"),
-          (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"), (ParallelConfig, "parallelism")]
+GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"), (DataConfig, "data"),
+          (CheckpointConfig, "checkpoints"), (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"),
+          (ParallelConfig, "parallelism")]
 
-# Flags that are not config fields: (group title, flags, argparse keywords). Each is read in
-# run_config_from_args or parse_args.
+# Flags that are not config fields: (group title, flags, argparse keywords), read by parse_args
+# and run_config_from_args.
 NON_FIELD_FLAGS = [
-    (MODEL_GROUP, ("--model",),
-     dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) (default: tiny)")),
-    (MODEL_GROUP, ("--list-models",),
-     dict(action="store_true", help="print the presets and exit")),
-    (MODEL_GROUP, ("--group-query-attention",),
-     dict(action="store_true", help="use --num-query-groups key/value heads")),
-    (MODEL_GROUP, ("--recompute-activations",),
-     dict(action="store_true", help="selective recomputation (attention core); same as --recompute-granularity "
-                                    "selective")),
-    ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch (default: none)")),
+    (MODEL_GROUP, ("--model",), dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) "
+                                                                          "(default: tiny)")),
+    (MODEL_GROUP, ("--list-models",), dict(action="store_true", help="print the presets and exit")),
+    (MODEL_GROUP, ("--group-query-attention",), dict(action="store_true", help="use --num-query-groups key/value "
+                                                                                "heads")),
+    (MODEL_GROUP, ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
+                                                                                "selective (the attention core)")),
+    ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch "
+                                                           "(default: none)")),
     ("training", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction of "
                                                                    "the decay iterations (default: none)")),
     ("training", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs and "
                                                              "on GPUs without bf16 units)")),
-    ("planning", ("--dry-run",), dict(action="store_true", help="validate the flags and print each rank's "
-                                      "parameters, memory and FLOPs for the layout, then exit: no processes, GPUs "
-                                      "or data (megalite/plan/dry_run.py)")),
+    ("planning", ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and FLOPs "
+                                                                "for the layout, then exit: no processes, GPUs or "
+                                                                "data (megalite/plan/dry_run.py)")),
     ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
                                                         "(default: TP x PP, DP 1)")),
     (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),
@@ -94,11 +76,9 @@ def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict
     if kind is bool:
         group.add_argument(*own, action="store_const", const=not spec.inverted, help=text, **common)
         if spec.off_flag:
-            group.add_argument(spec.off_flag, action="store_const", const=False, help=f"turn {own[0]} off",
-                               **common)
+            group.add_argument(spec.off_flag, action="store_const", const=False, help=f"turn {own[0]} off", **common)
         return
-    group.add_argument(*own, type=kind, choices=spec.choices, metavar=spec.metavar, nargs="+" if is_list else None,
-                       help=text, **common)
+    group.add_argument(*own, type=kind, choices=spec.choices, nargs="+" if is_list else None, help=text, **common)
 
 
 def _shown(value) -> str:
@@ -119,24 +99,16 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     if args.list_models:
         print(list_models())
         raise SystemExit(0)
-    if args.dry_run:
-        world_size = _dry_run_world_size(args)
+    if args.dry_run:  # --world-size, or TP x PP (sizes below 1 are ParallelConfig.validate's to report)
+        tp, pp = max(args.tensor_model_parallel_size or 1, 1), max(args.pipeline_model_parallel_size or 1, 1)
+        world_size = tp * pp if args.world_size is None else args.world_size
+        if world_size < 1 or world_size % (tp * pp):
+            raise UserError(f"--world-size {world_size} is not a positive multiple of --tensor-model-parallel-size "
+                            f"{tp} x --pipeline-model-parallel-size {pp} = {tp * pp}; use e.g. {tp * pp * 2}")
     elif args.world_size is not None:
         raise UserError("--world-size only applies to --dry-run; a real run's world size is what torchrun "
                         "launches, so drop it (or add --dry-run)")
     return run_config_from_args(args, world_size)
-
-
-def _dry_run_world_size(args) -> int:
-    """--world-size, or TP x PP; it must be a positive multiple of TP x PP."""
-    # Sizes below 1 are reported by ParallelConfig.validate, with the flag named.
-    tp, pp = max(args.tensor_model_parallel_size or 1, 1), max(args.pipeline_model_parallel_size or 1, 1)
-    if args.world_size is None:
-        return tp * pp
-    if args.world_size < 1 or args.world_size % (tp * pp):
-        raise UserError(f"--world-size {args.world_size} is not a positive multiple of --tensor-model-parallel-size "
-                        f"{tp} x --pipeline-model-parallel-size {pp} = {tp * pp}; use e.g. {tp * pp * 2}")
-    return args.world_size
 
 
 def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
@@ -194,9 +166,8 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
             raise UserError("--train-iters and --train-samples both given; pick one")
         batch = given.get("global_batch_size", TrainConfig.global_batch_size)
         if batch >= 1 and (args.train_samples < 1 or args.train_samples % batch):  # batch < 1: validate says
-            raise UserError(
-                f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
-                f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
+            raise UserError(f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
+                            f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
         given["train_iters"] = args.train_samples // max(batch, 1)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
@@ -211,25 +182,20 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
         given["exit_signal_handler"] = checkpoint.save is not None
     train = TrainConfig(**given, bf16_default=bf16_default)
     if args.lr_warmup_fraction is not None:  # a fraction of the decay iterations TrainConfig derived
-        train = dataclasses.replace(train, lr_warmup_iters=int(math.floor(args.lr_warmup_fraction
-                                                                          * train.lr_decay_iters)))
+        train = dataclasses.replace(train, lr_warmup_iters=math.floor(args.lr_warmup_fraction * train.lr_decay_iters))
     return train.validate()
 
 
 def list_models() -> str:
     """A table of the presets: shape, vocabulary, sequence length and parameter count."""
-    header = f"{'name':<12} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'vocab':>6} " \
-             f"{'seq':>5}  {'norm':<9} {'pos':<16} {'params':>8}"
-    rows = [header]
+    rows = [f"{'name':<12} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'vocab':>6} "
+            f"{'seq':>5}  {'norm':<9} {'pos':<16} {'params':>8}"]
     for name in MODEL_PRESETS:
         config = model_config_from_preset(name)
         params = num_parameters(dataclasses.replace(config, vocab_size=config.real_vocab_size))
+        size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
         rows.append(f"{name:<12} {config.num_layers:>6} {config.hidden_size:>6} {config.ffn_hidden_size:>6} "
                     f"{config.num_attention_heads:>5} {config.query_groups:>3} {config.real_vocab_size:>6} "
                     f"{config.seq_length:>5}  {config.normalization:<9} {config.position_embedding_type:<16} "
-                    f"{_human(params):>8}")
+                    f"{size:>8}")
     return "\n".join(rows)
-
-
-def _human(count: int) -> str:
-    return f"{count / 1e9:.2f}B" if count >= 1e9 else f"{count / 1e6:.1f}M"

@@ -1,9 +1,6 @@
-"""The one error type for problems a user can fix, and the CLI wrapper that reports it.
-
-A `UserError` message is one sentence that names the problem and the fix (which flag,
-which file, which line). Entry points wrap `main` in `run_main`, which prints that
-sentence and exits 1 with no traceback; `--debug` (or MEGALITE_DEBUG=1) shows it.
-"""
+"""`UserError`, whose message is one sentence naming a problem the user can fix and the fix, and
+`run_main`, which prints that sentence and exits 1 without a traceback (`--debug` or
+MEGALITE_DEBUG=1 shows it)."""
 
 import os
 import sys

@@ -1,26 +1,13 @@
-"""The rank grid, the process groups cut from it, and the device: one object per run.
+"""The rank grid, the process groups cut from it, and the device: one `ParallelState` per run.
 
-Ranks are laid out as Megatron lays them out, tensor-parallel ranks adjacent (fastest),
-then data-parallel, then pipeline:
+Ranks are laid out as Megatron lays them out, `global rank = pp_rank * (dp * tp) + dp_rank * tp
++ tp_rank`, so `numpy.arange(world).reshape(pp, dp, tp)` is the whole topology and every group is
+the set of ranks that share the other coordinates. There is no global singleton: builders take the
+state as an argument, and a process on its own is a state of ones (`ONE_PROCESS`).
 
-    global rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
-
-so `numpy.arange(world).reshape(pp, dp, tp)` is the whole topology, and every kind of
-group is the set of ranks that share the other coordinates (one transpose of the grid).
-That part is pure index arithmetic (`rank_grid`, `group_ranks`, `coordinates`).
-
-`build_parallel_state` turns it into torch.distributed groups and a `ParallelState`;
-`initialize` does the same from torchrun's environment. There is no global singleton:
-builders take the state as an argument, and tests build as many as they like. A
-process on its own is a state too, of ones (`ONE_PROCESS`, the default of the model's
-constructors): no code asks whether it was given a state.
-
-Groups of size 1: when torch.distributed is initialised, every group is a real
-ProcessGroup, even one of a single rank (tp 1, dp 1, ...). Only a world of one without
-torch.distributed has None for every group. The reason: torch.distributed reads
-`group=None` as the WHOLE world, so a None standing for "a trivial TP group" would turn
-a forgotten size check into a world-wide all-reduce. Collectives should still skip the
-call when the size (`tp_size`, ...) is 1; a size-1 group is an identity.
+Under torch.distributed every group is a real ProcessGroup, even of one rank; only a world of one
+without it has None groups. torch reads `group=None` as the WHOLE world, so a None standing for a
+trivial group would turn a forgotten size check into a world-wide collective.
 """
 
 import os
@@ -45,20 +32,14 @@ def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
         if not isinstance(size, int) or size < 1:
             raise UserError(f"{flag} must be a positive integer, got {size!r}")
     if world_size < 1 or world_size % (tp * pp):
-        raise UserError(
-            f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-            f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
+        raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
+                        f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
     return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
 
 
 def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
-    """The rank lists of every group of every kind in GROUP_KINDS; each rank is in one per kind.
-
-    "tp": ranks sharing (pp, dp); "dp": sharing (pp, tp); "pp": sharing (dp, tp);
-    "mp" (tp x pp, one model replica): sharing dp; "embedding": per pipeline, its first
-    and last stage ranks (just the first when pp is 1), which hold tied word embeddings.
-    Middle pipeline stages are in no embedding group.
-    """
+    """The rank lists of every group of each kind: "tp" shares (pp, dp), "dp" (pp, tp), "pp" (dp, tp), "mp"
+    (a model replica) dp; "embedding" is each pipeline's first and last stage, which hold tied embeddings."""
     grid = rank_grid(world_size, tp, pp)
     _, dp, _ = grid.shape
     pipelines = grid.transpose(1, 2, 0).reshape(-1, pp).tolist()
@@ -81,29 +62,26 @@ def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int,
 
 @dataclass
 class ParallelState:
-    """This rank's place in the grid, its process groups, and its device.
+    """This rank's place in the grid, its process groups, and its device; the defaults are a process on
+    its own. Groups are None only there, and `embedding_group` on middle pipeline stages too: check
+    `in_embedding_group` before using it."""
 
-    Groups are torch.distributed ProcessGroups (even of size 1), or None in a world of
-    one without torch.distributed. `embedding_group` is also None on middle pipeline
-    stages, which hold no embedding: check `in_embedding_group` before using it, since
-    torch reads group=None as the whole world.
-    """
-
-    rank: int
-    world_size: int
-    tp_size: int
-    tp_rank: int
-    tp_group: ProcessGroup | None
-    pp_size: int
-    pp_rank: int
-    pp_group: ProcessGroup | None
-    dp_size: int
-    dp_rank: int
-    dp_group: ProcessGroup | None
-    mp_group: ProcessGroup | None
-    embedding_group: ProcessGroup | None
-    embedding_ranks: list[int]  # this rank's pipeline's embedding ranks, whether or not it is one
-    device: torch.device
+    rank: int = 0
+    world_size: int = 1
+    tp_size: int = 1
+    tp_rank: int = 0
+    tp_group: ProcessGroup | None = None
+    pp_size: int = 1
+    pp_rank: int = 0
+    pp_group: ProcessGroup | None = None
+    dp_size: int = 1
+    dp_rank: int = 0
+    dp_group: ProcessGroup | None = None
+    mp_group: ProcessGroup | None = None
+    embedding_group: ProcessGroup | None = None
+    # This rank's pipeline's embedding ranks, whether or not it is one.
+    embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sequence_parallel: bool = False
     backend: str = "gloo"
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
@@ -146,63 +124,44 @@ class ParallelState:
 
 def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
                          device: torch.device | None = None, timeout: timedelta | None = None) -> ParallelState:
-    """This rank's ParallelState for tensor size `tp` and pipeline size `pp` (DP is what remains).
-
-    Uses the initialised torch.distributed world, or a world of one (groups None) without
-    it. Every rank must call this together: each one creates every group of every kind.
-    `device`: None picks cuda:current_device() under nccl (or, without torch.distributed,
-    when CUDA is available), else the CPU. `timeout`: for the new groups (None: torch's
-    default for the backend, which is NOT the one init_process_group was given).
-    """
+    """This rank's ParallelState for sizes `tp` and `pp` in the torch.distributed world (a world of one
+    without it); every rank calls it, creating every group. `device` None: CUDA under nccl (or without
+    torch.distributed when CUDA is there), else the CPU. `timeout` None: the backend's default."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     groups = group_ranks(world_size, tp, pp)
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
-    own = _create_groups(groups, rank, timeout) if distributed else dict.fromkeys(GROUP_KINDS)
+    own = dict.fromkeys(GROUP_KINDS)
+    if distributed:
+        for kind in GROUP_KINDS:
+            for ranks in groups[kind]:
+                group = dist.new_group(ranks, timeout=timeout)
+                if rank in ranks:
+                    own[kind] = group
     backend = dist.get_backend() if distributed else None
-    device = torch.device(device) if device is not None else _default_device(backend)
-    pipeline = next(i for i, ranks in enumerate(groups["pp"]) if rank in ranks)
+    if device is None:
+        cuda = backend == "nccl" or (backend is None and torch.cuda.is_available())
+        device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    device = torch.device(device)
     return ParallelState(
         rank=rank, world_size=world_size,
         tp_size=tp, tp_rank=tp_rank, tp_group=own["tp"],
         pp_size=pp, pp_rank=pp_rank, pp_group=own["pp"],
         dp_size=world_size // (tp * pp), dp_rank=dp_rank, dp_group=own["dp"],
-        mp_group=own["mp"], embedding_group=own["embedding"], embedding_ranks=groups["embedding"][pipeline],
+        mp_group=own["mp"], embedding_group=own["embedding"],
+        embedding_ranks=groups["embedding"][dp_rank * tp + tp_rank],  # pipelines are listed in (dp, tp) order
         device=device, sequence_parallel=sequence_parallel,
         backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
 
 
 def single_process_state(device: torch.device | str = "cpu") -> ParallelState:
-    """The state of a process on its own: every size 1, every rank 0, every group None.
-
-    What build_parallel_state() returns outside torch.distributed, without touching
-    torch.distributed; the collectives skip every size-1 group, so None groups are never used.
-    """
-    return ParallelState(rank=0, world_size=1, tp_size=1, tp_rank=0, tp_group=None, pp_size=1, pp_rank=0,
-                         pp_group=None, dp_size=1, dp_rank=0, dp_group=None, mp_group=None, embedding_group=None,
-                         embedding_ranks=[0], device=torch.device(device))
+    """What build_parallel_state() returns outside torch.distributed, without touching it."""
+    return ParallelState(device=torch.device(device))
 
 
 # The default state of library functions (model constructors, the optimizer's DDP): one process.
 # Shared, so never modify it; build your own with single_process_state() for another device.
 ONE_PROCESS = single_process_state()
-
-
-def _create_groups(groups: dict[str, list[list[int]]], rank: int, timeout: timedelta | None) -> dict:
-    """Create every group (torch needs the same new_group calls on every rank); keep this rank's."""
-    own = dict.fromkeys(GROUP_KINDS)
-    for kind in GROUP_KINDS:
-        for ranks in groups[kind]:
-            group = dist.new_group(ranks, timeout=timeout)
-            if rank in ranks:
-                own[kind] = group
-    return own
-
-
-def _default_device(backend: str | None) -> torch.device:
-    if backend == "nccl" or (backend is None and torch.cuda.is_available()):
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def world_size_from_env() -> int:
@@ -211,13 +170,8 @@ def world_size_from_env() -> int:
 
 
 def initialize(parallel_config: ParallelConfig) -> ParallelState:
-    """Join torchrun's world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT) and build the state.
-
-    Without WORLD_SIZE (plain `python pretrain_gpt.py`) it is a world of one and
-    torch.distributed stays uninitialised. An already initialised world is used as is
-    (and `destroy` leaves it alone). Backend: --distributed-backend, else nccl with CUDA
-    and gloo without; nccl runs on cuda:LOCAL_RANK, gloo on the CPU.
-    """
+    """Join torchrun's world (RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR/PORT), or none without WORLD_SIZE,
+    and build the state. An initialised world is used as is, and `destroy` leaves it alone."""
     world_size = world_size_from_env()
     if parallel_config.world_size != world_size:
         raise ValueError(f"the ParallelConfig was made for a world of {parallel_config.world_size} but "
@@ -226,14 +180,16 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
     rank_grid(world_size, tp, pp)  # the size check, before any process group exists
     already = dist.is_available() and dist.is_initialized()
     backend = dist.get_backend() if already else choose_backend(parallel_config.distributed_backend)
-    local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-    device = _bind_device(backend, local_rank)
+    device = _bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")))
     if device.type == "cpu":
         _limit_cpu_threads(int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     timeout = timedelta(minutes=parallel_config.distributed_timeout_minutes)
     owns = "WORLD_SIZE" in os.environ and not already
     if owns:
-        _check_rendezvous_env()
+        missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
+        if missing:
+            raise UserError(f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with `torchrun "
+                            f"--nproc_per_node N pretrain_gpt.py ...`, or unset WORLD_SIZE for one process")
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                                 **_restart_scoped_rendezvous(world_size, timeout))
     state = build_parallel_state(tp, pp, sequence_parallel=parallel_config.sequence_parallel,
@@ -260,9 +216,8 @@ def choose_backend(requested: str | None) -> str:
 
 
 def bf16_is_default(requested_backend: str | None) -> bool:
-    """With no precision flag, bf16 where the run trains on a GPU with bf16 units, fp32 elsewhere
-    (many CPUs have no bf16 matrix units, and fp32 is the reference arithmetic). The run is on a
-    GPU when CUDA is present and the backend is not gloo (`choose_backend`, `_bind_device`)."""
+    """With no precision flag: bf16 where the run trains on a GPU with bf16 units (CUDA and not gloo), fp32
+    elsewhere (many CPUs have no bf16 matrix units, and fp32 is the reference arithmetic)."""
     return torch.cuda.is_available() and requested_backend != "gloo" and torch.cuda.is_bf16_supported()
 
 
@@ -286,23 +241,12 @@ def _limit_cpu_threads(local_world_size: int) -> None:
 
 
 def _restart_scoped_rendezvous(world_size: int, timeout: timedelta) -> dict:
-    """init_process_group's store, rank and world size after a torchrun restart; {} on the first attempt.
-
-    When `torchrun --max-restarts` restarts the workers, its store still holds the keys
-    the previous attempt's process groups wrote, such as every rank's address. A new rank
-    that reads one before its peer overwrote it connects to a dead process (gloo:
-    "connectFullMesh failed ... Connection refused"), so each attempt gets its own prefix.
-    """
+    """init_process_group's store, rank and world size after a torchrun restart ({} on the first attempt).
+    The store still holds the last attempt's keys, such as rank addresses: a rank reading one before its
+    peer overwrote it connects to a dead process ("connectFullMesh failed"), so each attempt gets a prefix."""
     attempt = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
     if attempt == "0":
         return {}
     rank = int(os.environ["RANK"])
     store, _, _ = next(dist.rendezvous("env://", rank, world_size, timeout=timeout))
     return {"store": dist.PrefixStore(f"megalite/attempt-{attempt}", store), "rank": rank, "world_size": world_size}
-
-
-def _check_rendezvous_env() -> None:
-    missing = [name for name in ("RANK", "MASTER_ADDR", "MASTER_PORT") if name not in os.environ]
-    if missing:
-        raise UserError(f"WORLD_SIZE is set but {', '.join(missing)} is not; launch with "
-                        f"`torchrun --nproc_per_node N pretrain_gpt.py ...`, or unset WORLD_SIZE for one process")

@@ -1,20 +1,10 @@
-"""A run's checkpoint policy: which checkpoint to resume from, how much of it to load, when
-to save, and which old checkpoints to remove. The Trainer (megalite/run/training.py) calls a
-`Checkpointer`; the mechanics are the rest of this package.
-
-The flags it reads: --load (default: --save when that holds a checkpoint, so a restarted
-job resumes by itself), --finetune (the model weights only, starting at iteration 0),
---no-load-optim, --no-load-rng, --override-opt-param-scheduler,
---use-checkpoint-opt-param-scheduler, --save, --save-interval, --keep-last-n-checkpoints
-and --save-retain-interval.
-"""
+"""A run's checkpoint policy, which the Trainer (megalite/run/training.py) calls: what to resume
+from and how much of it to load, when to save, and which old checkpoints to remove."""
 
 import dataclasses
 import os
 import time
 from dataclasses import dataclass
-
-import torch
 
 from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
 from megalite.checkpoint.format import read_metadata
@@ -36,14 +26,9 @@ class Resumed:
 
 
 class Checkpointer:
-    """Loads and saves one run's checkpoints as its flags (`run.checkpoint`, `run.train`) say.
-
-    parallel: the run's ParallelState; every rank calls `load` and `save` alike. log: prints
-    one line, on whichever ranks the caller wants. After a load or a save,
-    `last_checkpoint` is the newest complete checkpoint of this run (None before any) and
-    `resumed_from` the iteration the run resumed at (None: it did not resume);
-    --keep-last-n-checkpoints never deletes that one.
-    """
+    """Loads and saves one run's checkpoints as its flags say; every rank calls `load` and `save`.
+    `last_checkpoint`: the newest complete one (None before any); `resumed_from`: the iteration the run
+    resumed at (None: it did not), which --keep-last-n-checkpoints never deletes."""
 
     def __init__(self, run: RunConfig, parallel, log=print):
         self.run, self.parallel, self.log = run, parallel, log
@@ -51,18 +36,12 @@ class Checkpointer:
         self.resumed_from: int | None = None
 
     def load(self, model, optimizer, schedule) -> Resumed | None:
-        """Restore `model`, `optimizer` (a MixedPrecisionOptimizer), `schedule` (an LRSchedule) and
-        the RNG states from the checkpoint to resume from; None when the run starts at iteration 0.
-
-        The checkpoint is the latest file's when complete, else the newest complete one
-        (folder.choose_checkpoint); the log line names the folder. --finetune loads the
-        weights and returns None; --finetune and --no-load-optim restart the optimizer from
-        the loaded weights; RNG states load only from a checkpoint of this same layout.
-        """
+        """Restore `model`, `optimizer`, `schedule` (an LRSchedule) and the RNG states from the checkpoint
+        `choose_checkpoint` picks; None when the run starts at iteration 0 (no checkpoint, or --finetune).
+        --load defaults to --save when that exists, so a restarted job resumes by itself."""
         ckpt = self.run.checkpoint
-        load, implicit = ckpt.load, False
-        if load is None and ckpt.save is not None and os.path.isdir(ckpt.save):
-            load, implicit = ckpt.save, True
+        implicit = ckpt.load is None and ckpt.save is not None and os.path.isdir(ckpt.save)
+        load = ckpt.save if implicit else ckpt.load
         if load is None:
             return None
         path, note = choose_checkpoint(load)
@@ -76,23 +55,21 @@ class Checkpointer:
             return None
         if note:
             self.log(f"warning: {load}: {note}")
-        finetune, metadata = ckpt.finetune, read_metadata(path)
-        load_rng = not (finetune or ckpt.no_load_rng) and self._same_layout_as(metadata)
-        loaded = load_checkpoint(
-            load, model, None if finetune or ckpt.no_load_optim else optimizer,
-            model_config=self.run.model, iteration=metadata["iteration"],
-            load_optim=not (finetune or ckpt.no_load_optim), load_rng=load_rng, rank=self.parallel.rank,
-            parallel=self.parallel)
-        if finetune or ckpt.no_load_optim:
+        metadata = read_metadata(path)
+        load_optim = not (ckpt.finetune or ckpt.no_load_optim)
+        loaded = load_checkpoint(load, model, optimizer if load_optim else None, model_config=self.run.model,
+                                 iteration=metadata["iteration"], rank=self.parallel.rank, parallel=self.parallel,
+                                 load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata))
+        if not load_optim:
             optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
-        if finetune:
+        if ckpt.finetune:
             self.log(f"loaded the model weights of {loaded['path']} iteration {loaded['iteration']} (--finetune): "
                      f"starting at iteration 0")
             return None
         self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
-        extra = loaded.get("extra") or {}
+        extra = loaded["extra"]
         resumed = Resumed(loaded["path"], loaded["iteration"], loaded["consumed_samples"],
-                          loaded.get("consumed_valid_samples") or 0, bool(extra.get("evaluation_pending")))
+                          loaded["consumed_valid_samples"] or 0, bool(extra.get("evaluation_pending")))
         if "lr_schedule" in extra:
             train = self.run.train
             schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
@@ -103,18 +80,14 @@ class Checkpointer:
         return resumed
 
     def _same_layout_as(self, metadata: dict) -> bool:
-        """Whether the checkpoint of `metadata` (its metadata.json) was saved by this parallel layout;
-        if not, say that RNG states stay behind.
-
-        RNG states are per rank, and under another layout a rank's dropout masks cover
-        other activations anyway, so they carry over only between equal layouts.
-        """
-        saved = metadata["extra"].get("run", {})
-        saved = saved.get("parallel", {})
+        """Whether the checkpoint was saved by this parallel layout; if not, say that RNG states stay
+        behind. They are per rank, and under another layout a rank's dropout masks cover other
+        activations anyway."""
+        saved = {"virtual_pipeline_model_parallel_size": 1,  # checkpoints from before pipelining
+                 **metadata["extra"].get("run", {}).get("parallel", {})}
         keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size")
         now = dataclasses.asdict(self.run.parallel)
-        saved.setdefault("virtual_pipeline_model_parallel_size", 1)  # checkpoints from before pipelining
         if all(saved.get(key) == now[key] for key in keys):
             return True
         self.log(f"the checkpoint was saved by another layout ({', '.join(f'{k}={saved.get(k)}' for k in keys)}); "
@@ -127,38 +100,27 @@ class Checkpointer:
         return bool(interval) and iteration % interval == 0
 
     def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False) -> str | None:
-        """Save the run at `state` (a TrainState: iteration and consumed samples) into --save, then
-        remove old checkpoints per --keep-last-n-checkpoints; the folder written, None without --save.
-
-        The checkpoint's `extra` holds the LR schedule, the model name, the whole run config
-        and `evaluation_pending`, which `load` hands back. Raises CheckpointSaveError on every
-        rank when any rank's part of the save failed.
-        """
-        save = self.run.checkpoint.save
-        if save is None:
+        """Save the run at `state` (a TrainState), with the LR schedule and the run config, into --save;
+        then remove old checkpoints. Return the folder written, None without --save."""
+        ckpt = self.run.checkpoint
+        if ckpt.save is None:
             return None
         start = time.perf_counter()
         extra = {"lr_schedule": schedule.state_dict(), "model_name": self.run.model_name,
                  "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending}
-        path = save_checkpoint(save, state.iteration, model, optimizer,
+        path = save_checkpoint(ckpt.save, state.iteration, model, optimizer,
                                consumed_samples=state.consumed_train_samples,
                                consumed_valid_samples=state.consumed_valid_samples,
                                model_config=self.run.model, extra=extra, rank=self.parallel.rank,
-                               parallel=self.parallel, barrier=self._barrier,
-                               failed_ranks=failed_ranks_across(self.parallel))
+                               parallel=self.parallel, failed_ranks=failed_ranks_across(self.parallel))
         self.last_checkpoint = path
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
-        ckpt = self.run.checkpoint
         if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:
             keep = {self.resumed_from} if self.resumed_from is not None else set()
-            for removed in remove_old_checkpoints(save, ckpt.keep_last_n_checkpoints, ckpt.save_retain_interval,
+            for removed in remove_old_checkpoints(ckpt.save, ckpt.keep_last_n_checkpoints, ckpt.save_retain_interval,
                                                   keep):
                 self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
         return path
-
-    def _barrier(self) -> None:
-        if self.parallel.world_size > 1:
-            torch.distributed.barrier()
 
 
 def json_able(value):

@@ -1,18 +1,8 @@
-"""The checkpoint folder protocol: where checkpoints live, how one is published atomically,
-which one to resume from, and which old ones to remove.
+"""The checkpoint folder protocol: a save is staged in `iter_0000100.tmp-new/`, moved into place and
+only then named in `latest_checkpointed_iteration.txt`, each step fsynced, so a crash leaves the latest
+file naming a complete checkpoint. Also: choosing what to resume from, and removing old checkpoints."""
 
-    <save>/latest_checkpointed_iteration.txt   the iteration number as text (Megatron's file)
-    <save>/iter_0000100/                       one complete checkpoint (megalite/checkpoint/format.py)
-
-Atomicity: every rank writes its files into `iter_0000100.tmp-new/`; rank 0 then moves
-the folder into place and only then replaces the latest file, each step fsynced. A
-crash at any point leaves the latest file naming a complete checkpoint; `*.tmp-*`
-leftovers are ignored by the loader and cleaned by the next save. `choose_checkpoint`
-skips incomplete folders. `remove_old_checkpoints` keeps the newest N
-(`--keep-last-n-checkpoints`), deleting by rename first so that a killed deletion never
-leaves a half-deleted `iter_*` folder.
-"""
-
+import contextlib
 import os
 import shutil
 
@@ -31,59 +21,47 @@ def checkpoint_dir(save: str, iteration: int) -> str:
 
 
 def read_latest_iteration(load: str) -> int | None:
-    """The iteration in `<load>/latest_checkpointed_iteration.txt`; None when there is no such file.
-
-    Raises UserError when the file holds anything but a non-negative integer.
-    """
+    """The iteration in `<load>/latest_checkpointed_iteration.txt`, None without that file;
+    UserError when it holds anything but a non-negative integer."""
     path = os.path.join(load, LATEST_FILE)
     if not os.path.isfile(path):
         return None
     with open(path, "rb") as file:
-        raw = file.read(200)
-    text = raw.decode("utf-8", errors="replace").strip()
+        text = file.read(200).decode("utf-8", errors="replace").strip()
     if not (text.isascii() and text.isdigit()):
         raise UserError(f"{path} should hold an iteration number but holds {text[:40]!r}; write the number of "
                         f"a complete iter_* folder into it, or delete it to start from scratch")
     return int(text)
 
 
-# -- publishing ---------------------------------------------------------------------------------
-
-
 def create_staging(save: str, staging: str) -> None:
-    """Clear crash leftovers in `save` (creating it if needed), then create the empty `staging` folder."""
+    """Remove the `*.tmp-*` leftovers of killed saves from `save` (created if needed), first restoring
+    an iteration caught mid-replace; then create the empty `staging` folder."""
     os.makedirs(save, exist_ok=True)
-    _clean_leftovers(save)
-    os.makedirs(staging)
-
-
-def _clean_leftovers(save: str) -> None:
-    """Remove `*.tmp-*` folders of killed saves, first restoring an iteration caught mid-replace."""
     for name in sorted(os.listdir(save)):
         path = os.path.join(save, name)
         if name.endswith(REPLACED_SUFFIX) and not os.path.exists(path[:-len(REPLACED_SUFFIX)]):
-            # Killed between moving the old copy away and moving the new one in: the old
-            # copy is the complete checkpoint the latest file names.
+            # Killed between moving the old copy away and moving the new one in: the old copy is
+            # the complete checkpoint the latest file names.
             os.rename(path, path[:-len(REPLACED_SUFFIX)])
         elif name.endswith((STAGING_SUFFIX, REPLACED_SUFFIX, DELETING_SUFFIX)) and os.path.isdir(path):
             shutil.rmtree(path)
         elif name == LATEST_FILE + ".tmp":
             os.remove(path)
     fsync_dir(save)
+    os.makedirs(staging)
 
 
 def move_into_place(staging: str, final: str) -> None:
-    """Rename `staging` to `final`; an existing `final` (same iteration saved again) is replaced."""
-    parent = os.path.dirname(final) or "."
-    if not os.path.exists(final):
-        os.rename(staging, final)
-        fsync_dir(parent)
-        return
+    """Rename `staging` to `final`; an existing `final` (the same iteration saved again) is replaced."""
     replaced = final + REPLACED_SUFFIX
-    os.rename(final, replaced)
+    existed = os.path.exists(final)
+    if existed:
+        os.rename(final, replaced)
     os.rename(staging, final)
-    fsync_dir(parent)
-    shutil.rmtree(replaced)
+    fsync_dir(os.path.dirname(final) or ".")
+    if existed:
+        shutil.rmtree(replaced)
 
 
 def write_latest(save: str, iteration: int) -> None:
@@ -104,7 +82,6 @@ def write_latest(save: str, iteration: int) -> None:
 
 
 def fsync_file(path: str) -> None:
-    """Make `path`'s written bytes durable."""
     descriptor = os.open(path, os.O_RDONLY)
     try:
         os.fsync(descriptor)
@@ -114,13 +91,8 @@ def fsync_file(path: str) -> None:
 
 def fsync_dir(path: str) -> None:
     """Make renames and new entries in `path` durable (a no-op where directories cannot be fsynced)."""
-    try:
+    with contextlib.suppress(OSError):
         fsync_file(path)
-    except OSError:
-        pass
-
-
-# -- choosing and removing ----------------------------------------------------------------------
 
 
 def resolve_checkpoint(load: str, iteration: int | None = None) -> str:
@@ -133,20 +105,17 @@ def resolve_checkpoint(load: str, iteration: int | None = None) -> str:
             raise UserError(f"{load} has no {LATEST_FILE}, so it holds no complete checkpoint; "
                             f"check --load, or drop it to start from scratch")
     path = checkpoint_dir(load, iteration)
-    if not os.path.isdir(path) and os.path.isdir(path + REPLACED_SUFFIX):
+    if os.path.isdir(path):
+        return path
+    if os.path.isdir(path + REPLACED_SUFFIX):
         return path + REPLACED_SUFFIX  # a save of the same iteration was killed mid-replace
-    if not os.path.isdir(path):
-        raise UserError(f"checkpoint folder {path} for iteration {iteration} does not exist; "
-                        f"restore it, or fix {os.path.join(load, LATEST_FILE)}")
-    return path
+    raise UserError(f"checkpoint folder {path} for iteration {iteration} does not exist; "
+                    f"restore it, or fix {os.path.join(load, LATEST_FILE)}")
 
 
 def complete_checkpoints(load: str) -> list[tuple[int, str]]:
-    """(iteration, folder) of every complete `iter_*` checkpoint in `load`, newest first.
-
-    Complete: metadata.json reads as a megalite checkpoint and every file it needs is
-    there with its recorded size. Staging and other `*.tmp-*` folders never count.
-    """
+    """(iteration, folder) of every complete `iter_*` checkpoint in `load`, newest first: its
+    metadata.json reads and every file it needs has its recorded size."""
     found = []
     for name in os.listdir(load) if os.path.isdir(load) else []:
         number = name[len("iter_"):]
@@ -162,13 +131,8 @@ def complete_checkpoints(load: str) -> list[tuple[int, str]]:
 
 
 def choose_checkpoint(load: str) -> tuple[str | None, str | None]:
-    """The checkpoint folder to resume from in `load`, and a note when it is not the latest file's.
-
-    The latest file's iteration when that checkpoint is complete. Otherwise (no latest
-    file, a garbled one, or one naming a missing or incomplete folder, e.g. after a
-    crash or a manual deletion) the newest complete checkpoint at or below the named
-    iteration, else the newest of all. (None, None) when `load` holds no checkpoint at all.
-    """
+    """The folder to resume from in `load` and a note when it is not the latest file's (then the newest
+    complete checkpoint at or below the named iteration, else the newest); (None, None) if there is none."""
     try:
         latest, garbled = read_latest_iteration(load), None
     except UserError as error:
@@ -194,14 +158,10 @@ def choose_checkpoint(load: str) -> tuple[str | None, str | None]:
     return path, f"{why}; resuming from the newest complete checkpoint instead, iteration {iteration}"
 
 
-def remove_old_checkpoints(save: str, keep_last: int, retain_interval: int | None = None,
-                           keep: set[int] = frozenset()) -> list[str]:
-    """Delete complete checkpoints beyond the newest `keep_last`; return the folders removed.
-
-    Never removed: the latest file's iteration, multiples of `retain_interval`, and the
-    iterations in `keep` (the one a run resumed from). Each folder is renamed to
-    `*.tmp-del` before it is deleted, so a kill mid-way leaves no half-deleted `iter_*`.
-    """
+def remove_old_checkpoints(save: str, keep_last: int, retain_interval: int | None, keep: set[int]) -> list[str]:
+    """Delete complete checkpoints beyond the newest `keep_last`, except the latest file's, multiples of
+    `retain_interval` and `keep`; return the folders removed. Each is renamed to `*.tmp-del` first, so a
+    kill never leaves a half-deleted `iter_*`."""
     try:
         latest = read_latest_iteration(save)
     except UserError:

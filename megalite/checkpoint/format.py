@@ -1,13 +1,7 @@
-"""The checkpoint format: safetensors files of pieces, metadata.json, and reading them back.
+"""The checkpoint format: safetensors files whose headers place each piece, metadata.json's index of
+them, and `CheckpointReader`. Only safetensors and JSON are read, so a checkpoint cannot run code."""
 
-A rank's model and optimizer pieces go into one safetensors file per section whose
-header says which piece of which global tensor each key holds; `index_pieces` merges
-those headers into metadata.json's tensor index, and `CheckpointReader` reads any slice
-of any tensor from the pieces that cover it. Only safetensors and JSON are ever read:
-nothing is unpickled, so a checkpoint cannot run code. Folders and their publishing are
-megalite/checkpoint/folder.py's.
-"""
-
+import contextlib
 import dataclasses
 import json
 import os
@@ -22,49 +16,35 @@ from megalite.errors import UserError
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
-SECTIONS = ("model", "optimizer")  # the tensor index's parts; files model_*, optim_*
-
-
-# -- writing ------------------------------------------------------------------------------------
 
 
 def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> None:
-    """One safetensors file whose header says, per key, which piece of which tensor it holds.
-
-    Not fsynced: making it durable is the saver's part (megalite/checkpoint/saving.py).
-    """
+    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece."""
     tensors, described = {}, {}
     for name, name_pieces in pieces.items():
         for number, piece in enumerate(name_pieces):
-            _check_piece(name, piece)
+            if not _fits(piece.offsets, piece.tensor.shape, piece.global_shape):
+                raise ValueError(f"piece of {name!r} with shape {list(piece.tensor.shape)} at offsets "
+                                 f"{list(piece.offsets)} does not fit its global shape {list(piece.global_shape)}")
             key = name if number == 0 else f"{name}@{number}"  # '@' never occurs in a parameter name
             tensors[key] = piece.tensor.detach().to("cpu").contiguous()
             described[key] = {"name": name, "shape": list(piece.tensor.shape),
                               "global_shape": list(piece.global_shape), "offsets": list(piece.offsets),
-                              "dtype": _dtype_name(piece.tensor.dtype)}
+                              "dtype": str(piece.tensor.dtype).removeprefix("torch.")}
     save_file(tensors, path, metadata={"megalite": json.dumps({"section": section, "pieces": described})})
 
 
-def _check_piece(name: str, piece: Piece) -> None:
-    shape = tuple(piece.tensor.shape)
-    if len(shape) != len(piece.global_shape) or len(piece.offsets) != len(shape) or any(
-            offset < 0 or offset + size > whole
-            for offset, size, whole in zip(piece.offsets, shape, piece.global_shape)):
-        raise ValueError(f"piece of {name!r} with shape {list(shape)} at offsets {list(piece.offsets)} "
-                         f"does not fit its global shape {list(piece.global_shape)}")
-
-
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _fits(offsets, shape, limits) -> bool:
+    """Whether the box at `offsets` of `shape` lies inside `[0, limits)` in every dimension."""
+    return len(offsets) == len(shape) == len(limits) and all(
+        0 <= offset and offset + size <= limit for offset, size, limit in zip(offsets, shape, limits))
 
 
 def index_pieces(staging: str) -> dict:
-    """The tensor index of metadata.json, merged from the headers of every rank's files.
-
-    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`;
-    identical pieces from several ranks (replicas) are listed once.
-    """
-    index = {section: {} for section in SECTIONS}
+    """metadata.json's tensor index, merged from the headers of every rank's files:
+    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`.
+    Identical pieces from several ranks (replicas) are listed once."""
+    index = {"model": {}, "optimizer": {}}
     for file_name in sorted(os.listdir(staging)):
         if not file_name.endswith(".safetensors") or file_name.startswith("rng_"):
             continue
@@ -77,11 +57,10 @@ def index_pieces(staging: str) -> dict:
             if (entry["shape"], entry["dtype"]) != (piece["global_shape"], piece["dtype"]):
                 raise ValueError(f"ranks disagree on {name!r}: {entry['shape']} {entry['dtype']} vs "
                                  f"{piece['global_shape']} {piece['dtype']} in {file_name}")
-            if any(known["offsets"] == piece["offsets"] and known["shape"] == piece["shape"]
-                   for known in entry["pieces"]):
-                continue
-            entry["pieces"].append({"file": file_name, "key": key, "offsets": piece["offsets"],
-                                    "shape": piece["shape"]})
+            place = {"offsets": piece["offsets"], "shape": piece["shape"]}
+            if not any(known["offsets"] == place["offsets"] and known["shape"] == place["shape"]
+                       for known in entry["pieces"]):
+                entry["pieces"].append({"file": file_name, "key": key, **place})
     return index
 
 
@@ -93,9 +72,6 @@ def metadata_text(metadata: dict) -> str:
         lines = ",\n".join(f"   {json.dumps(name)}: {json.dumps(entry)}" for name, entry in entries.items())
         sections.append(f"  {json.dumps(section)}: {{\n{lines}\n  }}")
     return head[:-2] + ',\n "tensors": {\n' + ",\n".join(sections) + "\n }\n}\n"
-
-
-# -- reading ------------------------------------------------------------------------------------
 
 
 def read_metadata(path: str) -> dict:
@@ -119,11 +95,8 @@ def read_metadata(path: str) -> dict:
 
 
 def file_problem(path: str, metadata: dict) -> str | None:
-    """What is wrong with the files of checkpoint `path` against its metadata.json, or None.
-
-    Checks that every file the index or the RNG states need exists, with the size
-    metadata.json recorded (checkpoints from before sizes were recorded: existence only).
-    """
+    """What is wrong with the files of checkpoint `path`, or None: every file the index or the RNG
+    states need must exist, with the size metadata.json recorded (when it recorded sizes)."""
     sizes = metadata.get("files") or {}
     needed = {piece["file"] for section in metadata.get("tensors", {}).values()
               for entry in section.values() for piece in entry["pieces"]}
@@ -138,24 +111,20 @@ def file_problem(path: str, metadata: dict) -> str | None:
     return None
 
 
-# Fields that do not change any weight or arithmetic: a resumed run may change them.
+# Fields that change no weight and no arithmetic: a resumed run may change them.
 _FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
                 "fused_output_cross_entropy"}
 
 
 def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
-    """UserError naming every field where the checkpoint's model config differs from `current`.
-
-    `vocab_size` may differ when the tokenizer's vocabulary is the same: the padding
-    depends on the TP size, and padding rows are zero (they load as zero or are dropped).
-    """
+    """UserError naming every field where the checkpoint's model config differs from `current`. The padded
+    `vocab_size` depends on TP, so it may differ when the tokenizer's vocabulary is the same."""
     now = dataclasses.asdict(current)
-    defaults = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
-    saved = {**{key: value for key, value in defaults.items() if key not in saved}, **saved}
+    saved = {**{field.name: field.default for field in dataclasses.fields(ModelConfig)}, **saved}
     free = set(_FREE_FIELDS)
-    if (saved.get("tokenizer_vocab_size") or saved["vocab_size"]) == current.real_vocab_size:
+    if (saved["tokenizer_vocab_size"] or saved["vocab_size"]) == current.real_vocab_size:
         free |= {"vocab_size", "tokenizer_vocab_size"}
-    if saved.get("position_embedding_type") == now["position_embedding_type"] == "rope":
+    if saved["position_embedding_type"] == now["position_embedding_type"] == "rope":
         free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
     differences = [f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
                    for key in sorted(set(saved) | set(now))
@@ -165,38 +134,22 @@ def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
                         f"pass the same model flags (or --model) as the saved run")
 
 
-class CheckpointReader:
-    """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it.
-
-    Files are opened once (header checked, nothing unpickled) and read lazily: a slice
-    reads only the bytes of the pieces it overlaps.
-    """
+class CheckpointReader(contextlib.ExitStack):
+    """Reads any slice of any tensor of one checkpoint folder from the pieces that cover it. Each file
+    is opened once and read lazily, only the bytes a slice needs; leaving the `with` closes them."""
 
     def __init__(self, path: str, metadata: dict):
+        super().__init__()
         self.path, self.metadata, self.index = path, metadata, metadata["tensors"]
         self._files = {}
-
-    def __enter__(self) -> "CheckpointReader":
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for file in self._files.values():
-            file.__exit__(None, None, None)
-        self._files.clear()
-
-    def names(self, section: str) -> list[str]:
-        return list(self.index.get(section, {}))
 
     def shape(self, section: str, name: str) -> tuple[int, ...]:
         return tuple(self._entry(section, name)["shape"])
 
     def read(self, section: str, name: str, offsets=None, shape=None, pad_rows: bool = False) -> torch.Tensor:
-        """`global[offsets : offsets + shape]` of tensor `name` in `section` ("model", "optimizer").
-
-        Default: the whole tensor. Returned in the checkpoint's dtype. `pad_rows`: rows
-        past the checkpoint's dim 0 read as zero (vocabulary padding). UserError when
-        the stored pieces do not cover the region.
-        """
+        """`global[offsets : offsets + shape]` (default: all) of tensor `name` of `section`, in the
+        checkpoint's dtype. `pad_rows`: rows past the saved dim 0 read as zero (vocabulary padding).
+        UserError when the stored pieces do not cover the region."""
         entry = self._entry(section, name)
         global_shape = entry["shape"]
         offsets = list(offsets) if offsets is not None else [0] * len(global_shape)
@@ -204,8 +157,7 @@ class CheckpointReader:
         limits = list(global_shape)
         if pad_rows and limits:
             limits[0] = max(limits[0], offsets[0] + shape[0])
-        if len(offsets) != len(global_shape) or len(shape) != len(global_shape) or any(
-                o < 0 or o + n > limit for o, n, limit in zip(offsets, shape, limits)):
+        if not _fits(offsets, shape, limits):
             raise ValueError(f"region {offsets} + {shape} is outside {name!r} of shape {global_shape}")
         out = torch.zeros(shape, dtype=getattr(torch, entry["dtype"]))
         covered = torch.zeros(shape, dtype=torch.bool)
@@ -246,17 +198,14 @@ class CheckpointReader:
     def _file(self, file_name: str):
         if file_name not in self._files:
             size = (self.metadata.get("files") or {}).get(file_name)
-            self._files[file_name] = open_safetensors(os.path.join(self.path, file_name), size).__enter__()
+            self._files[file_name] = self.enter_context(open_safetensors(os.path.join(self.path, file_name), size))
         return self._files[file_name]
 
 
 def open_safetensors(path: str, size: int | None = None):
-    """`safe_open(path)`; UserError naming the file when it is missing, not valid safetensors, or
-    not `size` bytes long (the size metadata.json recorded, when it did).
-
-    safetensors parses a JSON header and checks it against the file size, so a pickle, a
-    truncated file or random bytes are refused here without executing anything.
-    """
+    """`safe_open(path)`; UserError naming the file when it is missing, not safetensors, or not
+    `size` bytes long. safetensors checks its JSON header against the file size, so a pickle, a
+    truncated file or random bytes are refused without executing anything."""
     if not os.path.isfile(path):
         raise UserError(f"checkpoint file {path} is missing; the checkpoint is incomplete, "
                         f"restore it or load another iteration")

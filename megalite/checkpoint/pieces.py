@@ -1,9 +1,5 @@
-"""Piece geometry: how a tensor a process holds is cut into pieces of the global tensor.
-
-A piece is a hyper-rectangle of a global tensor with its offsets. Pieces are what make
-checkpoints layout-free: every layout describes what it holds in global coordinates, so
-any other layout finds the parts it needs (docs/checkpoints.md).
-"""
+"""Piece geometry: what a process holds, as pieces of global tensors, so that any other layout
+finds the parts it needs."""
 
 from dataclasses import dataclass
 
@@ -12,11 +8,8 @@ import torch
 
 @dataclass
 class Piece:
-    """A hyper-rectangle of a global tensor: `tensor` is `global[o0:o0+n0, o1:o1+n1, ...]`.
-
-    `tensor` may be a view of a live tensor: loading copies into it, so a piece built
-    from a parameter's view restores that part of the parameter.
-    """
+    """`tensor` is `global[o0:o0+n0, o1:o1+n1, ...]` of a tensor of `global_shape`. It may be a view of
+    a live tensor: loading copies into it, restoring that part of the parameter."""
 
     tensor: torch.Tensor
     global_shape: tuple[int, ...]
@@ -30,15 +23,9 @@ class Piece:
 
 def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: int,
                            local_offsets: tuple[int, ...] | None = None) -> list[Piece]:
-    """Where this TP rank's local `tensor` sits in the global tensor, as pieces.
-
-    The one place that maps a TP shard to global coordinates, from the parameter
-    attributes of megalite/tensor_parallel/layers.py. A replicated parameter (or TP=1) is
-    one full piece. A sharded one holds, for each of its `partition_chunks` equal blocks
-    along `partition_dim`, this rank's `1/tp_size` of that block (`shard_full_tensor`).
-    local_offsets: `tensor` is only the region of the local shard starting there (a
-    distributed-optimizer range); None: the whole local shard.
-    """
+    """Where this TP rank's local `tensor` sits in the global tensor. A sharded `param` (attributes of
+    tensor_parallel/layers.py) holds this rank's 1/tp_size of each of its `partition_chunks` blocks along
+    `partition_dim`. `local_offsets`: `tensor` is only the part of the local shard starting there."""
     local_shape = tuple(param.shape) if param is not None and local_offsets is not None else tuple(tensor.shape)
     local_offsets = tuple(local_offsets) if local_offsets is not None else (0,) * tensor.dim()
     sharded = tp_size > 1 and param is not None and getattr(param, "tensor_model_parallel", False)
@@ -61,12 +48,8 @@ def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: i
 
 
 def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_size: int) -> list[Piece]:
-    """`values` = `param`'s local flat elements `[start, start + len)` as pieces of the global tensor.
-
-    A distributed-optimizer shard owns a contiguous range of a parameter's flattened
-    local shard; split into at most three rectangles (a partial first row, whole rows,
-    a partial last row), each is a view of `values` that `tensor_parallel_pieces` places.
-    """
+    """`values`, `param`'s local flat elements `[start, start + len)` (a distributed-optimizer range), as
+    at most three rectangles (a partial first row, whole rows, a partial last row) of the global tensor."""
     shape = tuple(param.shape)
     if len(shape) == 1:
         return tensor_parallel_pieces(values, param, tp_rank, tp_size, (start,))
@@ -87,44 +70,30 @@ def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_
     return pieces
 
 
-def model_pieces(model: torch.nn.Module, tp_rank: int = 0, tp_size: int = 1) -> dict[str, list[Piece]]:
-    """Every tensor of `model.state_dict()` (full global names) as pieces of views of the live tensors.
-
-    Under ZeRO-3 (the model has `param_shards`, megalite/data_parallel/param_shards.py) the
-    parameters this rank stores: the flat ranges of its shards, views of the stored values.
-    """
+def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dict[str, list[Piece]]:
+    """Every tensor of `model.state_dict()` (global names) as pieces of views of the live tensors; under
+    ZeRO-3 (`model.param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards."""
     shards = getattr(model, "param_shards", None)
     if shards is not None:
         names = {id(param): name for name, param in model.named_parameters()}
-        return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start,
-                                                    tp_rank, tp_size)
-                for param, (start, end) in shards.owned_ranges().items()}
+        return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
+                                                    tp_size) for param, (start, end) in shards.owned_ranges().items()}
     params = dict(model.named_parameters())
     return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
             for name, tensor in model.state_dict().items()}
 
 
-def optimizer_pieces(tensors: dict, model: torch.nn.Module | None = None, tp_rank: int = 0,
-                     tp_size: int = 1, flat_ranges: dict[str, int] | None = None) -> dict[str, list[Piece]]:
-    """The tensors of an optimizer's `state_dict()` as pieces of global tensors (views of them).
-
-    Tensors are named `<param name>.<kind>`. A value is the whole local tensor, placed
-    like its TP-sharded param of `model` (`tensor_parallel_pieces`); or, when
-    `flat_ranges` maps its param name to `start`, the param's local flat elements from
-    `start` on (a distributed-optimizer range, `flat_range_pieces`); or a `Piece` or a
-    list of `Piece`s already placed in the global tensor.
-    """
-    params = dict(model.named_parameters()) if model is not None else {}
-    flat_ranges = flat_ranges or {}
-
-    def pieces(name: str, value) -> list[Piece]:
-        if isinstance(value, Piece):
-            return [value]
-        if isinstance(value, list):
-            return list(value)
+def optimizer_pieces(tensors: dict, model: torch.nn.Module, tp_rank: int, tp_size: int,
+                     flat_ranges: dict[str, int] | None) -> dict[str, list[Piece]]:
+    """The tensors of an optimizer's `state_dict()`, named `<param name>.<kind>`, as pieces: a `Piece`
+    as it is, a flat range from `flat_ranges[param name]` on, or a local tensor placed like its param."""
+    params, flat_ranges, pieces = dict(model.named_parameters()), flat_ranges or {}, {}
+    for name, value in tensors.items():
         param_name = name.rsplit(".", 1)[0]
-        if param_name in flat_ranges:
-            return flat_range_pieces(value, params[param_name], flat_ranges[param_name], tp_rank, tp_size)
-        return tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
-
-    return {name: pieces(name, value) for name, value in tensors.items()}
+        if isinstance(value, Piece):
+            pieces[name] = [value]
+        elif param_name in flat_ranges:
+            pieces[name] = flat_range_pieces(value, params[param_name], flat_ranges[param_name], tp_rank, tp_size)
+        else:
+            pieces[name] = tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
+    return pieces

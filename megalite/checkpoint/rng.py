@@ -1,9 +1,6 @@
-"""RNG states in a checkpoint: one safetensors file per rank, so a resumed run draws the
-same random numbers (dropout masks) as the run that saved it.
-
-Tensors hold the torch, numpy and TP-region states; the python and the rest of numpy's
-state are JSON in the file's header. Nothing is pickled.
-"""
+"""RNG states in a checkpoint, one safetensors file per rank, so a resumed run draws the same
+random numbers (dropout masks) as the run that saved it. Nothing is pickled: the python and
+numpy states beside the keys are JSON in the file's header."""
 
 import json
 import random
@@ -17,8 +14,7 @@ from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 
 def write_rng_state(path: str) -> None:
-    """Write this process's python, numpy, torch CPU, (when present) CUDA and TP-region RNG
-    states to the safetensors file `path` (not fsynced)."""
+    """Write this process's python, numpy, torch CPU, CUDA and TP-region RNG states to `path`."""
     numpy_state = np.random.get_state()
     tensors = {"torch_cpu": torch.get_rng_state(),
                # MT19937 keys are uint32: int64 holds them exactly in a dtype every reader knows.

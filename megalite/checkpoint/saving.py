@@ -1,13 +1,6 @@
-"""Saving a checkpoint: every rank writes its pieces and RNG states, rank 0 publishes.
-
-The steps are public (`begin_save`, `write_rank_files`, `finalize_save`) so a
-distributed caller can pass `torch.distributed.barrier` as `barrier`; `save_checkpoint`
-runs them all. A save that fails (disk full, permission denied, ...) raises
-`CheckpointSaveError` naming the folder and the error, on every rank (the ranks agree
-through `failed_ranks`), after rank 0 removed the partial folder: the previous
-checkpoint stays the latest. metadata.json records every file's size, so a truncated or
-altered file is refused at load.
-"""
+"""Saving a checkpoint: every rank writes its pieces and RNG states (`write_rank_files`), rank 0
+publishes (`finalize_save`). A failed save raises `CheckpointSaveError` on every rank once rank 0 has
+removed the partial folder, so the previous checkpoint stays the latest."""
 
 import dataclasses
 import os
@@ -37,18 +30,11 @@ def _no_barrier() -> None:
 
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
-                    extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS, barrier=_no_barrier,
-                    failed_ranks=None) -> str:
-    """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder.
-
-    Every rank calls this; each writes its own files, rank 0 finalizes. `extra` is any
-    JSON-able dict (run args, LR schedule, ...) handed back by `load_checkpoint`.
-    `barrier` synchronises the ranks (e.g. torch.distributed.barrier); one process needs none.
-    `failed_ranks(ok)`, called by every rank after each step with whether the step worked
-    here, returns the ranks where it failed (an all-reduce across ranks); without it the
-    barrier stands in and each rank sees its own failure only. Any failure raises
-    CheckpointSaveError on every rank once rank 0 has removed the partial folder.
-    """
+                    extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS,
+                    barrier=_no_barrier, failed_ranks=None) -> str:
+    """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder. Every rank
+    calls this. `extra`: JSON that `load_checkpoint` hands back. `failed_ranks(ok)` returns the ranks whose
+    step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure."""
     failed_ranks = failed_ranks or _own_failures(barrier, rank)
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
@@ -87,8 +73,8 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
 
 
 def failed_ranks_across(parallel):
-    """A `failed_ranks(ok)` for megalite.checkpoint.save_checkpoint: the ranks whose step failed,
-    known to every rank (one all-reduce of a world-size vector)."""
+    """A `failed_ranks(ok)` for `save_checkpoint`: the ranks whose step failed, known to every rank
+    (one all-reduce of a world-size vector)."""
     def failed_ranks(ok: bool) -> list[int]:
         if parallel.world_size == 1:
             return [] if ok else [0]
@@ -145,34 +131,28 @@ def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) ->
 def write_rank_files(staging: str, rank: int, model: dict[str, list[Piece]],
                      optimizer: dict[str, list[Piece]] | None = None) -> None:
     """Write this rank's model pieces, optimizer pieces and RNG states into `staging`, fsynced."""
-    model_file = os.path.join(staging, f"model_{rank:05d}.safetensors")
-    write_pieces(model_file, "model", model)
-    fsync_file(model_file)
-    if optimizer is not None:
-        optim_file = os.path.join(staging, f"optim_{rank:05d}.safetensors")
-        write_pieces(optim_file, "optimizer", optimizer)
-        fsync_file(optim_file)
+    for prefix, section, pieces in (("model", "model", model), ("optim", "optimizer", optimizer)):
+        if pieces is not None:
+            path = os.path.join(staging, f"{prefix}_{rank:05d}.safetensors")
+            write_pieces(path, section, pieces)
+            fsync_file(path)
     rng_file = os.path.join(staging, f"rng_{rank:05d}.safetensors")
     write_rng_state(rng_file)
     fsync_file(rng_file)
 
 
 def finalize_save(save: str, iteration: int, header: dict) -> str:
-    """Rank 0, after every rank wrote: index the pieces, write metadata.json, publish atomically.
-
-    `header` holds the JSON fields of metadata.json besides the version and the index.
-    Order matters for crash safety: the folder is complete and renamed into place before
-    the latest file names it.
-    """
+    """Rank 0, after every rank wrote: index the pieces, write metadata.json (`header`'s fields, the
+    version, every file's size and the index), publish the folder, and only then name it in the
+    latest file."""
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
-    tensors = index_pieces(staging)
     names = sorted(os.listdir(staging))
     ranks = sum(1 for name in names if name.startswith("rng_"))
     # Sizes let a loader refuse a truncated or altered file before reading it.
     files = {name: os.path.getsize(os.path.join(staging, name)) for name in names if name.endswith(".safetensors")}
     metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": ranks, "files": files,
-                "tensors": tensors}
+                "tensors": index_pieces(staging)}
     with open(os.path.join(staging, METADATA_FILE), "w") as file:
         file.write(metadata_text(metadata))
         file.flush()

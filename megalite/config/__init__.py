@@ -1,21 +1,14 @@
-"""The run's configuration: one frozen dataclass per flag group, each field one option.
-
-Each config class declares its flags (megalite/config/options.py) and validates its own
-fields; `RunConfig` holds the groups, checks what spans them and derives what several
-groups decide (`num_microbatches`). `megalite/arguments.py` generates the command line
-from these classes.
-"""
+"""The run's configuration: one frozen dataclass per flag group, each field one option
+(config/options.py). Each class validates its own fields; `RunConfig` holds the groups, checks
+what spans them and derives what several decide. megalite/arguments.py generates the command line."""
 
 from megalite.config.data import DataConfig
-from megalite.config.model import (
-    NORMALIZATIONS, POSITION_EMBEDDING_TYPES, RECOMPUTE_GRANULARITIES, ModelConfig, num_parameters, pad_vocab_size,
-    with_tokenizer_vocab,
-)
+from megalite.config.model import ModelConfig, num_parameters, pad_vocab_size, with_tokenizer_vocab
 from megalite.config.parallel import ParallelConfig
 from megalite.config.presets import MODEL_PRESETS, model_config_from_preset
 from megalite.config.run import CheckpointConfig, LoggingConfig, RunConfig
 from megalite.config.train import TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MODEL_PRESETS", "ModelConfig", "NORMALIZATIONS",
-           "POSITION_EMBEDDING_TYPES", "ParallelConfig", "RECOMPUTE_GRANULARITIES", "RunConfig", "TrainConfig",
-           "model_config_from_preset", "num_parameters", "pad_vocab_size", "with_tokenizer_vocab"]
+__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MODEL_PRESETS", "ModelConfig", "ParallelConfig",
+           "RunConfig", "TrainConfig", "model_config_from_preset", "num_parameters", "pad_vocab_size",
+           "with_tokenizer_vocab"]

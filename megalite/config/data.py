@@ -1,5 +1,5 @@
 """DataConfig: where tokens come from (`--data-path` blends, per-split paths, `--mock-data`, or
-the built-in corpus when none is given)."""
+the built-in corpus when none is given: megalite/run/data.py's `resolve_data` points a copy at it)."""
 
 from dataclasses import dataclass
 
@@ -12,17 +12,13 @@ TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer"
 
 @dataclass(frozen=True)
 class DataConfig:
-    """The data flags. For the default run, `resolve_data` (megalite/run/data.py) returns a copy
-    pointing at the built-in corpus and its tokenizer."""
-
     data_path: list[str] | None = option(None, "token file prefixes, optionally weighted",
                                          default_text="the built-in corpus")
     split: str = option("969,30,1", "train,valid,test weights of --data-path's documents")
     train_data_path: list[str] | None = option(None, "token file prefixes of the training split")
     valid_data_path: list[str] | None = option(None, "token file prefixes of the validation split")
     test_data_path: list[str] | None = option(None, "token file prefixes of the test split")
-    data_cache_path: str | None = option(None, "where the sample indices are cached",
-                                         default_text="beside the data")
+    data_cache_path: str | None = option(None, "where the sample indices are cached", default_text="beside the data")
     mock_data: bool = option(False, "deterministic synthetic tokens, no files")
     tokenizer_type: str | None = option(None, "the tokenizer", choices=TOKENIZER_TYPES,
                                         default_text="the built-in corpus's")

@@ -1,10 +1,5 @@
-"""ModelConfig: one model's shape, with Megatron-LM's names and its own validation.
-
-Field names are Megatron's argument names (`--num-query-groups` -> `num_query_groups`),
-except `add_bias_linear`, which `--disable-bias-linear` sets False. `vocab_size` is the
-*padded* vocabulary the model holds; `tokenizer_vocab_size` is the tokenizer's, and the
-rows and logits in between are padding that never reaches the loss (megalite/model/gpt.py).
-"""
+"""ModelConfig, one model's shape with Megatron-LM's names. `vocab_size` is the *padded* vocabulary;
+the rows past `tokenizer_vocab_size` are padding that never reaches the loss."""
 
 import math
 from dataclasses import MISSING, dataclass, replace
@@ -19,11 +14,8 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One GPT / LLaMA architecture. None fields are derived as Megatron derives them.
-
-    On the command line every field's default is the `--model` preset's value
-    (megalite/config/presets.py); the defaults here serve configs built in code.
-    """
+    """One GPT / LLaMA architecture; None fields are derived as Megatron derives them. On the command
+    line the defaults are the `--model` preset's (config/presets.py); these serve configs built in code."""
 
     num_layers: int = option(MISSING, "transformer layers")
     hidden_size: int = option(MISSING, "hidden size h")
@@ -32,15 +24,14 @@ class ModelConfig:
     vocab_size: int = derived(MISSING, "padded: the tokenizer's vocabulary rounded up to "
                                        "--make-vocab-size-divisible-by x TP (what the embedding holds)")
     tokenizer_vocab_size: int | None = derived(None, "the tokenizer's vocabulary; None: no padding")
-    ffn_hidden_size: int | None = option(None, "MLP hidden size", default_text="4h, or Megatron's 2/3 of that "
-                                                                                "(rounded down to 64) with --swiglu")
+    ffn_hidden_size: int | None = option(None, "MLP hidden size", default_text="4h, or 2/3 of that (rounded down "
+                                                                                "to 64) with --swiglu")
     num_query_groups: int | None = option(None, "key/value heads (with --group-query-attention)",
                                           default_text="one per query head")
     kv_channels: int | None = option(None, "channels per head", default_text="hidden size / heads")
     max_position_embeddings: int | None = option(None, "the model's context length (the learned position "
                                                        "table's size)", default_text="--seq-length")
-    position_embedding_type: str = option("learned_absolute", "position encoding",
-                                          choices=POSITION_EMBEDDING_TYPES)
+    position_embedding_type: str = option("learned_absolute", "position encoding", choices=POSITION_EMBEDDING_TYPES)
     rotary_base: float = option(10000.0, "rope's base period")
     use_rope_scaling: bool = option(False, "Llama 3.1's rope frequency scaling (low 1, high 4, context 8192)")
     rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
@@ -48,19 +39,15 @@ class ModelConfig:
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
     swiglu: bool = option(False, "SwiGLU MLP (LLaMA) instead of GELU")
     openai_gelu: bool = option(False, "tanh-approximated GELU (GPT-2's `gelu_new`) instead of exact erf")
-    untie_embeddings_and_output_weights: bool = option(False, "an output layer of its own instead of the "
-                                                              "word embedding's transpose")
-    add_bias_linear: bool = option(True, "no biases in the linear layers", flag="--disable-bias-linear",
-                                   inverted=True)
+    untie_embeddings_and_output_weights: bool = option(False, "an output layer of its own, not the embedding's")
+    add_bias_linear: bool = option(True, "no biases in the linear layers", flag="--disable-bias-linear", inverted=True)
     hidden_dropout: float = option(0.1, "dropout after attention and MLP")
     attention_dropout: float = option(0.1, "dropout of the attention probabilities")
     init_method_std: float = option(0.02, "standard deviation of the weight initialisation")
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP")
-    recompute_granularity: str | None = option(None, "recompute activations in backward: full layers or "
-                                                     "the attention core (selective)",
+    recompute_granularity: str | None = option(None, "recompute full layers or the attention core (selective)",
                                                choices=RECOMPUTE_GRANULARITIES[1:], default_text="none")
-    z_loss_weight: float = option(0.0, "adds w * logsumexp(logits)^2 per token to the loss (PaLM's z-loss; "
-                                       "1e-4 is common)")
+    z_loss_weight: float = option(0.0, "PaLM's z-loss: adds w * logsumexp(logits)^2 per token (1e-4 is common)")
     fused_output_cross_entropy: bool = option(False, "output layer + loss in token chunks, never the full "
                                                      "logits (TP = 1); costs one more output-layer matmul")
 
@@ -78,9 +65,7 @@ class ModelConfig:
     @property
     def head_dim(self) -> int:
         """Channels per attention head (`--kv-channels`)."""
-        if self.kv_channels is not None:
-            return self.kv_channels
-        return self.hidden_size // self.num_attention_heads
+        return self.kv_channels or self.hidden_size // self.num_attention_heads
 
     @property
     def query_groups(self) -> int:
@@ -95,41 +80,36 @@ class ModelConfig:
     def validate(self) -> "ModelConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
         for flag, value in [("--num-layers", self.num_layers), ("--hidden-size", self.hidden_size),
-                            ("--num-attention-heads", self.num_attention_heads),
-                            ("--seq-length", self.seq_length), ("--vocab-size", self.vocab_size),
-                            ("--ffn-hidden-size", self.ffn_hidden_size),
+                            ("--num-attention-heads", self.num_attention_heads), ("--seq-length", self.seq_length),
+                            ("--vocab-size", self.vocab_size), ("--ffn-hidden-size", self.ffn_hidden_size),
                             ("--max-position-embeddings", self.max_position_embeddings),
                             ("--make-vocab-size-divisible-by", self.make_vocab_size_divisible_by)]:
             if not isinstance(value, int) or value < 1:
                 raise UserError(f"{flag} must be a positive integer, got {value!r}")
         if self.kv_channels is None and self.hidden_size % self.num_attention_heads:
-            raise UserError(
-                f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
-                f"{self.num_attention_heads}; change one of them or set --kv-channels")
+            raise UserError(f"--hidden-size {self.hidden_size} is not divisible by --num-attention-heads "
+                            f"{self.num_attention_heads}; change one of them or set --kv-channels")
         if not self.z_loss_weight >= 0:
             raise UserError(f"--z-loss-weight must be 0 or more, got {self.z_loss_weight} (1e-4 is a common value)")
         if self.kv_channels is not None and self.kv_channels < 1:
             raise UserError(f"--kv-channels must be a positive integer, got {self.kv_channels}")
-        if self.num_query_groups is not None and (
-                self.num_query_groups < 1 or self.num_attention_heads % self.num_query_groups):
-            raise UserError(
-                f"--num-query-groups {self.num_query_groups} does not divide --num-attention-heads "
-                f"{self.num_attention_heads}; use a group count that divides the head count")
-        if self.position_embedding_type not in POSITION_EMBEDDING_TYPES:
-            raise UserError(
-                f"--position-embedding-type {self.position_embedding_type!r} is unknown; "
-                f"use one of {', '.join(POSITION_EMBEDDING_TYPES)}")
-        if (self.position_embedding_type == "learned_absolute"
-                and self.seq_length > self.max_position_embeddings):
-            raise UserError(
-                f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
-                f"{self.max_position_embeddings} with learned positions; raise "
-                f"--max-position-embeddings or lower --seq-length")
+        groups = self.num_query_groups
+        if groups is not None and (groups < 1 or self.num_attention_heads % groups):
+            raise UserError(f"--num-query-groups {groups} does not divide --num-attention-heads "
+                            f"{self.num_attention_heads}; use a group count that divides the head count")
+        for flag, value, known in [("--normalization", self.normalization, NORMALIZATIONS),
+                                   ("--position-embedding-type", self.position_embedding_type,
+                                    POSITION_EMBEDDING_TYPES)]:
+            if value not in known:
+                raise UserError(f"{flag} {value!r} is unknown; use one of {', '.join(known)}")
+        if self.position_embedding_type == "learned_absolute" and self.seq_length > self.max_position_embeddings:
+            raise UserError(f"--seq-length {self.seq_length} exceeds --max-position-embeddings "
+                            f"{self.max_position_embeddings} with learned positions; raise "
+                            f"--max-position-embeddings or lower --seq-length")
         if self.position_embedding_type == "rope":
             if self.head_dim % 2:
-                raise UserError(
-                    f"rotary embeddings need an even head size, got {self.head_dim}; "
-                    f"change --kv-channels or --hidden-size / --num-attention-heads")
+                raise UserError(f"rotary embeddings need an even head size, got {self.head_dim}; "
+                                f"change --kv-channels or --hidden-size / --num-attention-heads")
             if self.rotary_base <= 0:
                 raise UserError(f"--rotary-base must be positive, got {self.rotary_base}")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
@@ -137,21 +117,15 @@ class ModelConfig:
                             "drop --use-rope-scaling or switch to rope")
         if self.use_rope_scaling and self.rope_scaling_factor <= 0:
             raise UserError(f"--rope-scaling-factor must be positive, got {self.rope_scaling_factor}")
-        if self.normalization not in NORMALIZATIONS:
-            raise UserError(f"--normalization {self.normalization!r} is unknown; "
-                            f"use one of {', '.join(NORMALIZATIONS)}")
-        if self.norm_epsilon <= 0:
-            raise UserError(f"--norm-epsilon must be positive, got {self.norm_epsilon}")
-        for flag, value in [("--hidden-dropout", self.hidden_dropout),
-                            ("--attention-dropout", self.attention_dropout)]:
+        for flag, value in [("--norm-epsilon", self.norm_epsilon), ("--init-method-std", self.init_method_std)]:
+            if value <= 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+        for flag, value in [("--hidden-dropout", self.hidden_dropout), ("--attention-dropout", self.attention_dropout)]:
             if not 0.0 <= value < 1.0:
                 raise UserError(f"{flag} must be in [0, 1), got {value}")
-        if self.init_method_std <= 0:
-            raise UserError(f"--init-method-std must be positive, got {self.init_method_std}")
         if self.tokenizer_vocab_size is not None and not 1 <= self.tokenizer_vocab_size <= self.vocab_size:
-            raise UserError(
-                f"the tokenizer's vocabulary ({self.tokenizer_vocab_size}) does not fit the model's "
-                f"padded vocabulary ({self.vocab_size}); check --vocab-size and the tokenizer flags")
+            raise UserError(f"the tokenizer's vocabulary ({self.tokenizer_vocab_size}) does not fit the model's "
+                            f"padded vocabulary ({self.vocab_size}); check --vocab-size and the tokenizer flags")
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise UserError(f"--recompute-granularity {self.recompute_granularity!r} is unknown; "
                             f"use full or selective")
@@ -167,7 +141,7 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
 
 def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int,
                          tensor_model_parallel_size: int = 1) -> ModelConfig:
-    """A new, validated `model` holding the tokenizer's vocabulary, padded per
+    """A validated copy of `model` holding the tokenizer's vocabulary, padded per
     --make-vocab-size-divisible-by x TP (the one place the padded size is computed)."""
     padded = pad_vocab_size(tokenizer_vocab_size, model.make_vocab_size_divisible_by, tensor_model_parallel_size)
     return replace(model, vocab_size=padded, tokenizer_vocab_size=tokenizer_vocab_size).validate()

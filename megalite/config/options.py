@@ -1,13 +1,5 @@
-"""One definition per option: a config dataclass field carries its flag, help and choices.
-
-    lr: float = option(1e-3, "peak learning rate")
-
-declares the field `lr` and the flag `--lr` (type from the annotation, default from the
-field) in one line; `megalite/arguments.py` generates the parser from these fields. A
-field that no flag sets (a value derived from others, or from the launcher) is declared
-with `derived(...)`; every field of a config class is one or the other, and
-tests/test_arguments.py fails when a field and the parser drift apart.
-"""
+"""One definition per option: `lr: float = option(1e-3, "peak learning rate")` declares the field
+`lr` and the flag `--lr` (type from the annotation); a field no flag sets is `derived(...)`."""
 
 import dataclasses
 import types
@@ -20,21 +12,16 @@ class Option:
     """How one config field appears on the command line."""
 
     help: str
-    flags: tuple[str, ...] = ()  # () : "--" + the field name with dashes; more than one: aliases
+    flag: str | tuple[str, ...] = ()  # () : "--" + the field name with dashes; a tuple: aliases
     choices: tuple | None = None
-    metavar: str | None = None
     off_flag: str | None = None  # a second flag that sets a boolean field False
     inverted: bool = False  # the flag sets a boolean field False (`--disable-bias-linear`)
     default_text: str | None = None  # what --help says the default is, when the field default does not say it
 
 
-def option(default, help: str, *, flag: str | tuple[str, ...] = (), choices=None, metavar: str | None = None,
-           off_flag: str | None = None, inverted: bool = False, default_text: str | None = None):
-    """A dataclass field that is also a command-line flag (see the module docstring)."""
-    flags = (flag,) if isinstance(flag, str) else tuple(flag)
-    spec = Option(help, flags, tuple(choices) if choices is not None else None, metavar, off_flag, inverted,
-                  default_text)
-    return dataclasses.field(default=default, metadata={"option": spec})
+def option(default, help: str, **spec):
+    """A dataclass field that is also a command-line flag; `spec` holds Option's other fields."""
+    return dataclasses.field(default=default, metadata={"option": Option(help, **spec)})
 
 
 def derived(default, why: str):
@@ -50,7 +37,7 @@ def option_fields(cls) -> list[tuple[dataclasses.Field, Option]]:
 def flags_of(field: dataclasses.Field) -> tuple[str, ...]:
     """The flag(s) that set `field`: its own spelling(s), then the off flag if any."""
     spec: Option = field.metadata["option"]
-    flags = spec.flags or ("--" + field.name.replace("_", "-"),)
+    flags = (spec.flag,) if isinstance(spec.flag, str) else spec.flag or ("--" + field.name.replace("_", "-"),)
     return flags + ((spec.off_flag,) if spec.off_flag else ())
 
 

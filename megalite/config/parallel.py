@@ -11,8 +11,6 @@ SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """The layout flags; `data_parallel_size` and the virtual stage count are derived from them."""
-
     tensor_model_parallel_size: int = option(1, "tensor-parallel ranks (TP)")
     pipeline_model_parallel_size: int = option(1, "pipeline stages (PP)")
     num_layers_per_virtual_pipeline_stage: int | None = option(
@@ -25,8 +23,7 @@ class ParallelConfig:
         None, "layers on the first pipeline stage (the rest split evenly)")
     decoder_last_pipeline_num_layers: int | None = option(
         None, "layers on the last pipeline stage (the rest split evenly)")
-    sequence_parallel: bool = option(False, "split norms, dropout and activations along the sequence over "
-                                            "the tensor-parallel ranks")
+    sequence_parallel: bool = option(False, "split norms, dropout and activations along the sequence over TP")
     use_distributed_optimizer: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1, "
                                                     "the same as --data-parallel-sharding-strategy optim)")
     data_parallel_sharding_strategy: str = option(
@@ -34,13 +31,11 @@ class ParallelConfig:
                     "+ parameters (ZeRO-3, fully sharded)", choices=SHARDING_STRATEGIES)
     use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
                                             "its FSDP; --data-parallel-sharding-strategy picks the stage")
-    overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last "
-                                              "backward")
+    overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last backward")
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
     distributed_backend: str | None = option(None, "collective backend", choices=("nccl", "gloo"),
                                              default_text="nccl with CUDA, else gloo")
-    distributed_timeout_minutes: float = option(10.0, "a collective that waits longer (a dead or hung rank) "
-                                                      "fails the run")
+    distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (a dead or hung rank) fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
 
     @property
@@ -53,35 +48,30 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        """DP: the world size over TP x PP (validate checks it divides)."""
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
     def validate(self) -> "ParallelConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
-        for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)]:
-            if size < 1:
+        for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                           ("--ddp-bucket-size", self.ddp_bucket_size),
+                           ("--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank)]:
+            if size is not None and size < 1:
                 raise UserError(f"{flag} must be at least 1, got {size}")
         if self.world_size % (tp * pp):
-            raise UserError(
-                f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-                f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
+            raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
+                            f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
         if not self.distributed_timeout_minutes > 0:
             raise UserError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
-        if self.ddp_bucket_size is not None and self.ddp_bucket_size < 1:
-            raise UserError(f"--ddp-bucket-size must be at least 1 (gradient elements), got {self.ddp_bucket_size}")
         if self.num_layers_per_virtual_pipeline_stage is not None \
                 and self.num_virtual_stages_per_pipeline_rank is not None:
             raise UserError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
                             "both given; pick one")
-        if self.num_virtual_stages_per_pipeline_rank is not None and self.num_virtual_stages_per_pipeline_rank < 1:
-            raise UserError(f"--num-virtual-stages-per-pipeline-rank must be at least 1, got "
-                            f"{self.num_virtual_stages_per_pipeline_rank}")
         return self
 
     def virtual_stages(self, num_layers: int) -> int:
-        """V, the model chunks per pipeline rank for a model of `num_layers` layers (the one place it
-        is derived); UserError when the virtual-stage flags do not fit the layers or the pipeline."""
+        """V, the model chunks per pipeline rank for `num_layers` layers (derived only here); UserError
+        when the virtual-stage flags do not fit the layers or the pipeline."""
         pp, per_stage = self.pipeline_model_parallel_size, self.num_layers_per_virtual_pipeline_stage
         chunks = self.num_virtual_stages_per_pipeline_rank or 1
         if per_stage is not None:

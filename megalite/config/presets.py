@@ -1,8 +1,5 @@
-"""Named architectures: `--model NAME` -> ModelConfig field values with the published numbers.
-
-A preset's `vocab_size` is the tokenizer's vocabulary; `model_config_from_preset` pads it.
-On the command line, a model flag that is given overrides the preset's value.
-"""
+"""Named architectures: `--model NAME` -> ModelConfig field values with the published numbers
+(`vocab_size` is the tokenizer's, padded by `model_config_from_preset`)."""
 
 import dataclasses
 
@@ -54,11 +51,8 @@ MODEL_PRESETS: dict[str, dict] = {
 
 
 def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **overrides) -> ModelConfig:
-    """The validated ModelConfig of preset `name` with `overrides` applied.
-
-    `vocab_size` (from the preset or the overrides) is the tokenizer's vocabulary; the
-    config's `vocab_size` is it padded per `make_vocab_size_divisible_by` x TP.
-    """
+    """The validated ModelConfig of preset `name` with `overrides` applied, its `vocab_size` (the
+    tokenizer's, from the preset or the overrides) padded per `make_vocab_size_divisible_by` x TP."""
     if name not in MODEL_PRESETS:
         raise UserError(f"--model {name!r} is not a known preset; use one of "
                         f"{', '.join(MODEL_PRESETS)} (see --list-models)")
@@ -67,9 +61,8 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
     if unknown:
         raise ValueError(f"unknown ModelConfig fields: {unknown}")
     values = {**MODEL_PRESETS[name], **overrides}
-    tokenizer_vocab = values.pop("vocab_size")
-    # Validated once the vocabulary is in: the padded size needs a sound --make-vocab-size-divisible-by.
-    unpadded = ModelConfig(**values, vocab_size=tokenizer_vocab)
+    # Validated once the vocabulary is padded, which needs a sound --make-vocab-size-divisible-by.
+    unpadded = ModelConfig(**values)
     if not isinstance(unpadded.make_vocab_size_divisible_by, int) or unpadded.make_vocab_size_divisible_by < 1:
         unpadded.validate()  # names --make-vocab-size-divisible-by
-    return with_tokenizer_vocab(unpadded, tokenizer_vocab, tensor_model_parallel_size)
+    return with_tokenizer_vocab(unpadded, values["vocab_size"], tensor_model_parallel_size)

@@ -1,8 +1,8 @@
-"""The pure rules behind several flags, written once: the config classes validate the flags with
-them, and the runtime modules that take the same values (the LR schedule, the loss scaler, the
-batch sampler, the pipeline schedule and stages) check them with them too, so a value is refused
-with the same sentence wherever it arrives. Nothing here looks at the machine or imports more
-than megalite.errors."""
+"""The rules behind several flags, written once: the config classes validate the flags with them, and
+the runtime modules that take the same values (LR schedule, loss scaler, batch sampler, pipeline
+schedule and stages) check them too, so a value is refused with the same sentence wherever it arrives."""
+
+from itertools import accumulate
 
 from megalite.errors import UserError
 
@@ -10,15 +10,9 @@ DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
 # Each LR schedule setting and the flag that sets it, for error messages.
-LR_SCHEDULE_FLAGS = {
-    "lr": "--lr",
-    "min_lr": "--min-lr",
-    "warmup_iters": "--lr-warmup-iters",
-    "decay_iters": "--lr-decay-iters",
-    "decay_style": "--lr-decay-style",
-    "wsd_decay_style": "--lr-wsd-decay-style",
-    "wsd_decay_iters": "--lr-wsd-decay-iters",
-}
+LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
+                     "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
+                     "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters"}
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
@@ -52,21 +46,18 @@ def check_loss_scale_settings(initial_scale: float, min_scale: float, growth_int
     if not 0 < min_scale <= initial_scale:
         raise UserError(f"--initial-loss-scale {initial_scale} and --min-loss-scale {min_scale} must satisfy "
                         f"0 < min <= initial; pass a smaller --min-loss-scale")
-    if growth_interval < 1:
-        raise UserError(f"--loss-scale-window is {growth_interval} but must be at least 1; pass 1 or more")
-    if hysteresis < 1:
-        raise UserError(f"--hysteresis is {hysteresis} but must be at least 1; pass 1 or more")
+    for flag, value in [("--loss-scale-window", growth_interval), ("--hysteresis", hysteresis)]:
+        if value < 1:
+            raise UserError(f"{flag} is {value} but must be at least 1; pass 1 or more")
 
 
 def check_batch_sizes(global_batch_size: int, micro_batch_size: int, data_parallel_size: int) -> int:
     """Number of micro-batches per DP rank per iteration; a clear error if G does not split."""
     per_step = micro_batch_size * data_parallel_size
     if micro_batch_size < 1 or global_batch_size < 1 or global_batch_size % per_step:
-        raise UserError(
-            f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
-            f"{micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}; "
-            f"use a global batch size such as {max(1, global_batch_size // per_step) * per_step}"
-        )
+        raise UserError(f"--global-batch-size {global_batch_size} is not a multiple of --micro-batch-size "
+                        f"{micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}; "
+                        f"use a global batch size such as {max(1, global_batch_size // per_step) * per_step}")
     return global_batch_size // per_step
 
 
@@ -82,31 +73,19 @@ def check_microbatches(num_microbatches: int, pp: int, vp: int) -> None:
 
 def virtual_stage_layers(num_layers: int, pp: int, vp: int = 1, first: int | None = None,
                          last: int | None = None) -> list[list[int]]:
-    """The global layer ids of each of the `pp * vp` virtual stages, in pipeline order.
-
-    UserError, naming the flags, when the layers cannot be split that way.
-    """
+    """The global layer ids of each of the `pp * vp` virtual stages, in pipeline order; UserError,
+    naming the flags, when the layers cannot be split that way."""
     stages = pp * vp
-    sizes = _stage_sizes(num_layers, stages, first, last)
-    bounds = [sum(sizes[:i]) for i in range(stages + 1)]
-    return [list(range(bounds[i], bounds[i + 1])) for i in range(stages)]
-
-
-def _stage_sizes(num_layers: int, stages: int, first: int | None, last: int | None) -> list[int]:
-    split = f"--pipeline-model-parallel-size x virtual stages = {stages} stage(s)"
-    if stages == 1:
-        if first is not None or last is not None:
-            raise UserError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size 2 or "
-                            "more; drop them")
-        return [num_layers]
-    fixed = {0: first, stages - 1: last}
+    given = {stage: value for stage, value in [(0, first), (stages - 1, last)] if value is not None}
+    if stages == 1 and given:
+        raise UserError("--decoder-first/last-pipeline-num-layers need --pipeline-model-parallel-size 2 or "
+                        "more; drop them")
     for flag, value in [("--decoder-first-pipeline-num-layers", first), ("--decoder-last-pipeline-num-layers", last)]:
         if value is not None and value < 1:
             raise UserError(f"{flag} must be at least 1, got {value}")
-    given = {stage: value for stage, value in fixed.items() if value is not None}
-    rest_layers = num_layers - sum(given.values())
-    rest_stages = stages - len(given)
+    rest_layers, rest_stages = num_layers - sum(given.values()), stages - len(given)
     if rest_layers < rest_stages or (rest_stages and rest_layers % rest_stages) or (not rest_stages and rest_layers):
+        split = f"--pipeline-model-parallel-size x virtual stages = {stages} stage(s)"
         if given:
             raise UserError(
                 f"--num-layers {num_layers} minus the first/last stage layers ({sum(given.values())}) leaves "
@@ -114,8 +93,9 @@ def _stage_sizes(num_layers: int, stages: int, first: int | None, last: int | No
                 f"least one layer each; change --decoder-first/last-pipeline-num-layers or --num-layers")
         raise UserError(f"--num-layers {num_layers} is not divisible by {split}; use a multiple of {stages} "
                         f"layers, or --decoder-first/last-pipeline-num-layers for uneven ends")
-    per_stage = rest_layers // rest_stages if rest_stages else 0
-    return [given.get(stage, per_stage) for stage in range(stages)]
+    sizes = [given.get(stage, rest_layers // rest_stages if rest_stages else 0) for stage in range(stages)]
+    bounds = [0, *accumulate(sizes)]
+    return [list(range(start, stop)) for start, stop in zip(bounds, bounds[1:])]
 
 
 def check_tensor_parallel_split(num_attention_heads: int, query_groups: int, ffn_hidden_size: int, tp: int) -> None:

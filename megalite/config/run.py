@@ -20,15 +20,13 @@ WANDB_MODES = ("online", "offline", "disabled")
 class CheckpointConfig:
     """Where checkpoints go and what a load restores."""
 
-    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, "
-                                                                      "else no checkpoints")
+    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, else none")
     load: str | None = option(None, "resume from the latest checkpoint in this folder",
                               default_text="--save when it holds one")
-    save_interval: int | None = option(None, "save every this many iterations", default_text="only at the end "
-                                                                                             "(and on exit)")
-    keep_last_n_checkpoints: int | None = option(
-        None, "after each save, delete all but the newest N checkpoints (never the one resumed from)",
-        default_text="keep all")
+    save_interval: int | None = option(None, "save every this many iterations",
+                                       default_text="only at the end (and on exit)")
+    keep_last_n_checkpoints: int | None = option(None, "after each save, delete all but the newest N checkpoints "
+                                                       "(never the one resumed from)", default_text="keep all")
     save_retain_interval: int | None = option(
         None, "with --keep-last-n-checkpoints: also keep checkpoints at multiples of this iteration")
     no_load_optim: bool = option(False, "on --load, leave the optimizer state behind")
@@ -37,18 +35,15 @@ class CheckpointConfig:
 
     def validate(self) -> "CheckpointConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
-        if self.save_interval is not None:
-            if self.save is None:
-                raise UserError("--save-interval needs --save DIR (where to write checkpoints)")
-            if self.save_interval < 1:
-                raise UserError(f"--save-interval must be at least 1, got {self.save_interval}")
-        for flag, value in [("--keep-last-n-checkpoints", self.keep_last_n_checkpoints),
+        for flag, value in [("--save-interval", self.save_interval),
+                            ("--keep-last-n-checkpoints", self.keep_last_n_checkpoints)]:
+            if value is not None and self.save is None:
+                raise UserError(f"{flag} needs --save DIR (the folder checkpoints go to)")
+        for flag, value in [("--save-interval", self.save_interval),
+                            ("--keep-last-n-checkpoints", self.keep_last_n_checkpoints),
                             ("--save-retain-interval", self.save_retain_interval)]:
             if value is not None and value < 1:
                 raise UserError(f"{flag} must be at least 1, got {value}")
-        if self.keep_last_n_checkpoints is not None and self.save is None:
-            raise UserError("--keep-last-n-checkpoints needs --save DIR (the folder whose old checkpoints it "
-                            "deletes)")
         if self.save_retain_interval is not None and self.keep_last_n_checkpoints is None:
             raise UserError("--save-retain-interval only matters with --keep-last-n-checkpoints N (every "
                             "checkpoint is kept otherwise); add it or drop --save-retain-interval")
@@ -64,22 +59,18 @@ class LoggingConfig:
 
     log_interval: int = option(10, "print a progress line every this many iterations")
     metrics_file: str | None = option(None, "JSONL metrics", default_text="<save>/metrics.jsonl with --save")
-    debug_pipeline_schedule: bool = option(False, "print each rank's sends, receives, forwards and backwards "
-                                                  "as they happen")
+    debug_pipeline_schedule: bool = option(False, "print each rank's sends, receives, forwards and backwards live")
     wandb_project: str | None = option(None, "track the run in this wandb project (wandb is off without it)")
     wandb_exp_name: str | None = option(None, "the wandb run name", default_text="model, layout and start time")
     wandb_entity: str | None = option(None, "wandb team or user", default_text="the account's default entity")
     wandb_save_dir: str | None = option(None, "where wandb writes its files", default_text="<save>/wandb")
     wandb_mode: str | None = option(None, "wandb's mode", choices=WANDB_MODES,
-                                    default_text="WANDB_MODE, else online when an API key is configured, "
-                                                 "else offline")
-    tensorboard_dir: str | None = option(None, "also write the scalars as TensorBoard events here (needs the "
-                                               "tensorboard package)")
+                                    default_text="WANDB_MODE, else online with an API key configured, else offline")
+    tensorboard_dir: str | None = option(None, "also write the scalars as TensorBoard events here")
 
     def validate(self) -> "LoggingConfig":
-        """Raise a UserError naming the flag for the first problem found; return self.
-
-        Run on the flags as given, before the wandb defaults are filled in (`megalite.run.tracking.with_wandb_defaults`)."""
+        """Raise a UserError naming the flag for the first problem found; return self. Runs on the flags
+        as given, before `megalite.run.tracking.with_wandb_defaults` fills in the wandb defaults."""
         if self.log_interval < 1:
             raise UserError(f"--log-interval must be at least 1, got {self.log_interval}")
         if self.wandb_project is None:
@@ -97,9 +88,8 @@ class LoggingConfig:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs, validated and frozen; `megalite/arguments.py` builds it from the
-    command line. Facts that arrive later (the built-in corpus, the tokenizer's vocabulary) make a
-    new RunConfig through `dataclasses.replace`; the Trainer holds, and checkpoints save, the final one."""
+    """Everything one run needs, validated and frozen. Facts that arrive later (the built-in corpus,
+    the tokenizer's vocabulary) make a new RunConfig; the Trainer holds, and checkpoints save, the final one."""
 
     model_name: str  # --model
     model: ModelConfig
@@ -116,8 +106,7 @@ class RunConfig:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
     def with_tokenizer_vocab(self, tokenizer_vocab_size: int) -> "RunConfig":
-        """A copy whose model holds the tokenizer's vocabulary, padded per
-        --make-vocab-size-divisible-by x TP."""
+        """A copy whose model holds the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP."""
         return replace(self, model=with_tokenizer_vocab(self.model, tokenizer_vocab_size,
                                                         self.parallel.tensor_model_parallel_size))
 
@@ -125,7 +114,6 @@ class RunConfig:
         """The checks that span groups (each group has validated itself); return self."""
         model, parallel, train = self.model, self.parallel, self.train
         tp = parallel.tensor_model_parallel_size
-        # Every dimension TP splits must divide by it; SP also splits the sequence.
         check_tensor_parallel_split(model.num_attention_heads, model.query_groups, model.ffn_hidden_size, tp)
         if model.fused_output_cross_entropy and tp > 1:
             raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); "

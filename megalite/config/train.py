@@ -3,9 +3,7 @@
 from dataclasses import dataclass
 
 from megalite.config.options import derived, option
-from megalite.config.rules import (
-    DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings,
-)
+from megalite.config.rules import DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings
 from megalite.errors import UserError
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
@@ -14,8 +12,6 @@ KERNEL_MODES = ("auto", "triton", "torch")
 
 @dataclass(frozen=True)
 class TrainConfig:
-    """The training flags. `lr_decay_iters` and `lr_warmup_iters` left None are derived at construction."""
-
     micro_batch_size: int = option(8, "samples per micro-batch on each data-parallel rank")
     global_batch_size: int = option(16, "samples per iteration, over all data-parallel ranks")
     train_iters: int = option(200, "iterations to train (or give --train-samples)")
@@ -43,8 +39,7 @@ class TrainConfig:
                         default_text="on for GPUs with bf16 units, unless --fp16 or --fp32")
     bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU")
     fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling")
-    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the loss scale to start from",
-                                       default_text="2^32")
+    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the initial loss scale", default_text="2^32")
     min_loss_scale: float = option(1.0, "fp16: the scale never goes below")
     loss_scale_window: int = option(1000, "fp16: clean steps before the scale grows")
     hysteresis: int = option(2, "fp16: overflows tolerated before backing off")
@@ -59,13 +54,13 @@ class TrainConfig:
         None, "on SIGTERM or SIGINT (any rank), all ranks save at the next iteration boundary and exit 0",
         off_flag="--no-exit-signal-handler", default_text="on whenever --save is set")
     check_for_nan_in_loss_and_grad: bool = option(
-        True, "stop at a NaN/Inf loss or grad norm (bf16, fp32), naming the last good checkpoint; the off "
-              "flag skips such steps instead", off_flag="--no-check-for-nan-in-loss-and-grad")
+        True, "stop at a NaN/Inf loss or grad norm (bf16, fp32), naming the last good checkpoint; off: skip "
+              "such steps", off_flag="--no-check-for-nan-in-loss-and-grad")
     loss_spike_threshold: float = option(1.5, "warn when an iteration's loss exceeds this multiple of the "
                                               "median of the previous 20; 0 turns it off")
 
     def __post_init__(self):
-        # Still construction: the schedule's lengths default to the run's.
+        # Still construction: the schedule's lengths default to the run's (10% warmup).
         if self.lr_decay_iters is None:
             object.__setattr__(self, "lr_decay_iters", self.train_iters)
         if self.lr_warmup_iters is None and isinstance(self.lr_decay_iters, int):
@@ -80,20 +75,21 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
         for flag, value in [("--micro-batch-size", self.micro_batch_size),
-                            ("--global-batch-size", self.global_batch_size), ("--train-iters", self.train_iters)]:
-            if value < 1:
+                            ("--global-batch-size", self.global_batch_size), ("--train-iters", self.train_iters),
+                            ("--exit-interval", self.exit_interval)]:
+            if value is not None and value < 1:
                 raise UserError(f"{flag} must be at least 1, got {value}")
         if self.bf16 and self.fp16:
             raise UserError("--bf16 and --fp16 both given; pick one")
         if self.initial_loss_scale != DEFAULT_INITIAL_LOSS_SCALE and not self.fp16:
             raise UserError("--initial-loss-scale only applies with --fp16; add --fp16 or drop it")
-        if not self.initial_loss_scale > 0:
-            raise UserError(f"--initial-loss-scale must be positive, got {self.initial_loss_scale}")
+        for flag, value in [("--initial-loss-scale", self.initial_loss_scale), ("--lr", self.lr),
+                            ("--exit-duration-in-mins", self.exit_duration_in_mins)]:
+            if value is not None and not value > 0:
+                raise UserError(f"{flag} must be positive, got {value}")
         if self.fp16:
             check_loss_scale_settings(self.initial_loss_scale, self.min_loss_scale, self.loss_scale_window,
                                       self.hysteresis)
-        if not self.lr > 0:
-            raise UserError(f"--lr must be positive, got {self.lr}")
         check_schedule_settings(self.lr, self.min_lr, self.lr_warmup_iters, self.lr_decay_iters,
                                 self.lr_decay_style, self.lr_wsd_decay_style, self.lr_wsd_decay_iters)
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
@@ -109,10 +105,6 @@ class TrainConfig:
         if self.loss_spike_threshold != 0 and not self.loss_spike_threshold > 1:
             raise UserError(f"--loss-spike-threshold must be above 1 (a multiple of the recent median loss) or 0 "
                             f"to turn the warning off, got {self.loss_spike_threshold}")
-        if self.exit_interval is not None and self.exit_interval < 1:
-            raise UserError(f"--exit-interval must be at least 1, got {self.exit_interval}")
-        if self.exit_duration_in_mins is not None and self.exit_duration_in_mins <= 0:
-            raise UserError(f"--exit-duration-in-mins must be positive, got {self.exit_duration_in_mins}")
         if self.kernels not in KERNEL_MODES:  # whether this machine can run them: kernels.set_kernels
             raise UserError(f"--kernels {self.kernels} is not one of {', '.join(KERNEL_MODES)}")
         return self

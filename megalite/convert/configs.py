@@ -1,12 +1,8 @@
-"""Model configurations across the boundary: megalite's ModelConfig <-> Hugging Face config.
+"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one.
 
-Two families map one to one:
-
-- LLaMA-style (rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers
-  or none) <-> `LlamaForCausalLM`. Mistral configs without a sliding window import as
-  the same architecture.
-- GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`.
-
+LLaMA-style (rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or
+none) <-> `LlamaForCausalLM` (Mistral without a sliding window imports as it too), and
+GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`.
 Anything else is refused with a UserError naming the setting or the config.json field.
 """
 
@@ -18,11 +14,8 @@ from megalite.config import ModelConfig
 from megalite.errors import UserError
 
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
-SUPPORTED = ("LLaMA-style (rope, RMSNorm, SwiGLU) and GPT-2-style (learned positions, LayerNorm, GELU, "
-             "biases, multi-head attention)")
-
-
-# -- configurations: megalite -> HF -----------------------------------------------------------------
+_ROPE_TYPES = ("default", "llama3")
+_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def hf_architecture(config: ModelConfig) -> str:
@@ -41,21 +34,21 @@ def hf_architecture(config: ModelConfig) -> str:
         return GPT2
     shape = {key: getattr(config, key) for key in ("position_embedding_type", "normalization", "swiglu",
                                                    "add_bias_linear")}
-    raise UserError(f"no transformers architecture computes this model ({shape}); conversion supports {SUPPORTED}")
+    raise UserError(f"no transformers architecture computes this model ({shape}); conversion supports LLaMA-style "
+                    "(rope, RMSNorm, SwiGLU) and GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head "
+                    "attention)")
 
 
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
-    """The `transformers.LlamaConfig` of a LLaMA-shaped megalite config (real vocabulary, no padding).
+    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary).
 
-    Llama 3.1 rope scaling maps to HF's "llama3" rope type with megalite's fixed low/high
-    frequency factors (1, 4) and original context (8192). `extra` goes to LlamaConfig.
+    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE).
     """
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
     if config.use_rope_scaling:
-        rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, "low_freq_factor": 1.0,
-                        "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+        rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **_LLAMA3_ROPE}
     extra = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, **extra}
     hf_config = transformers.LlamaConfig(
         vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
@@ -69,7 +62,7 @@ def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", *
 
 
 def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
-    """The `transformers.GPT2Config` of a GPT-2-shaped megalite config (real vocabulary, no padding)."""
+    """The `transformers.GPT2Config` (given `extra`) of a GPT-2-shaped megalite config (real vocabulary)."""
     import transformers
 
     extra = {"bos_token_id": None, "eos_token_id": None, **extra}
@@ -86,9 +79,10 @@ def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **
 
 def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None, pad: int | None):
     """The HF config to save with an exported model: architecture, weight dtype, special token ids."""
+    architecture = hf_architecture(config)
     extra = dict(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, initializer_range=config.init_method_std,
-                 architectures=[hf_architecture(config)], dtype=str(dtype).split(".")[-1])
-    if hf_architecture(config) == GPT2:
+                 architectures=[architecture], dtype=str(dtype).split(".")[-1])
+    if architecture == GPT2:
         return gpt2_config_to_hf(config, **extra)
     bias = config.add_bias_linear
     try:
@@ -97,32 +91,20 @@ def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos:
         raise UserError(f"transformers refuses this model's LlamaConfig ({error})") from None
 
 
-# -- configurations: HF -> megalite -----------------------------------------------------------------
-
-_ROPE_TYPES = ("default", "llama3")
-_LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
 @dataclass
 class ImportedConfig:
-    """What an HF config.json becomes: the architecture and megalite's ModelConfig fields.
-
-    `fields` holds the ModelConfig fields that define the model (all but the vocabulary,
-    its padding and recomputation); `vocab_size` is the HF model's unpadded vocabulary.
-    """
+    """What an HF config.json becomes: the architecture and megalite's ModelConfig fields."""
 
     architecture: str
-    fields: dict
-    vocab_size: int
+    fields: dict  # the ModelConfig fields that define the model (all but the vocabulary and recomputation)
+    vocab_size: int  # the HF model's, unpadded
 
 
 def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedConfig:
     """Read an HF `config.json` (a dict); UserError naming the field for anything megalite cannot compute.
 
-    Accepts LlamaForCausalLM, MistralForCausalLM (no sliding window) and GPT2LMHeadModel
-    configs of transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters).
-    seq_length: the training sequence length to record; default max_position_embeddings,
-    capped at 4096.
+    Takes configs of transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters).
+    seq_length: the training sequence length to record; default max_position_embeddings, at most 4096.
     """
     architecture = (hf.get("architectures") or [None])[0] or hf.get("model_type")
     kind = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
@@ -144,14 +126,9 @@ def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedCon
     return ImportedConfig(kind, fields, int(hf["vocab_size"]))
 
 
-def _require(hf: dict, field: str, allowed, why: str) -> None:
-    value = hf.get(field)
-    if value not in allowed:
-        raise UserError(f"config.json field {field!r} is {value!r}, {why}")
-
-
 def _llama_fields(hf: dict) -> dict:
-    _require(hf, "hidden_act", ("silu", None), "but megalite's SwiGLU uses silu")
+    if hf.get("hidden_act") not in ("silu", None):
+        raise UserError(f"config.json field 'hidden_act' is {hf['hidden_act']!r}, but megalite's SwiGLU uses silu")
     window = hf.get("sliding_window")
     if hf.get("use_sliding_window") or (window is not None and window < hf.get("max_position_embeddings", 0)):
         raise UserError(f"config.json field 'sliding_window' is {window!r}, but megalite attends over the whole "

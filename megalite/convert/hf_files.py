@@ -6,6 +6,7 @@ as soon as it is converted, so memory stays near the largest tensor.
 """
 
 import json
+import math
 import os
 import re
 
@@ -21,12 +22,8 @@ IGNORED_HF_TENSORS = re.compile(r"(\.attn\.(bias|masked_bias)|\.rotary_emb\.inv_
 
 
 class StreamingSafetensorsWriter:
-    """Writes one safetensors file whose tensors (names, dtypes, shapes) are known up front,
-    one tensor at a time, so only the tensor being written is in memory.
-
-    entries: [(name, dtype, shape)] in file order; `write` must follow that order.
-    The file appears under its name only when `close` has checked that all were written.
-    """
+    """Writes one safetensors file of the planned `entries` [(name, dtype, shape)], one tensor at a time
+    in that order; the file appears under its name only when `close` has checked that all were written."""
 
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]]):
         self.path, self.entries, self.position = path, entries, 0
@@ -57,11 +54,7 @@ class StreamingSafetensorsWriter:
 
 
 def tensor_nbytes(dtype: torch.dtype, shape) -> int:
-    """Bytes of a tensor of `dtype` and `shape`."""
-    count = 1
-    for size in shape:
-        count *= size
-    return count * torch.empty((), dtype=dtype).element_size()
+    return math.prod(shape) * dtype.itemsize
 
 
 def parse_size(text: str) -> int:
@@ -97,25 +90,21 @@ class HFWeights:
     """The tensors of a local HF folder's `model.safetensors` (or its shards), read one at a time."""
 
     def __init__(self, folder: str, prefix: str):
+        self.folder, self.prefix = folder, prefix
+        self.used: set[str] = set()
+        self._open = {}
         index_path, single = os.path.join(folder, INDEX_FILE), os.path.join(folder, WEIGHTS_FILE)
         if os.path.isfile(index_path):
             with open(index_path) as file:
-                files = json.load(file)["weight_map"]
+                self.files = json.load(file)["weight_map"]  # tensor name -> file name
         elif os.path.isfile(single):
-            files = None
+            self.files = {name: WEIGHTS_FILE for name in self._handle(single).keys()}
         else:
             pickled = [name for name in ("pytorch_model.bin", "pytorch_model.bin.index.json")
                        if os.path.exists(os.path.join(folder, name))]
             found = f" (it has {pickled[0]}, a pickle, which megalite does not load)" if pickled else ""
             raise UserError(f"{folder} holds no {WEIGHTS_FILE} or {INDEX_FILE}{found}; save the model with "
                             f"save_pretrained(..., safe_serialization=True) first")
-        self._open = {}
-        self.files = files or {}
-        if files is None:
-            handle = self._handle(single)
-            self.files = {name: WEIGHTS_FILE for name in handle.keys()}
-        self.folder, self.prefix = folder, prefix
-        self.used: set[str] = set()
 
     def _handle(self, path: str):
         from safetensors import safe_open
@@ -126,16 +115,9 @@ class HFWeights:
             self._open[path] = safe_open(path, framework="pt")
         return self._open[path]
 
-    def resolve(self, name: str) -> str | None:
-        """`name` as stored: HF names drop the base-model prefix when saved from the base model."""
-        for candidate in (name, name.removeprefix(self.prefix)):
-            if candidate in self.files:
-                return candidate
-        return None
-
     def get(self, name: str) -> torch.Tensor:
-        """The stored tensor `name` (with or without the base-model prefix); UserError when absent."""
-        stored = self.resolve(name)
+        """The stored tensor `name`, which lacks the base-model prefix when saved from the base model."""
+        stored = next((n for n in (name, name.removeprefix(self.prefix)) if n in self.files), None)
         if stored is None:
             raise UserError(f"{self.folder} has no tensor {name!r} that its config.json implies; the weights "
                             f"do not match the config")

@@ -1,11 +1,8 @@
 """A local Hugging Face model folder -> a megalite checkpoint (iteration 0) to continue pretraining.
 
-Import reads `config.json` and the safetensors weights (one file or sharded), refuses
-anything megalite would compute differently (naming the config field), writes
-`<save>/iter_0000000/` and says which pretrain_gpt.py flags continue from it with
-`--load <save> --finetune`. Checkpoints are layout-free, so the layout sizes only check
-that the model can be split that way (and pad the vocabulary for that TP size); any
-other layout loads the checkpoint just as well.
+Anything megalite would compute differently is refused, naming the config field. Checkpoints
+are layout-free, so the layout sizes only check that the model can be split that way (and
+pad the vocabulary for that TP size); any other layout loads the checkpoint just as well.
 """
 
 import dataclasses
@@ -31,12 +28,10 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
                       dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> None:
     """Write HF folder `load` as megalite checkpoint `save` (model only, iteration 0), then log the
-    pretrain_gpt.py command that continues from it.
+    pretrain_gpt.py command that continues from it with `--load save --finetune`.
 
     seq_length: the training sequence length to record (default max_position_embeddings, at
-    most 4096). dtype: the weights' dtype, default as stored. The checkpoint's ModelConfig
-    pads the vocabulary per `make_vocab_size_divisible_by` x TP. UserError naming the field
-    or tensor for anything megalite cannot represent, or a layout that does not fit.
+    most 4096). dtype: default as stored.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     start = time.perf_counter()
@@ -71,7 +66,8 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
         raise UserError(f"{load} holds tensors megalite's {imported.architecture} mapping does not use "
                         f"({', '.join(unused[:3])}{', ...' if len(unused) > 3 else ''}); the model has parts "
                         f"megalite cannot represent")
-    tokenizer = _hf_tokenizer_files(load)
+    tokenizer = any(os.path.isfile(os.path.join(load, name))
+                    for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
     extra = {"model_name": f"from-hf:{os.path.basename(os.path.normpath(load))}", "model_flags": flags,
              "converted_from": {"path": os.path.abspath(load), "architecture": hf.get("architectures"),
                                 "vocab_size": imported.vocab_size}}
@@ -92,8 +88,7 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
 
 def continue_command(load: str, save: str, model_flags: list[str], tokenizer: bool, tensor_model_parallel_size: int,
                      pipeline_model_parallel_size: int) -> list[str]:
-    """The pretrain_gpt.py command, for the user to read, that continues from checkpoint `save`
-    (`...` where the user must fill in a value)."""
+    """The pretrain_gpt.py command that continues from checkpoint `save` (`...` for the user to fill in)."""
     layout = []
     if tensor_model_parallel_size > 1:
         layout += ["--tensor-model-parallel-size", str(tensor_model_parallel_size)]
@@ -103,11 +98,6 @@ def continue_command(load: str, save: str, model_flags: list[str], tokenizer: bo
         else ["--tokenizer-type", "...", "--tokenizer-model", "..."]
     return ["pretrain_gpt.py", "--load", save, "--finetune", *model_flags, *layout, *tokenizer_flags,
             "--data-path", "...", "--save", "..."]
-
-
-def _hf_tokenizer_files(folder: str) -> bool:
-    return any(os.path.isfile(os.path.join(folder, name))
-               for name in ("tokenizer.json", "tokenizer.model", "vocab.json", "tokenizer_config.json"))
 
 
 def _tokenizer_size_note(folder: str, vocab_size: int) -> str | None:

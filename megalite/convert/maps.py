@@ -1,18 +1,13 @@
 """megalite <-> Hugging Face tensors: names and layouts, one `TensorMap` per megalite tensor.
 
-Layouts that differ (each `TensorMap` says which applies to a tensor):
-
-- `qkv`: megalite fuses Q, K and V into one projection laid out group by group (for each
-  key/value group: its query heads, its key head, its value head; see
-  megalite/model/transformer.py). HF keeps q_proj / k_proj / v_proj apart (LLaMA), or
-  fuses them as [all Q; all K; all V] (GPT-2's c_attn).
+Layouts that differ:
+- `qkv`: megalite fuses Q, K, V group by group (per key/value group: its query heads, its
+  key head, its value head); HF keeps q/k/v_proj apart (LLaMA) or fuses [all Q; all K; all V]
+  (GPT-2's c_attn).
 - `gate_up`: megalite's SwiGLU fc1 is [gate; up]; HF has gate_proj and up_proj.
-- `vocab`: megalite pads the vocabulary (--make-vocab-size-divisible-by x TP) with zero
-  rows; HF holds the tokenizer's rows only. Export drops the padding, import adds it.
+- `vocab`: megalite pads the vocabulary with zero rows; HF holds the tokenizer's rows only.
 - `transposed`: GPT-2's Conv1D stores weights as [in, out], nn.Linear as [out, in].
-
-Rotary embeddings need no permutation: megalite rotates halves of each head (channel i
-with i + d/2), as HF's LLaMA does (tests/model/test_hf_parity.py compares logits).
+Rotary embeddings need no permutation: both rotate halves of each head (channel i with i + d/2).
 """
 
 from dataclasses import dataclass
@@ -25,11 +20,9 @@ from megalite.convert.configs import GPT2, hf_architecture
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One megalite tensor and the HF tensor(s) it becomes.
+    """One megalite tensor and the HF tensor(s) it becomes; layout "same" or one of the module's.
 
-    layout: "same", "vocab" (padding rows), "qkv" (grouped QKV -> q, k, v; one HF name
-    means them concatenated, GPT-2's c_attn) or "gate_up" (SwiGLU fc1 -> gate, up).
-    transposed: HF stores the weight as [in, out] (Conv1D).
+    A "qkv" map with one HF name means q, k, v concatenated (GPT-2's c_attn).
     """
 
     ours: str
@@ -43,9 +36,7 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
     A tied output layer has no tensor of its own on either side (HF re-ties lm_head on load).
     """
-    if hf_architecture(config) == GPT2:
-        return _gpt2_maps(config)
-    return _llama_maps(config)
+    return _gpt2_maps(config) if hf_architecture(config) == GPT2 else _llama_maps(config)
 
 
 def _llama_maps(config: ModelConfig) -> list[TensorMap]:
@@ -95,7 +86,7 @@ def _gpt2_maps(config: ModelConfig) -> list[TensorMap]:
 def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """megalite's grouped QKV rows `[(heads + 2 groups) * d, ...]` -> q `[heads * d, ...]`, k, v `[groups * d, ...]`.
 
-    Works on weights `[rows, hidden]` and biases `[rows]`; heads come out in order.
+    Works on weights `[rows, hidden]` and biases `[rows]`.
     """
     groups, head_dim, rest = config.query_groups, config.head_dim, qkv.shape[1:]
     per_group = config.num_attention_heads // groups
@@ -118,9 +109,8 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
 def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
     """The HF tensors (one per `tensor_map.theirs`) of the full megalite tensor `tensor`; contiguous, same dtype.
 
-    Shapes: vocabulary rows `[padded vocab, h]` -> `[real vocab, h]`; grouped QKV rows ->
-    q `[heads * d, ...]`, k and v `[groups * d, ...]` (or the three concatenated for one HF
-    name); SwiGLU fc1 `[2 ffn, h]` -> gate, up `[ffn, h]`; transposed maps swap the two dimensions.
+    Shapes: vocab `[padded vocab, h]` -> `[real vocab, h]`; qkv as split_qkv; SwiGLU fc1
+    `[2 ffn, h]` -> gate, up `[ffn, h]`; transposed maps swap the two dimensions.
     """
     layout = tensor_map.layout
     if layout == "vocab":
@@ -139,9 +129,9 @@ def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> l
 
 
 def from_hf(tensor_map: TensorMap, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The megalite tensor of `tensor_map` from its HF tensors (the inverse of to_hf; exact).
+    """The megalite tensor of `tensor_map` from its HF tensors (the exact inverse of to_hf; the HF dtype).
 
-    Vocabulary rows are padded with zero rows to `config.vocab_size`; contiguous, the HF dtype.
+    Vocabulary rows are padded with zero rows to `config.vocab_size`.
     """
     parts = [part.t() for part in tensors] if tensor_map.transposed else list(tensors)
     layout = tensor_map.layout

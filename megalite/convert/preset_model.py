@@ -1,11 +1,9 @@
 """The megalite model an imported HF model becomes: a `--model` preset and the fields that override it.
 
-One dict of overrides serves twice: `model_config_from_preset` builds the ModelConfig
-from it (what the checkpoint records), and `PresetModel.flags` spells the same dict as
-pretrain_gpt.py flags for the user to continue training with. Because `arguments.py`
-builds a run's model with that same call from the same preset and fields, a run given
-the printed flags holds a ModelConfig equal to the checkpoint's, which `--load
---finetune` requires field by field (tests/convert/test_preset_model.py checks this).
+One dict of overrides builds the ModelConfig the checkpoint records (`model_config_from_preset`)
+and is spelled as the pretrain_gpt.py flags to continue with (`PresetModel.flags`). As
+`arguments.py` makes the same call, a run given those flags holds a ModelConfig equal to
+the checkpoint's, which `--load --finetune` requires field by field.
 """
 
 import dataclasses
@@ -49,10 +47,9 @@ def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int 
                  pipeline_model_parallel_size: int = 1) -> PresetModel:
     """The preset, overrides and ModelConfig (vocabulary `vocab_size`, padded for TP) of the model `fields` describe.
 
-    `fields`: ModelConfig field values (model_fields_from_hf's, plus make_vocab_size_divisible_by
-    when not 128). The config is validated, and the layout checked as a run would check it
-    (TP divides heads, groups and FFN; PP divides the layers). UserError when no preset and
-    overrides express the model, or the layout does not fit it.
+    `fields`: model_fields_from_hf's, plus make_vocab_size_divisible_by when not 128. The layout
+    is checked as a run would check it. UserError when no preset and overrides express the
+    model, or the layout does not fit it.
     """
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
@@ -64,7 +61,6 @@ def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int 
             if overrides["position_embedding_type"] == "rope":
                 check_rope_context(overrides["seq_length"], overrides["max_position_embeddings"])
             config = model_config_from_preset(preset, tp, vocab_size=vocab_size, **overrides)
-            # The layout, checked as a run checks it.
             check_tensor_parallel_split(config.num_attention_heads, config.query_groups, config.ffn_hidden_size, tp)
             virtual_stage_layers(config.num_layers, pp)
         except UserError as error:  # the layout does not fit, or this preset cannot take the overrides
@@ -106,8 +102,6 @@ def _overrides_on_preset(fields: dict, preset: str) -> dict:
     if fields.get("make_vocab_size_divisible_by", 128) != 128:
         overrides["make_vocab_size_divisible_by"] = fields["make_vocab_size_divisible_by"]
     return overrides
-
-
 
 
 def _same_model(config: ModelConfig, fields: dict) -> bool:

@@ -1,35 +1,28 @@
-"""A run's tokenizer as a Hugging Face tokenizer folder that `AutoTokenizer` loads.
-
-SentencePiece models become an exactly equivalent `tokenizer.json`; a Hugging Face
-tokenizer is re-saved; NullTokenizer becomes a word-level tokenizer of its integer ids.
-"""
+"""A run's tokenizer as a Hugging Face tokenizer folder that `AutoTokenizer` loads."""
 
 import json
 import os
 import shutil
 
 from megalite.config import ModelConfig
+from megalite.config.data import SENTENCEPIECE_TYPES
+from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import UserError
 
 
 def export_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None, out_dir: str,
                      config: ModelConfig) -> tuple[str, dict]:
-    """Write a run's tokenizer (its --tokenizer-* flags) into HF folder `out_dir` for `AutoTokenizer`.
+    """Write a run's tokenizer (its --tokenizer-* flags) into HF folder `out_dir`.
 
-    SentencePiece models become an exactly equivalent `tokenizer.json` (a fast tokenizer;
-    the `.model` file is copied beside it as `tokenizer.model`); a Hugging Face tokenizer
-    folder is re-saved; NullTokenizer becomes a word-level tokenizer of its integer ids.
-    Returns (a one-line description, the special token ids {"bos", "eos", "pad"}).
-    UserError when the tokenizer's vocabulary is not the model's.
+    SentencePiece models become an exactly equivalent `tokenizer.json` (with the `.model`
+    copied beside it), a Hugging Face tokenizer is re-saved, NullTokenizer becomes a
+    word-level tokenizer of its integer ids. Returns (a one-line description, the special
+    token ids {"bos", "eos", "pad"}).
     """
-    from megalite.config.data import SENTENCEPIECE_TYPES
-    from megalite.data.tokenizer import build_tokenizer
-
     ours = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     if ours.vocab_size != config.real_vocab_size:
         raise UserError(f"the tokenizer ({tokenizer_type} {tokenizer_model or ''}) has {ours.vocab_size} tokens but "
                         f"the model {config.real_vocab_size}; pass the run's --tokenizer-type/--tokenizer-model")
-    model_max_length = config.max_position_embeddings
     ids = {"bos": ours.bos, "eos": ours.eos if ours.eos is not None else ours.eod, "pad": ours.pad}
     if tokenizer_type == "HuggingFaceTokenizer":
         from transformers import AutoTokenizer
@@ -41,22 +34,23 @@ def export_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_siz
         backend, special = sentencepiece_to_tokenizers(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
         shutil.copyfile(tokenizer_model, os.path.join(out_dir, "tokenizer.model"))
         described = f"SentencePiece model {tokenizer_model} as tokenizer.json (+ tokenizer.model)"
-    else:
-        backend, special = null_tokenizer_to_tokenizers(ours.eod), {"eos_token": str(ours.eod)}
+    else:  # NullTokenizer: whitespace-separated ids 0..eod, each its own word
+        from tokenizers import Tokenizer, pre_tokenizers
+        from tokenizers.models import WordLevel
+
+        backend = Tokenizer(WordLevel({str(i): i for i in range(ours.eod + 1)}, unk_token=str(ours.eod)))
+        backend.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+        special = {"eos_token": str(ours.eod)}
         described = f"NullTokenizer (ids 0..{ours.eod} as words) as tokenizer.json"
-    _save_fast_tokenizer(backend, special, out_dir, model_max_length)
-    return described, ids
-
-
-def _save_fast_tokenizer(backend, special: dict, out_dir: str, model_max_length: int) -> None:
     backend.save(os.path.join(out_dir, "tokenizer.json"))
     # PreTrainedTokenizerFast loads tokenizer.json as it is; LlamaTokenizer would replace its
     # pre-tokenizer with one that adds a leading space, which megalite's SentencePiece models do not.
-    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": model_max_length,
+    settings = {"tokenizer_class": "PreTrainedTokenizerFast", "model_max_length": config.max_position_embeddings,
                 "clean_up_tokenization_spaces": False, **special}
     with open(os.path.join(out_dir, "tokenizer_config.json"), "w") as file:
         json.dump(settings, file, indent=2)
         file.write("\n")
+    return described, ids
 
 
 # SentencePiece piece types (sentencepiece_model.proto).
@@ -68,10 +62,8 @@ def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
 
     BPE: SentencePiece merges the adjacent pair whose merged piece scores highest, so the
     merges are every split of every piece into two pieces, ranked by the merged piece's
-    score. Unigram models keep their scores. Normalisation follows the model's spec
-    (precompiled rules, extra-whitespace removal, dummy prefix, whitespace as U+2581);
-    unknown characters fall back to byte pieces when the model does. add_bos: prepend bos
-    (Llama2Tokenizer). Returns (tokenizer, the special tokens for tokenizer_config.json).
+    score. Unigram models keep their scores. Normalisation follows the model's spec.
+    add_bos: prepend bos (Llama2Tokenizer). Returns (tokenizer, the special tokens for tokenizer_config.json).
     """
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, processors
@@ -89,9 +81,8 @@ def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
         vocab = {piece.piece: i for i, piece in enumerate(pieces)}
         mergeable = {piece.piece for piece in pieces if piece.type == _NORMAL}
         merges = []
-        for piece in sorted(pieces, key=lambda piece: -piece.score):  # stable: ties keep id order
-            if piece.type != _NORMAL:
-                continue
+        normal = [piece for piece in pieces if piece.type == _NORMAL]
+        for piece in sorted(normal, key=lambda piece: -piece.score):  # stable: ties keep id order
             text = piece.piece
             merges += [(text[:cut], text[cut:]) for cut in range(1, len(text))
                        if text[:cut] in mergeable and text[cut:] in mergeable]
@@ -118,23 +109,11 @@ def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
     tokenizer.decoder = decoders.Sequence(steps)
     tokenizer.add_special_tokens([AddedToken(piece.piece, special=True, normalized=False)
                                   for piece in pieces if piece.type in (_UNKNOWN, _CONTROL)])
-    special = {}
-    for key, index in [("unk_token", trainer.unk_id), ("bos_token", trainer.bos_id),
-                       ("eos_token", trainer.eos_id), ("pad_token", trainer.pad_id)]:
-        if 0 <= index < len(pieces):
-            special[key] = pieces[index].piece
+    named_ids = {"unk_token": trainer.unk_id, "bos_token": trainer.bos_id, "eos_token": trainer.eos_id,
+                 "pad_token": trainer.pad_id}
+    special = {key: pieces[index].piece for key, index in named_ids.items() if 0 <= index < len(pieces)}
     if add_bos and "bos_token" in special:
         bos = special["bos_token"]
         tokenizer.post_processor = processors.TemplateProcessing(
             single=f"{bos} $A", pair=f"{bos} $A {bos} $B", special_tokens=[(bos, trainer.bos_id)])
     return tokenizer, special
-
-
-def null_tokenizer_to_tokenizers(eod: int):
-    """NullTokenizer as a `tokenizers.Tokenizer`: whitespace-separated ids 0..eod, each its own word."""
-    from tokenizers import Tokenizer, pre_tokenizers
-    from tokenizers.models import WordLevel
-
-    tokenizer = Tokenizer(WordLevel({str(i): i for i in range(eod + 1)}, unk_token=str(eod)))
-    tokenizer.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    return tokenizer

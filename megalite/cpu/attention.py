@@ -1,22 +1,11 @@
 """Causal self-attention on a CPU in query blocks, keeping the probabilities for the backward.
 
-PyTorch's CPU flash-attention kernel runs its small per-block GEMMs far below the CPU's
-matmul peak at training shapes (seq 256-1024, head dim 64-128). Here each block of `BLOCK`
-query positions of all heads is one batched GEMM against the keys up to the block's end
-(the causal prefix: the blocks do ~(n+1)/2n of the full s x s work), then softmax, then one
-batched GEMM with the values. The softmax output P of every block is kept for the backward,
-so the backward is four batched GEMMs and two elementwise passes per block, with no
-recomputation:
-
-    dV += P^T dO,   dP = dO V^T,   dS = P * (dP - rowsum(dO * O)),
-    dQ = scale * dS K,   dK += scale * dS^T Q
-
-Keeping P costs (n+1)/2n * b * heads * s^2 floats per layer, so this path is used only up to
-`MAX_SEQ_LENGTH` (beyond it the flash kernel catches up anyway). Grouped-query attention is
-one GEMM per key/value group: the group's query heads are rows of the same batch entry. The
-forward and backward are `torch.library` custom ops joined by an autograd Function: opaque to
-torch.compile, which traced through the loop of blocks ran slower than this eager code.
-Figures: docs/benchmarks.md.
+Each block of `BLOCK` query rows of all heads is one batched GEMM against the keys up to the
+block's end, softmax, and one GEMM with the values (a key/value group's query heads are rows of
+one batch entry): far nearer the matmul peak than PyTorch's CPU flash attention at training
+shapes. Each block's softmax P is kept (hence MAX_SEQ_LENGTH), so the backward recomputes nothing:
+    dV += P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale * dS K,  dK += scale * dS^T Q
+Forward and backward are custom ops, opaque to torch.compile (traced, the block loop ran slower).
 """
 
 import functools
@@ -29,16 +18,14 @@ MAX_SEQ_LENGTH = 1024
 
 
 def use_blocked_attention(q: torch.Tensor, dropout_p: float) -> bool:
-    """Whether causal attention on q `[s, b, heads, d]` takes this module's path: fp32 on a CPU,
-    no attention dropout (the probabilities would need a mask), sequences up to MAX_SEQ_LENGTH."""
+    """Whether causal attention on q `[s, b, heads, d]` takes this path: fp32 on a CPU, no attention
+    dropout (the probabilities would need a mask), sequences up to MAX_SEQ_LENGTH."""
     return q.device.type == "cpu" and q.dtype == torch.float32 and dropout_p == 0.0 and q.shape[0] <= MAX_SEQ_LENGTH
 
 
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-    """softmax(q k^T / sqrt(d), causal) v for q `[s, b, heads, d]`, k/v `[s, b, groups, d]`.
-
-    Query head i attends with key/value head i // (heads / groups). Returns `[s, b, heads, d]`.
-    """
+    """softmax(q k^T / sqrt(d), causal) v `[s, b, heads, d]` for q `[s, b, heads, d]`, k/v `[s, b, groups, d]`;
+    query head i attends with key/value head i // (heads / groups)."""
     if torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v)):
         return _CausalAttention.apply(q, k, v)
     return _ops()[0](q, k, v, False)[0]  # no probabilities kept
@@ -56,12 +43,7 @@ def _split_heads(x: torch.Tensor, groups: int) -> torch.Tensor:
 
 class _BlockRows:
     """A block's rows of x5 `[b, g, r, s, d]` (from _split_heads) as the flat `[b * g, r * rows, d]`
-    operand of the batched GEMMs.
-
-    With one query head per group (r = 1) that is a view of x5, no copy. With several,
-    the r heads' rows are copied next to each other into one buffer made once per call
-    (a block's row count is BLOCK, or less for the last), not once per block.
-    """
+    operand of the batched GEMMs: a view when r = 1, else copied into one buffer made once per call."""
 
     def __init__(self, x5: torch.Tensor):
         b, groups, per_group, s, d = x5.shape
@@ -127,17 +109,15 @@ def _attention_forward_fake(q, k, v, keep_probs):
     return q.new_empty(q.shape), probs if keep_probs else []
 
 
-def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                        out: torch.Tensor, probs: list[torch.Tensor]
-                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _attention_backward(grad_out: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor,
+                        probs: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(dq `[s, b, heads, d]`, dk and dv `[b * groups, s, d]`) from the forward's output and P."""
     s, b, heads, d = q.shape
     groups = k.shape[2]
     scale = 1.0 / math.sqrt(d)
     keys, values_t = _by_group(k), _by_group(v).transpose(1, 2)  # [b*g, s, d], [b*g, d, s]
     grad_q = torch.empty(s, b, heads, d, dtype=q.dtype, device=q.device)
-    grad_k = torch.empty(b * groups, s, d, dtype=q.dtype, device=q.device)
-    grad_v = torch.empty(b * groups, s, d, dtype=q.dtype, device=q.device)
+    grad_k, grad_v = (torch.empty(b * groups, s, d, dtype=q.dtype, device=q.device) for _ in range(2))
     delta = (grad_out * out).sum(-1, keepdim=True)  # rowsum(dO * O) `[s, b, heads, 1]`
     query, grad_block, delta_block = (_BlockRows(_split_heads(x, groups)) for x in (q, grad_out, delta))
     grad_q5 = _split_heads(grad_q, groups)

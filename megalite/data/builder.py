@@ -12,11 +12,9 @@ import os
 
 import numpy as np
 
-from megalite.data.blended_dataset import SURPLUS, BlendedDataset, normalize_weights, samples_per_dataset
-from megalite.data.gpt_dataset import (
-    SPLIT_NAMES, GPTDataset, GPTDatasetConfig, cache_dir_for, split_document_ranges, validate_config,
-)
-from megalite.data.indexed_dataset import IndexedDataset, bin_path, exists, idx_path
+from megalite.data.blended_dataset import SURPLUS, BlendedDataset, samples_per_dataset
+from megalite.data.gpt_dataset import SPLIT_NAMES, GPTDataset, GPTDatasetConfig, cache_dir_for, split_document_ranges
+from megalite.data.indexed_dataset import IndexedDataset, exists
 from megalite.data.mock_dataset import MockTokenDataset
 from megalite.errors import UserError
 
@@ -26,16 +24,12 @@ def parse_data_path(data_path: list[str] | str, flag: str = "--data-path") -> tu
     items = data_path.split() if isinstance(data_path, str) else list(data_path)
     if not items:
         raise UserError(f"{flag} is empty; pass one or more token file prefixes")
-    if len(items) == 1:
-        return items, None
     numeric = [_is_number(item) for item in items]
-    if not any(numeric):
+    if len(items) == 1 or not any(numeric):
         return items, None
     if len(items) % 2 or not all(numeric[0::2]) or any(numeric[1::2]):
-        raise UserError(
-            f"{flag} mixes weights and prefixes ({' '.join(items)}); give either prefixes "
-            "only or weight-prefix pairs such as '0.7 data/a_text_document 0.3 data/b_text_document'"
-        )
+        raise UserError(f"{flag} mixes weights and prefixes ({' '.join(items)}); give either prefixes only or "
+                        "weight-prefix pairs such as '0.7 data/a_text_document 0.3 data/b_text_document'")
     weights = [float(w) for w in items[0::2]]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise UserError(f"{flag} weights {weights} must be non-negative and not all zero")
@@ -52,32 +46,25 @@ def _is_number(text: str) -> bool:
 
 def open_token_file(prefix: str, flag: str = "--data-path") -> IndexedDataset:
     """Open a `.bin/.idx` pair; a missing prefix names near matches."""
-    if not exists(prefix):
-        raise UserError(_missing_prefix_message(prefix, flag))
-    return IndexedDataset(prefix)
-
-
-def _missing_prefix_message(prefix: str, flag: str) -> str:
+    if exists(prefix):
+        return IndexedDataset(prefix)
     for suffix in (".bin", ".idx"):
         if prefix.endswith(suffix) and exists(prefix[: -len(suffix)]):
-            return f"{flag} {prefix} names a file; pass the prefix without '{suffix}'"
+            raise UserError(f"{flag} {prefix} names a file; pass the prefix without '{suffix}'")
     folder = os.path.dirname(prefix) or "."
     candidates = [p[: -len(".idx")] for p in glob.glob(os.path.join(folder, "*.idx"))]
     near = difflib.get_close_matches(prefix, candidates, n=3, cutoff=0.6)
-    hint = f"; did you mean {' or '.join(near)}?" if near else (
-        f"; no token files are in {folder}, make them with tools/preprocess_data.py"
-    )
-    missing = [p for p in (bin_path(prefix), idx_path(prefix)) if not os.path.isfile(p)]
-    return f"{flag} {prefix}: {' and '.join(missing)} not found{hint}"
+    hint = (f"; did you mean {' or '.join(near)}?" if near
+            else f"; no token files are in {folder}, make them with tools/preprocess_data.py")
+    missing = [p for p in (prefix + ".bin", prefix + ".idx") if not os.path.isfile(p)]
+    raise UserError(f"{flag} {prefix}: {' and '.join(missing)} not found{hint}")
 
 
-def build_gpt_datasets(
-    data_path, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
-    num_samples=(None, None, None), cache_dir: str | None = None, *, eod: int | None = None,
-    pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
-    train_data_path=None, valid_data_path=None, test_data_path=None,
-    mock_vocab_size: int | None = None,
-):
+def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 1024, seed: int = 1234,
+                       num_samples=(None, None, None), cache_dir: str | None = None, *, eod: int | None = None,
+                       pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
+                       train_data_path=None, valid_data_path=None, test_data_path=None,
+                       mock_vocab_size: int | None = None):
     """Return (train, valid, test) datasets; a split with no data or no samples is None.
 
     data_path: a blend (see module doc) cut by `split`; or None with the per-split paths;
@@ -85,69 +72,51 @@ def build_gpt_datasets(
     num_samples: samples each split must provide (None: one epoch). Items are dicts of
     `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length].
     """
+    if (eod_mask_loss or reset_position_ids) and eod is None:
+        raise UserError("--eod-mask-loss and --reset-position-ids need an end-of-document token, but the tokenizer "
+                        "has none; use a tokenizer with an EOS/EOD id or drop those flags")
     config = GPTDatasetConfig(seq_length, seed, eod, pad, eod_mask_loss, reset_position_ids, cache_dir)
-    validate_config(config)
     if mock_vocab_size is not None:
-        mock = MockTokenDataset(mock_vocab_size, eod if eod is not None else mock_vocab_size,
-                                seq_length, seed)
+        mock = MockTokenDataset(mock_vocab_size, eod if eod is not None else mock_vocab_size, seq_length, seed)
         ranges = split_document_ranges(split, len(mock))
-        return tuple(
-            _gpt_split(mock, "mock data", ranges[i], num_samples[i], SPLIT_NAMES[i], config)
-            for i in range(3)
-        )
+        return tuple(_gpt_split(mock, "mock data", ranges[i], num_samples[i], SPLIT_NAMES[i], config)
+                     for i in range(3))
     per_split = (train_data_path, valid_data_path, test_data_path)
-    if any(path for path in per_split):
+    if any(per_split):
         if data_path:
-            raise UserError(
-                "--data-path and --train-data-path/--valid-data-path/--test-data-path were "
-                "both given; use one or the other"
-            )
+            raise UserError("--data-path and --train-data-path/--valid-data-path/--test-data-path were both "
+                            "given; use one or the other")
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
-        return tuple(
-            _blend_split(per_split[i], flags[i], None, num_samples[i], SPLIT_NAMES[i], config)
-            if per_split[i] else None
-            for i in range(3)
-        )
+        return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config) if per_split[i] else None
+                     for i in range(3))
     if not data_path:
         raise UserError("no training data: pass --data-path (or --mock-data for synthetic tokens)")
-    return tuple(
-        _blend_split(data_path, "--data-path", split, num_samples[i], SPLIT_NAMES[i], config)
-        for i in range(3)
-    )
+    return tuple(_blend_split(data_path, "--data-path", split, num_samples[i], i, config) for i in range(3))
 
 
-def _blend_split(data_path, flag, split, num_samples, split_name, config):
-    """One split of a blend (split None: whole files)."""
+def _blend_split(data_path, flag, split, num_samples, split_index, config):
+    """Split number `split_index` of a blend (split None: whole files)."""
     if num_samples == 0:
         return None
+    split_name = SPLIT_NAMES[split_index]
     prefixes, weights = parse_data_path(data_path, flag)
     files = [open_token_file(p, flag) for p in prefixes]
-    index = SPLIT_NAMES.index(split_name)
-    ranges = [
-        split_document_ranges(split, len(f))[index] if split else (0, len(f)) for f in files
-    ]
+    ranges = [split_document_ranges(split, len(f))[split_index] if split else (0, len(f)) for f in files]
     if all(r is None for r in ranges):
         return None
     if len(files) == 1:
         return _gpt_split(files[0], prefixes[0], ranges[0], num_samples, split_name, config)
     if weights is not None:  # a file weighted 0 takes no part
         keep = [i for i, w in enumerate(weights) if w > 0]
-        files, prefixes, ranges = ([x[i] for i in keep] for x in (files, prefixes, ranges))
-        weights = [weights[i] for i in keep]
-    if weights is None:
-        weights = [_samples_per_epoch(f, r, config.seq_length) for f, r in zip(files, ranges)]
-    weights = normalize_weights(weights)
-    size = num_samples if num_samples is not None else sum(
-        _samples_per_epoch(f, r, config.seq_length) for f, r in zip(files, ranges)
-    )
-    targets = samples_per_dataset(weights, size)
-    with_surplus = samples_per_dataset(weights, size, SURPLUS)
-    parts = [
-        _gpt_split(f, p, r, n, split_name, config)
-        for f, p, r, n in zip(files, prefixes, ranges, with_surplus)
-    ]
-    return BlendedDataset(parts, prefixes, weights, sum(targets), cache_dir_for(prefixes[0], config.cache_dir),
-                          split_name)
+        files, prefixes, ranges, weights = ([x[i] for i in keep] for x in (files, prefixes, ranges, weights))
+    epoch_samples = [_samples_per_epoch(f, r, config.seq_length) for f, r in zip(files, ranges)]
+    weights = weights or epoch_samples  # plain prefixes weigh what one epoch of each gives
+    weights = [w / sum(weights) for w in weights]
+    size = num_samples if num_samples is not None else sum(epoch_samples)
+    parts = [_gpt_split(f, p, r, n, split_name, config)
+             for f, p, r, n in zip(files, prefixes, ranges, samples_per_dataset(weights, size, SURPLUS))]
+    return BlendedDataset(parts, prefixes, weights, sum(samples_per_dataset(weights, size)),
+                          cache_dir_for(prefixes[0], config.cache_dir), split_name)
 
 
 def _samples_per_epoch(indexed, document_range, seq_length: int) -> int:
@@ -163,9 +132,6 @@ def _gpt_split(indexed, name, document_range, num_samples, split_name, config):
         return None
     begin, end = document_range
     if end <= begin:
-        raise UserError(
-            f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); "
-            f"raise its share in --split or ask for no {split_name} samples"
-        )
-    documents = np.arange(begin, end, dtype=np.int32)
-    return GPTDataset(indexed, documents, num_samples, split_name, config)
+        raise UserError(f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); raise its "
+                        f"share in --split or ask for no {split_name} samples")
+    return GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), num_samples, split_name, config)

@@ -1,10 +1,9 @@
 """Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs).
 
-One process per node (local rank 0) builds missing indices and publishes them
-atomically: arrays first, each via a temporary name and a rename, then a
-`description.json` that marks the set complete. Every other process waits for that
-marker, so no one ever reads a half-written index. Nodes that share a filesystem may
-both build; the renames make that harmless because the content is identical.
+Local rank 0 builds missing indices and publishes them atomically: each array under a
+temporary name and renamed, then a `description.json` marking the set complete, which
+every other process waits for. Nodes sharing a filesystem may both build; the renames make
+that harmless because the content is identical.
 """
 
 import hashlib
@@ -26,11 +25,7 @@ def description_hash(description: dict) -> str:
 
 
 def file_fingerprint(path: str) -> str:
-    """Cheap identity of a file: its size and an md5 of its first and last MiB.
-
-    Guards a cache against a file rebuilt in place under the same name, without reading
-    a large file whole.
-    """
+    """Size and md5 of the first and last MiB: catches a file rebuilt in place without reading it whole."""
     size = os.path.getsize(path)
     digest = hashlib.md5(usedforsecurity=False)
     with open(path, "rb") as f:
@@ -51,13 +46,11 @@ def is_builder_process() -> bool:
     return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
-def load_or_build(cache_dir: str | None, name: str, description: dict, build, log=print):
-    """Return the dict of arrays `build()` makes, from the cache when it holds them.
+def load_or_build(cache_dir: str | None, name: str, description: dict, build):
+    """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them.
 
-    cache_dir: folder of the cache, or None to build in memory without caching.
-    name: readable part of the file names (e.g. "GPTDataset-train").
-    description: JSON-able inputs of `build`; its hash keys the files.
-    build: () -> dict[str, np.ndarray].
+    cache_dir None builds in memory. name: readable part of the file names ("GPTDataset-train").
+    description: JSON-able inputs of `build`, whose hash keys the files.
     """
     if cache_dir is None:
         return build()
@@ -68,9 +61,15 @@ def load_or_build(cache_dir: str | None, name: str, description: dict, build, lo
             start = time.perf_counter()
             arrays = build()
             _publish(cache_dir, base, marker, description, arrays)
-            log(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
+            print(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
             return arrays
-        _wait_for(marker)
+        deadline = time.monotonic() + WAIT_TIMEOUT_S
+        while not os.path.isfile(marker):
+            if time.monotonic() > deadline:
+                raise UserError(f"waited {WAIT_TIMEOUT_S:.0f} s for another process to build {marker}; check the "
+                                "log of local rank 0 for its error, or raise MEGALITE_INDEX_CACHE_TIMEOUT if "
+                                "building is just slow")
+            time.sleep(0.2)
     keys = json.load(open(marker))["arrays"]
     return {key: np.load(f"{base}-{key}.npy", mmap_mode="r") for key in keys}
 
@@ -83,10 +82,8 @@ def _publish(cache_dir, base, marker, description, arrays) -> None:
         record = {"description": description, "arrays": sorted(arrays)}
         _atomic_save(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
     except OSError as err:
-        raise UserError(
-            f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); "
-            "point --data-cache-path at a writable folder"
-        ) from err
+        raise UserError(f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); point "
+                        "--data-cache-path at a writable folder") from err
 
 
 def _atomic_save(path: str, write) -> None:
@@ -98,15 +95,3 @@ def _atomic_save(path: str, write) -> None:
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
-
-
-def _wait_for(marker: str) -> None:
-    deadline = time.monotonic() + WAIT_TIMEOUT_S
-    while not os.path.isfile(marker):
-        if time.monotonic() > deadline:
-            raise UserError(
-                f"waited {WAIT_TIMEOUT_S:.0f} s for another process to build {marker}; "
-                "check the log of local rank 0 for its error, or raise "
-                "MEGALITE_INDEX_CACHE_TIMEOUT if building is just slow"
-            )
-        time.sleep(0.2)

@@ -1,21 +1,10 @@
 """Megatron's indexed token format: a `.bin` of token ids and a `.idx` that locates them.
 
-`.bin`: every sequence's token ids back to back, no header.
-
-`.idx` (little-endian, no padding):
-
-    magic      9 bytes   b"MMIDIDX\\x00\\x00"
-    version    u64       1
-    dtype      u8        code of the token dtype (see DTYPE_CODES)
-    S          u64       number of sequences
-    D          u64       number of document boundaries (documents + 1)
-    lengths    int32[S]  tokens per sequence
-    pointers   int64[S]  byte offset of each sequence in `.bin`
-    documents  int64[D]  sequence index where each document starts; starts at 0
-
-Megatron's preprocessing writes one sequence per document unless it splits sentences,
-and its GPT dataset treats every sequence as a document; so does megalite.
-The reader memory-maps both files and returns views, never copies.
+`.idx` (little-endian, no padding): magic, version u64, dtype code u8, S u64 (sequences),
+D u64 (document bounds), lengths int32[S], byte pointers into `.bin` int64[S], and the
+sequence index where each document starts int64[D]; docs/data.md has the table. As in
+Megatron's GPT dataset, every sequence is a document. The reader memory-maps both files
+and returns views, never copies.
 """
 
 import os
@@ -28,25 +17,13 @@ from megalite.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
-DTYPE_CODES = {
-    1: np.uint8,
-    2: np.int8,
-    3: np.int16,
-    4: np.int32,
-    5: np.int64,
-    6: np.float64,
-    7: np.float32,
-    8: np.uint16,
-}
+DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
+               8: np.uint16}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D
+_REBUILD = "rebuild it with tools/preprocess_data.py"
 
 
-def dtype_code(dtype) -> int:
-    """The `.idx` code of a numpy dtype."""
-    for code, candidate in DTYPE_CODES.items():
-        if np.dtype(candidate) == np.dtype(dtype):
-            return code
-    raise ValueError(f"dtype {np.dtype(dtype)} has no code in Megatron's .idx format")
+_CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 
 def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -54,103 +31,68 @@ def token_dtype_for_vocab(vocab_size: int) -> np.dtype:
     return np.dtype(np.uint16 if vocab_size < 65500 else np.int32)
 
 
-def bin_path(prefix: str) -> str:
-    return prefix + ".bin"
-
-
-def idx_path(prefix: str) -> str:
-    return prefix + ".idx"
-
-
 def exists(prefix: str) -> bool:
     """True when both files of the pair exist."""
-    return os.path.isfile(bin_path(prefix)) and os.path.isfile(idx_path(prefix))
+    return os.path.isfile(prefix + ".bin") and os.path.isfile(prefix + ".idx")
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a `.bin/.idx` pair.
+    """Read-only, memory-mapped view of a `.bin/.idx` pair; `ds[i]` is sequence i, shape [length].
 
-    `ds[i]` and `ds.get(i, offset, length)` return 1-D numpy views of sequence i.
     Opening validates the header and every size, naming the file and the problem.
     """
 
     def __init__(self, path_prefix: str):
         self.path_prefix = path_prefix
-        idx_file, bin_file = idx_path(path_prefix), bin_path(path_prefix)
+        idx_file, bin_file = path_prefix + ".idx", path_prefix + ".bin"
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
-                raise UserError(
-                    f"token file {path} does not exist; check the prefix given to "
-                    "--data-path (it names files without the .bin/.idx suffix)"
-                )
+                raise UserError(f"token file {path} does not exist; check the prefix given to --data-path "
+                                "(it names files without the .bin/.idx suffix)")
         self._read_index(idx_file)
         self._check_bin(bin_file)
 
     def _read_index(self, idx_file: str) -> None:
         size = os.path.getsize(idx_file)
         if size < _HEADER.size:
-            raise UserError(
-                f"{idx_file} is truncated: {size} bytes, shorter than the "
-                f"{_HEADER.size}-byte header; rebuild it with tools/preprocess_data.py"
-            )
+            raise UserError(f"{idx_file} is truncated: {size} bytes, shorter than the {_HEADER.size}-byte "
+                            f"header; {_REBUILD}")
         with open(idx_file, "rb") as f:
-            magic, version, code, num_sequences, num_doc_bounds = _HEADER.unpack(
-                f.read(_HEADER.size)
-            )
+            magic, version, code, num_sequences, num_doc_bounds = _HEADER.unpack(f.read(_HEADER.size))
         if magic != MAGIC:
-            raise UserError(
-                f"{idx_file} is not a Megatron index file (bad magic {magic!r}); "
-                "pass the prefix of a .bin/.idx pair written by tools/preprocess_data.py"
-            )
+            raise UserError(f"{idx_file} is not a Megatron index file (bad magic {magic!r}); pass the prefix "
+                            "of a .bin/.idx pair written by tools/preprocess_data.py")
         if version != VERSION:
-            raise UserError(
-                f"{idx_file} has index version {version}, but only version {VERSION} "
-                "is supported; rebuild it with tools/preprocess_data.py"
-            )
+            raise UserError(f"{idx_file} has index version {version}, but only version {VERSION} is "
+                            f"supported; {_REBUILD}")
         if code not in DTYPE_CODES:
-            raise UserError(
-                f"{idx_file} names unknown token dtype code {code} (valid: "
-                f"{sorted(DTYPE_CODES)}); the file is corrupt, rebuild it"
-            )
+            raise UserError(f"{idx_file} names unknown token dtype code {code} (valid: {sorted(DTYPE_CODES)}); "
+                            "the file is corrupt, rebuild it")
         expected = _HEADER.size + num_sequences * (4 + 8) + num_doc_bounds * 8
         if size != expected:
-            raise UserError(
-                f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, "
-                f"{num_doc_bounds} document bounds) needs {expected}; the file is "
-                "truncated or corrupt, rebuild it with tools/preprocess_data.py"
-            )
+            raise UserError(f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, "
+                            f"{num_doc_bounds} document bounds) needs {expected}; the file is truncated or "
+                            f"corrupt, {_REBUILD}")
         self.dtype = np.dtype(DTYPE_CODES[code])
-        offset = _HEADER.size
         self._index_map = np.memmap(idx_file, mode="r", dtype=np.uint8)
-        self.sequence_lengths = np.frombuffer(
-            self._index_map, dtype=np.int32, count=num_sequences, offset=offset
-        )
+        offset = _HEADER.size
+        self.sequence_lengths = np.frombuffer(self._index_map, np.int32, num_sequences, offset)
         offset += num_sequences * 4
-        self.sequence_pointers = np.frombuffer(
-            self._index_map, dtype=np.int64, count=num_sequences, offset=offset
-        )
+        self.sequence_pointers = np.frombuffer(self._index_map, np.int64, num_sequences, offset)
         offset += num_sequences * 8
-        self.document_indices = np.frombuffer(
-            self._index_map, dtype=np.int64, count=num_doc_bounds, offset=offset
-        )
+        self.document_indices = np.frombuffer(self._index_map, np.int64, num_doc_bounds, offset)
 
     def _check_bin(self, bin_file: str) -> None:
         size = os.path.getsize(bin_file)
-        lengths, pointers = self.sequence_lengths, self.sequence_pointers
-        expected = (int(pointers[-1]) + int(lengths[-1]) * self.dtype.itemsize) if len(lengths) else 0
+        lengths, pointers, itemsize = self.sequence_lengths, self.sequence_pointers, self.dtype.itemsize
+        expected = int(pointers[-1]) + int(lengths[-1]) * itemsize if len(lengths) else 0
         if size != expected:
-            raise UserError(
-                f"{bin_file} is {size} bytes but {idx_path(self.path_prefix)} says "
-                f"{expected}; the pair does not match (truncated or mixed up), rebuild "
-                "it with tools/preprocess_data.py"
-            )
+            raise UserError(f"{bin_file} is {size} bytes but {self.path_prefix}.idx says {expected}; the "
+                            f"pair does not match (truncated or mixed up), {_REBUILD}")
         if len(lengths) and (lengths.min() < 0 or pointers[0] != 0 or np.any(
-            pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64) * self.dtype.itemsize
-        )):
-            raise UserError(
-                f"{idx_path(self.path_prefix)} has sequence offsets that do not follow "
-                "its lengths; the file is corrupt, rebuild it with tools/preprocess_data.py"
-            )
+                pointers[1:] != pointers[:-1] + lengths[:-1].astype(np.int64) * itemsize)):
+            raise UserError(f"{self.path_prefix}.idx has sequence offsets that do not follow its lengths; "
+                            f"the file is corrupt, {_REBUILD}")
         # An empty file cannot be memory-mapped; an empty array serves the same purpose.
         self._bin_map = np.memmap(bin_file, mode="r", dtype=self.dtype) if size else np.empty(0, self.dtype)
 
@@ -171,29 +113,29 @@ class IndexedDataset:
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
 
-    def fingerprint(self) -> str:
-        """Identity of the `.idx` content, for keying caches of indices built on it."""
-        return file_fingerprint(idx_path(self.path_prefix))
-
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
 
+    def fingerprint(self) -> str:
+        """Identity of the `.idx` content, for keying caches of indices built on it."""
+        return file_fingerprint(self.path_prefix + ".idx")
+
 
 class IndexedDatasetBuilder:
-    """Writes a `.bin/.idx` pair; nothing appears under the final names until it succeeds.
+    """Writes a `.bin/.idx` pair as a context manager; nothing appears under the final names until it succeeds.
 
-    Use as a context manager: tokens stream into `<prefix>.bin.tmp`, and on a clean
-    exit the `.idx` is written and both are renamed into place. On an exception the
-    temporaries are removed, so a failed run leaves no half-written pair.
+    Tokens stream into `<prefix>.bin.tmp`; a clean exit writes the `.idx` and renames both
+    into place, an exception removes the temporaries.
     """
 
     def __init__(self, path_prefix: str, dtype):
         self.path_prefix = path_prefix
         self.dtype = np.dtype(dtype)
-        dtype_code(self.dtype)  # fail before creating any file
-        self._tmp_bin = bin_path(path_prefix) + ".tmp"
-        self._tmp_idx = idx_path(path_prefix) + ".tmp"
+        if self.dtype not in _CODE_OF_DTYPE:  # fail before creating any file
+            raise ValueError(f"dtype {self.dtype} has no code in Megatron's .idx format")
+        self._tmp_bin = path_prefix + ".bin.tmp"
+        self._tmp_idx = path_prefix + ".idx.tmp"
         self._lengths: list[np.ndarray] = []
         self._document_ends: list[np.ndarray] = []  # sequence counts after each document
         self._num_sequences = 0
@@ -207,9 +149,11 @@ class IndexedDatasetBuilder:
     def __exit__(self, exc_type, exc, tb):
         if exc_type is None:
             self.finalize()
-        else:
-            self._discard()
-        return False
+            return
+        self._bin.close()
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)
 
     def add_document(self, tokens) -> None:
         """Append one document made of one sequence. tokens: [n] ints."""
@@ -241,14 +185,12 @@ class IndexedDatasetBuilder:
         """Append every sequence and document of another pair (what Megatron's merge does)."""
         other = IndexedDataset(other_prefix)
         if other.dtype != self.dtype:
-            raise UserError(
-                f"cannot merge {other_prefix} (tokens {other.dtype}) into a {self.dtype} "
-                "dataset; preprocess all inputs with the same tokenizer"
-            )
+            raise UserError(f"cannot merge {other_prefix} (tokens {other.dtype}) into a {self.dtype} dataset; "
+                            "preprocess all inputs with the same tokenizer")
         self._lengths.append(np.array(other.sequence_lengths, dtype=np.int32))
         self._document_ends.append(self._num_sequences + np.asarray(other.document_indices[1:]))
         self._num_sequences += len(other)
-        with open(bin_path(other_prefix), "rb") as src:
+        with open(other_prefix + ".bin", "rb") as src:
             while chunk := src.read(1 << 24):
                 self._bin.write(chunk)
 
@@ -258,11 +200,9 @@ class IndexedDatasetBuilder:
         if tokens.size and self.dtype.kind in "iu":
             info = np.iinfo(self.dtype)
             if tokens.min() < info.min or tokens.max() > info.max:
-                raise UserError(
-                    f"token ids from {int(tokens.min())} to {int(tokens.max())} do not fit "
-                    f"the {self.dtype} token files of {self.path_prefix}; the tokenizer's "
-                    "vocabulary is larger than the dtype allows, pass a larger dtype"
-                )
+                raise UserError(f"token ids from {int(tokens.min())} to {int(tokens.max())} do not fit the "
+                                f"{self.dtype} token files of {self.path_prefix}; the tokenizer's vocabulary is "
+                                "larger than the dtype allows, pass a larger dtype")
         self._bin.write(np.ascontiguousarray(tokens, dtype=self.dtype).tobytes())
 
     def finalize(self) -> None:
@@ -271,29 +211,20 @@ class IndexedDatasetBuilder:
         lengths = np.concatenate(self._lengths) if self._lengths else np.zeros(0, np.int32)
         pointers = np.zeros(len(lengths), dtype=np.int64)
         np.cumsum(lengths[:-1].astype(np.int64) * self.dtype.itemsize, out=pointers[1:])
-        doc_ends = np.concatenate(self._document_ends) if self._document_ends else np.zeros(0)
-        documents = np.concatenate([[0], doc_ends]).astype(np.int64)
+        documents = np.concatenate([[0], *self._document_ends]).astype(np.int64)
         with open(self._tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, dtype_code(self.dtype), len(lengths), len(documents)))
+            f.write(_HEADER.pack(MAGIC, VERSION, _CODE_OF_DTYPE[self.dtype], len(lengths), len(documents)))
             f.write(lengths.astype("<i4").tobytes())
             f.write(pointers.astype("<i8").tobytes())
             f.write(documents.astype("<i8").tobytes())
-        os.replace(self._tmp_bin, bin_path(self.path_prefix))
-        os.replace(self._tmp_idx, idx_path(self.path_prefix))
-
-    def _discard(self) -> None:
-        if self._bin is not None:
-            self._bin.close()
-        for path in (self._tmp_bin, self._tmp_idx):
-            if os.path.exists(path):
-                os.remove(path)
+        os.replace(self._tmp_bin, self.path_prefix + ".bin")
+        os.replace(self._tmp_idx, self.path_prefix + ".idx")
 
 
 def merge_datasets(input_prefixes: list[str], output_prefix: str) -> None:
     """Concatenate several pairs (same dtype) into one, in the given order."""
     if not input_prefixes:
         raise UserError("nothing to merge; pass at least one input prefix")
-    dtype = IndexedDataset(input_prefixes[0]).dtype
-    with IndexedDatasetBuilder(output_prefix, dtype) as builder:
+    with IndexedDatasetBuilder(output_prefix, IndexedDataset(input_prefixes[0]).dtype) as builder:
         for prefix in input_prefixes:
             builder.add_index(prefix)

@@ -1,8 +1,7 @@
 """Deterministic synthetic documents for `--mock-data`: no files, same code path as real data.
 
-Document i has a length drawn from `RandomState(seed)` and follows a simple pattern
-(a start token and a stride, also drawn from the seed), so a model can learn it and
-the loss falls; it ends with the tokenizer's EOD id.
+Document i has a length, a start token and a stride drawn from `RandomState(seed)`, a
+pattern a model can learn, and ends with the tokenizer's EOD id.
 """
 
 import numpy as np

@@ -1,10 +1,8 @@
 """Tokenizers (SentencePiece, Hugging Face, Megatron's NullTokenizer) and SentencePiece training.
 
-Every tokenizer offers the same small interface: `vocab_size` and the special ids
-`bos`, `eos`, `eod`, `pad`, `unk` (None where the tokenizer has none), `tokenize`,
-`tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path) and `detokenize`.
-Tokenizers pickle cheaply (they reload from their model path), so worker processes
-can receive them.
+Each offers `vocab_size`, the special ids `bos`, `eos`, `eod`, `pad`, `unk` (None where
+absent), `tokenize`, `tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path)
+and `detokenize`. They pickle cheaply (reloading from their model path) for worker processes.
 """
 
 import io
@@ -24,7 +22,7 @@ SPECIAL_IDS = {"unk_id": 0, "bos_id": 1, "eos_id": 2, "pad_id": 3}
 
 
 class Tokenizer:
-    """The interface; subclasses set the attributes and implement `tokenize` / `detokenize`."""
+    """The interface; subclasses set the attributes and implement `tokenize` and `detokenize`."""
 
     vocab_size: int
     bos: int | None = None
@@ -51,11 +49,9 @@ class Tokenizer:
 
 
 class SentencePieceTokenizer(Tokenizer):
-    """A SentencePiece model; eod is its eos id.
+    """A SentencePiece model; eod is its eos id. add_bos: start every text with bos (Llama2Tokenizer).
 
-    add_bos: start every text with bos, as Megatron's Llama2Tokenizer does.
-    num_threads: threads of one batch encode; 1 keeps the per-process throughput honest
-        when preprocessing already runs one worker process per core.
+    num_threads: threads of one batch encode; 1 suits preprocessing, which runs a process per core.
     """
 
     def __init__(self, model_path: str, add_bos: bool = False, num_threads: int = 1):
@@ -67,10 +63,8 @@ class SentencePieceTokenizer(Tokenizer):
         except (OSError, RuntimeError) as err:
             raise UserError(f"--tokenizer-model {model_path} is not a SentencePiece model ({err})") from err
         self.vocab_size = self._processor.vocab_size()
-        self.bos = _id_or_none(self._processor.bos_id())
-        self.eos = _id_or_none(self._processor.eos_id())
-        self.pad = _id_or_none(self._processor.pad_id())
-        self.unk = _id_or_none(self._processor.unk_id())
+        ids = (self._processor.bos_id(), self._processor.eos_id(), self._processor.pad_id(), self._processor.unk_id())
+        self.bos, self.eos, self.pad, self.unk = (None if i < 0 else i for i in ids)  # -1: the model has none
         self.eod = self.eos
 
     def __reduce__(self):
@@ -86,9 +80,7 @@ class SentencePieceTokenizer(Tokenizer):
         if not texts:
             return np.zeros(0, np.int32), np.zeros(0, np.int64)
         # SentencePiece fills numpy buffers in C++: no Python int per token.
-        arrays = self._processor.encode(
-            texts, add_bos=self.add_bos, num_threads=self.num_threads, out_type="numpy"
-        )
+        arrays = self._processor.encode(texts, add_bos=self.add_bos, num_threads=self.num_threads, out_type="numpy")
         lengths = np.fromiter(map(len, arrays), dtype=np.int64, count=len(arrays))
         return np.concatenate(arrays), lengths
 
@@ -96,15 +88,10 @@ class SentencePieceTokenizer(Tokenizer):
         return self._processor.decode(np.asarray(ids, dtype=np.int64).tolist())
 
 
-def _id_or_none(token_id: int) -> int | None:
-    return None if token_id < 0 else token_id
-
-
 class NullTokenizer(Tokenizer):
-    """Megatron's _NullTokenizer: the text is whitespace-separated integer ids.
+    """Megatron's _NullTokenizer: the text is whitespace-separated integer ids in [0, V].
 
     Given `vocab_size` V, eod is V and the reported vocab_size is V + 1.
-    Ids outside [0, V] raise ValueError, as does a word that is not an integer.
     """
 
     def __init__(self, vocab_size: int):
@@ -123,33 +110,28 @@ class NullTokenizer(Tokenizer):
 
 
 class HuggingFaceTokenizer(Tokenizer):
-    """A `transformers` tokenizer from a local folder (or a hub name, which needs internet).
+    """A `transformers` tokenizer from a local folder (or a hub name, which needs internet); eod is its eos id.
 
-    Like Megatron's, `tokenize` adds the tokenizer's own special tokens (a Llama tokenizer
-    starts each text with bos). eod is the eos id.
+    Like Megatron's, `tokenize` adds the tokenizer's own special tokens (a Llama tokenizer starts with bos).
     """
 
     def __init__(self, path: str):
         try:
             from transformers import AutoTokenizer
         except ImportError as err:
-            raise UserError(
-                "--tokenizer-type HuggingFaceTokenizer needs transformers; pip install transformers"
-            ) from err
+            raise UserError("--tokenizer-type HuggingFaceTokenizer needs transformers; pip install "
+                            "transformers") from err
         self.path = path
         try:
             self._tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=os.path.isdir(path))
         except (OSError, ValueError) as err:
             reason = str(err).strip().splitlines()[0]
-            raise UserError(
-                f"could not load the Hugging Face tokenizer {path} ({reason}); pass a local tokenizer folder "
-                "as --tokenizer-model"
-            ) from err
+            raise UserError(f"could not load the Hugging Face tokenizer {path} ({reason}); pass a local tokenizer "
+                            "folder as --tokenizer-model") from err
         self.vocab_size = len(self._tokenizer)
-        self.bos = self._tokenizer.bos_token_id
-        self.eos = self._tokenizer.eos_token_id
-        self.pad = self._tokenizer.pad_token_id
-        self.unk = self._tokenizer.unk_token_id
+        tokenizer = self._tokenizer
+        self.bos, self.eos, self.pad, self.unk = (tokenizer.bos_token_id, tokenizer.eos_token_id,
+                                                  tokenizer.pad_token_id, tokenizer.unk_token_id)
         self.eod = self.eos
 
     def __reduce__(self):
@@ -165,32 +147,23 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist())
 
 
-def build_tokenizer(
-    tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None
-) -> Tokenizer:
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
+                    vocab_size: int | None = None) -> Tokenizer:
     """The tokenizer named by Megatron's `--tokenizer-type`, `--tokenizer-model`, `--vocab-size`."""
     if tokenizer_type not in TOKENIZER_TYPES:
-        raise UserError(
-            f"--tokenizer-type {tokenizer_type} is unknown; use one of {', '.join(TOKENIZER_TYPES)}"
-        )
+        raise UserError(f"--tokenizer-type {tokenizer_type} is unknown; use one of {', '.join(TOKENIZER_TYPES)}")
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 1:
-            raise UserError(
-                "--tokenizer-type NullTokenizer needs --vocab-size V "
-                "(ids 0..V-1; V is the end-of-document id)"
-            )
+            raise UserError("--tokenizer-type NullTokenizer needs --vocab-size V (ids 0..V-1; V is the "
+                            "end-of-document id)")
         return NullTokenizer(vocab_size)
     if tokenizer_model is None:
-        raise UserError(
-            f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (its model file or folder)"
-        )
+        raise UserError(f"--tokenizer-type {tokenizer_type} needs --tokenizer-model (its model file or folder)")
     if tokenizer_type == "HuggingFaceTokenizer":
         return HuggingFaceTokenizer(tokenizer_model)
     if not os.path.isfile(tokenizer_model):
-        raise UserError(
-            f"--tokenizer-model {tokenizer_model} does not exist; pass a SentencePiece .model file "
-            "(tools/train_tokenizer.py writes one)"
-        )
+        raise UserError(f"--tokenizer-model {tokenizer_model} does not exist; pass a SentencePiece .model file "
+                        "(tools/train_tokenizer.py writes one)")
     return SentencePieceTokenizer(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
 
 
@@ -206,37 +179,23 @@ class TrainingSentences:
             for line in document.split("\n"):
                 if not line:
                     continue
-                # A character is at most 4 bytes, so shorter lines need no byte count.
-                if len(line) * 4 > MAX_SENTENCE_BYTES:
-                    line = _cut_to_bytes(line, MAX_SENTENCE_BYTES)
+                if len(line) * 4 > MAX_SENTENCE_BYTES:  # a character is at most 4 bytes: shorter lines fit
+                    # The longest prefix that fits; "ignore" drops a character cut in two.
+                    line = line.encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
                 self.count += 1
                 yield line
 
 
-def _cut_to_bytes(text: str, max_bytes: int) -> str:
-    """The longest prefix of `text` whose UTF-8 form fits in `max_bytes` (no character split)."""
-    return text.encode("utf-8")[:max_bytes].decode("utf-8", errors="ignore")
-
-
-def train_sentencepiece(
-    documents: Iterable[str],
-    output_prefix: str,
-    vocab_size: int = 8192,
-    model_type: str = "bpe",
-    character_coverage: float = 0.9995,
-    max_sentences: int = 0,
-    seed: int = 0,
-    hard_vocab_limit: bool = True,
-) -> dict:
+def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int = 8192,
+                        model_type: str = "bpe", character_coverage: float = 0.9995, max_sentences: int = 0,
+                        seed: int = 0, hard_vocab_limit: bool = True) -> dict:
     """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`.
 
-    Suited to code and prose alike: no normalisation, whitespace kept as it is (runs of
-    spaces become pieces, so indentation survives), digits split, and byte fallback, so
-    that decode(encode(text)) == text for any text. ids: unk 0, bos 1, eos 2, pad 3.
-    max_sentences > 0 samples that many lines (reservoir sampling seeded by `seed`).
-    hard_vocab_limit=False lets a corpus too small for `vocab_size` give a smaller vocabulary
-    instead of an error.
-    Deterministic: the same documents and arguments give a byte-identical model.
+    Suited to code and prose alike: no normalisation, whitespace kept (indentation becomes
+    pieces), digits split and byte fallback, so decode(encode(text)) == text for any text.
+    ids: unk 0, bos 1, eos 2, pad 3. max_sentences > 0 samples that many lines (seeded by
+    `seed`); hard_vocab_limit=False lets a small corpus give a smaller vocabulary instead of
+    an error. The same inputs give a byte-identical model.
     Returns {"model", "vocab", "vocab_size", "num_sentences", "seconds"}.
     """
     start = time.perf_counter()
@@ -245,52 +204,30 @@ def train_sentencepiece(
     sentencepiece.set_random_generator_seed(seed)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences),
-            model_writer=model,
-            model_type=model_type,
-            vocab_size=vocab_size,
-            hard_vocab_limit=hard_vocab_limit,
-            character_coverage=character_coverage,
-            input_sentence_size=max_sentences,
-            shuffle_input_sentence=True,
-            max_sentence_length=MAX_SENTENCE_BYTES,
-            normalization_rule_name="identity",
-            remove_extra_whitespaces=False,
-            add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True,
-            split_digits=True,
-            byte_fallback=True,
+            sentence_iterator=iter(sentences), model_writer=model, model_type=model_type, vocab_size=vocab_size,
+            hard_vocab_limit=hard_vocab_limit, character_coverage=character_coverage,
+            input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
+            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
+            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
             # The model records its trainer's thread count; a fixed 1 gives the same file on
             # every machine (and BPE training gains nothing from more on our corpora).
-            num_threads=1,
-            minloglevel=1,
-            **SPECIAL_IDS,
+            num_threads=1, minloglevel=1, **SPECIAL_IDS,
         )
     except RuntimeError as err:
-        raise UserError(
-            f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it more text"
-        ) from err
+        raise UserError(f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it "
+                        "more text") from err
     model_path, vocab_path = f"{output_prefix}.model", f"{output_prefix}.vocab"
     _write_atomically(model_path, model.getvalue())
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
-    _write_atomically(vocab_path, _vocab_listing(processor).encode("utf-8"))
-    return {
-        "model": model_path,
-        "vocab": vocab_path,
-        "vocab_size": processor.vocab_size(),
-        "num_sentences": sentences.count,
-        "seconds": time.perf_counter() - start,
-    }
-
-
-def _vocab_listing(processor) -> str:
-    """SentencePiece's .vocab format: one "piece<TAB>score" line per id."""
-    pieces = range(processor.vocab_size())
-    return "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in pieces)
+    # SentencePiece's .vocab format: one "piece<TAB>score" line per id.
+    ids = range(processor.vocab_size())
+    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in ids)
+    _write_atomically(vocab_path, vocab.encode("utf-8"))
+    return {"model": model_path, "vocab": vocab_path, "vocab_size": processor.vocab_size(),
+            "num_sentences": sentences.count, "seconds": time.perf_counter() - start}
 
 
 def _write_atomically(path: str, content: bytes) -> None:
-    """Write via a temporary file and rename, so a reader never sees half a file."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     temporary = f"{path}.tmp{os.getpid()}"
     with open(temporary, "wb") as file:

@@ -1,31 +1,14 @@
-"""The mixed-precision optimizer: fp32 main params and grads, loss scaling, clipping, AdamW.
-
-One step, in the order Megatron's MixedPrecisionOptimizer takes it:
-
-1. prepare grads: the grad buffer (fp32, summed over micro-batches) is divided by the
-   loss scale; with a scaler, any inf/nan skips the step and backs the scale off;
-2. clip: the global L2 norm over every gradient, each counted once; scale all
-   gradients by clip_grad / norm when the norm exceeds clip_grad;
-3. AdamW on the fp32 main params (decoupled weight decay, none on 1-D params);
-4. copy the main params into the model params (cast to the model's dtype).
-
-Before step 1, the DDP's `finish_grad_sync` (ddp.py) has made the grads whole: summed
-over the tied embedding's stages, data-parallel ranks and, under sequence parallelism,
-TP ranks; the optimizer only reads them. In a parallel run, found_inf is combined over
-every rank and the grad norm over TP x PP (x DP for the distributed optimizer), each
-gradient element counted once. `DistributedOptimizer` (ZeRO-1) keeps main params and
-moments for this DP rank's shard only and all-gathers the updated params in step 4.
-
-Main params: for an fp32 model they are the model's own parameters (no copy); for a
-bf16/fp16 model, fp32 clones. The optimizer state is keyed by full parameter names,
-which are the same under every layout, so checkpoints load into any layout.
+"""The mixed-precision optimizer (Megatron's order), on the grads DDP's `finish_grad_sync` made whole:
+unscale the fp32 grad buffer (with a scaler, inf/nan on any rank skips the step and backs the
+scale off), clip by the global L2 norm, AdamW on fp32 main params (an fp32 model's own params,
+else fp32 clones), copy them into the model. `DistributedOptimizer` (ZeRO-1) keeps main params and
+moments for this DP rank's shard only. State is keyed by global names: checkpoints fit any layout.
 """
 
 import math
 from typing import NamedTuple
 
 import torch
-from torch import nn
 
 from megalite.config.rules import check_loss_scale_settings
 from megalite.data_parallel.ddp import DataParallelGrads
@@ -40,13 +23,9 @@ class NonFiniteGradError(RuntimeError):
 
 
 class DynamicLossScaler:
-    """Megatron's DynamicGradScaler: a loss scale that backs off on overflow and grows when clean.
-
-    On a step with inf/nan grads the growth count restarts and the hysteresis count
-    drops by one; once it reaches 0, every further overflow multiplies the scale by
-    `backoff_factor` (not below `min_scale`). After `growth_interval` clean steps in a
-    row the scale grows by `growth_factor` and the hysteresis count is refilled.
-    """
+    """Megatron's DynamicGradScaler: after `hysteresis` overflows each further one multiplies the scale by
+    `backoff_factor` (down to `min_scale`); `growth_interval` clean steps in a row grow it by
+    `growth_factor` and refill the hysteresis count."""
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
@@ -93,20 +72,13 @@ class StepResult(NamedTuple):
 
 
 class MixedPrecisionOptimizer:
-    """AdamW on fp32 main params for a model in fp32, bf16 or fp16.
+    """AdamW on fp32 main params for the trainable parameters of `ddp`'s model (fp32, bf16 or fp16).
 
-    ddp: the model's DataParallelGrads (ddp.py), which owns the grad buffer and reduces
-    it; its model's trainable parameters (`named_parameters()`, tied ones once) are
-    optimised, and its ParallelState says over which ranks found_inf and the grad norm
-    are combined. A DistributedOptimizer needs a sharding DDP (`shard=True`), the other
-    one a non-sharding DDP. lr: the initial lr (each `step` takes its own).
-    weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: max global grad
-    norm, 0 disables clipping. loss_scaler: dynamic loss scaling (fp16); None means a
-    scale of 1 and no skipping.
-
-    Usage per iteration: `zero_grad()` and `ddp.start_iteration(num_microbatches)`, then
-    for each micro-batch `optimizer.scale_loss(loss).backward()`, then
-    `ddp.finish_grad_sync()` and `step(lr)`.
+    ddp: the DataParallelGrads owning the grad buffer (sharding for a DistributedOptimizer only).
+    weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: 0 disables clipping.
+    loss_scaler: dynamic loss scaling (fp16); None means a scale of 1 and no skipping.
+    Per iteration: `zero_grad()`, `ddp.start_iteration(...)`, `scale_loss(loss).backward()` per
+    micro-batch, `ddp.finish_grad_sync()`, `step(lr)`.
     """
 
     distributed = False
@@ -118,17 +90,16 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"{type(self).__name__} needs a DataParallelGrads with shard={self.distributed}")
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
         self.ddp, parallel = ddp, ddp.parallel
-        self.tp_rank, self.pp_rank, self.tp_size = parallel.tp_rank, parallel.pp_rank, parallel.tp_size
+        self.tp_rank, self.pp_rank = parallel.tp_rank, parallel.pp_rank
         self.dp_size, self.dp_rank = parallel.dp_size, parallel.dp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
         self.world = parallel.world_size > 1
-        named = [(name, param) for name, param in ddp.model.named_parameters() if param.requires_grad]
-        if not named:
+        self.name_of = {id(param): name for name, param in ddp.model.named_parameters() if param.requires_grad}
+        if not self.name_of:
             raise ValueError("the model has no trainable parameters to optimise")
         self.grad_buffer = ddp.buffer
-        self.name_of = {id(param): name for name, param in named}
         self._build_main_params()
         decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim >= 2]
         no_decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim < 2]
@@ -151,7 +122,7 @@ class MixedPrecisionOptimizer:
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss * loss_scale` (the loss itself without a scaler); call backward on the result."""
-        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale
+        return loss if self.loss_scaler is None else loss * self.loss_scale
 
     def zero_grad(self) -> None:
         """Zero the grad buffer (the DDP's), before an iteration's first backward."""
@@ -159,12 +130,8 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def step(self, lr: float) -> StepResult:
-        """Unscale, check, clip and apply AdamW at `lr`; then refresh the model params.
-
-        With a loss scaler, inf/nan grads skip the step (StepResult(False, nan)) and
-        update the scaler. Without one, a non-finite grad norm raises NonFiniteGradError
-        before anything is changed (every rank sees the same global norm, so all raise).
-        """
+        """Unscale, check, clip, AdamW at `lr`, refresh the model params. With a loss scaler inf/nan grads
+        skip the step; without one a non-finite grad norm raises NonFiniteGradError on every rank."""
         found_inf = self._unscale_and_check_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -172,21 +139,16 @@ class MixedPrecisionOptimizer:
                 return StepResult(False, math.nan)
         grad_norm = self._grad_norm()
         if not math.isfinite(grad_norm):
-            raise NonFiniteGradError(
-                f"the gradient norm is {grad_norm} and no loss scaler may skip the step, so the update was "
-                f"not applied; the run diverged or met bad data: resume from an earlier checkpoint, "
-                f"perhaps with a lower --lr")
+            raise NonFiniteGradError(f"the gradient norm is {grad_norm} and no loss scaler may skip the step, so the "
+                                     f"update was not applied; the run diverged or met bad data: resume from an "
+                                     f"earlier checkpoint, perhaps with a lower --lr")
         self._clip_grads(grad_norm)
         self._adam_step(lr)
         self._copy_main_params_to_model_params()
         return StepResult(True, grad_norm)
 
     def _unscale_and_check_grads(self) -> bool:
-        """Divide the grad buffer by the loss scale; True when any rank's grads hold an inf or nan.
-
-        Checked only with a scaler (without one the grad norm catches non-finite grads).
-        An overflow on any rank skips the step on every rank.
-        """
+        """With a scaler, divide the grad buffer by the loss scale; True when any rank's grads hold inf or nan."""
         if self.loss_scaler is None:
             return False
         self.grad_buffer.step_grads().mul_(1.0 / self.loss_scaler.scale)
@@ -197,19 +159,13 @@ class MixedPrecisionOptimizer:
         return bool(found_inf > 0)
 
     def _counted(self, param) -> bool:
-        """Whether this rank counts `param`'s grad in the global norm, so each counts once overall.
-
-        TP: a param replicated on TP ranks (`tensor_model_parallel` False) counts only on
-        TP rank 0. PP: the last stage's copy of a tied embedding (`shared_embedding`)
-        counts only on the first stage. DP: replicas count once because the norm is
-        combined over TP x PP only; under the distributed optimizer each DP rank counts
-        its own shard and the norm is combined over every rank.
-        """
+        """Whether this rank counts `param`'s grad in the global norm, so each counts once overall:
+        TP-replicated params on TP rank 0 only, a tied embedding's last-stage copy not at all (DP
+        replicas count once as the norm is combined over TP x PP; shards over every rank)."""
         return ((self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
                 and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False)))
 
     def _grad_norm(self) -> float:
-        """Global L2 norm of all main grads (fp32)."""
         grads = [grad for grad, param in zip(self.main_grads, self.model_params) if self._counted(param)]
         norms = torch._foreach_norm(grads, 2.0) if grads else []
         device = self.grad_buffer.step_grads().device
@@ -221,15 +177,12 @@ class MixedPrecisionOptimizer:
         return float(squared_norm.sqrt())
 
     def _clip_grads(self, grad_norm: float) -> None:
-        """Scale every grad by clip_grad / grad_norm when that is below 1 (Megatron's rule)."""
-        if self.clip_grad <= 0:
-            return
+        """Scale every grad by clip_grad / grad_norm when that is below 1."""
         clip_coefficient = self.clip_grad / (grad_norm + 1e-6)
-        if clip_coefficient < 1.0:
+        if self.clip_grad > 0 and clip_coefficient < 1.0:
             self.grad_buffer.step_grads().mul_(clip_coefficient)
 
     def _adam_step(self, lr: float) -> None:
-        """AdamW on the main params with the grad buffer's views as their grads."""
         for group in self.adam.param_groups:
             group["lr"] = lr
         # Grads are lent only for the step: on an fp32 model the main params are the model
@@ -248,31 +201,30 @@ class MixedPrecisionOptimizer:
 
     @torch.no_grad()
     def reload_model_params(self) -> None:
-        """Copy the model params into the fp32 main params: after model weights were loaded
-        without optimizer state (--finetune, --no-load-optim), so the next step starts from them."""
+        """Copy the model params into the main params, after weights were loaded without optimizer state."""
         for main, param in zip(self.main_params, self._model_values()):
             if main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
                 main.copy_(param)
 
-    def _model_values(self) -> list[torch.Tensor]:
-        """The model values each main param stands for."""
+    def _model_values(self) -> list[torch.Tensor]:  # what each main param stands for
         return self.model_params
 
-    def state_dict(self) -> dict:
-        """`{"tensors": {name: Tensor}, "meta": JSON-able}`; layout-free.
+    def _adam_states(self) -> list[dict]:
+        """Adam's state of each main param; a fresh one (zero moments, step 0) where it has none yet."""
+        return [self.adam.state.get(main) or _adam_state(self.adam, main, 0) for main in self.main_params]
 
-        tensors: `"<param name>.main_param"`, `".exp_avg"`, `".exp_avg_sq"`, fp32, each of
-        the param's (global) shape; the moments are zeros before the first step. These are
-        the live tensors, not copies: save (or clone) them before the next step.
-        meta: `step` (Adam steps taken), the hyper-parameters, and `loss_scaler` (or None).
-        """
+    def _state_tensors(self) -> dict[str, torch.Tensor]:
+        """`"<param name>.<kind>"` -> the live fp32 tensor, for each of STATE_KINDS."""
         tensors = {}
-        for name, main in zip(self.names, self.main_params):
-            state = self.adam.state.get(main, {})
+        for name, main, state in zip(self.names, self.main_params, self._adam_states()):
             tensors[f"{name}.main_param"] = main.detach()
-            for kind in ("exp_avg", "exp_avg_sq"):
-                tensors[f"{name}.{kind}"] = state[kind] if kind in state else torch.zeros_like(main.detach())
-        return {"tensors": tensors, "meta": self._meta()}
+            tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"] = state["exp_avg"], state["exp_avg_sq"]
+        return tensors
+
+    def state_dict(self) -> dict:
+        """`{"tensors": {"<param name>.<kind>": the live fp32 tensor of the param's global shape}, "meta":
+        {step (Adam steps taken), the hyper-parameters, loss_scaler}}`: save it before the next step."""
+        return {"tensors": self._state_tensors(), "meta": self._meta()}
 
     def _meta(self) -> dict:
         group = self.adam.param_groups[0]
@@ -281,19 +233,15 @@ class MixedPrecisionOptimizer:
                 "loss_scaler": None if self.loss_scaler is None else self.loss_scaler.state_dict()}
 
     def _adam_steps(self) -> int:
-        steps = {int(self.adam.state[main]["step"]) for main in self.main_params if main in self.adam.state}
+        steps = {int(state["step"]) for state in self._adam_states()}
         if len(steps) > 1:
             raise RuntimeError(f"the parameters have taken different numbers of Adam steps: {sorted(steps)}")
         return steps.pop() if steps else 0
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()` output bitwise (copies; `state` may be reused) and refresh the model.
-
-        Names and shapes must match this model's exactly (UserError naming the bad entries).
-        This run's hyper-parameters (lr, betas, eps, weight decay, clipping) stay in force;
-        the scaler state is restored when both the checkpoint and this run have a scaler.
-        """
+        """Restore `state_dict()` output bitwise (UserError naming entries that do not fit) and refresh the
+        model; this run's hyper-parameters stay, the scaler state loads when both sides have a scaler."""
         tensors, meta = state["tensors"], state["meta"]
         _check_tensors(tensors, dict(zip(self.names, self.main_params)))
         steps = int(meta["step"])
@@ -309,26 +257,16 @@ class MixedPrecisionOptimizer:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1/2/3: each data-parallel rank keeps fp32 main params and Adam moments for its shard only.
-
-    The grad buffer's buckets are cut into `dp_size` equal shards; DP rank d owns shard d
-    of every bucket (grad_buffer.py). Its grads arrive there by reduce-scatter (ddp.py);
-    AdamW runs on the owned ranges; each bucket is then all-gathered so every rank's
-    model params are whole again. A parameter's owned part is one contiguous range of
-    its flattened values (buckets close at parameter boundaries). ZeRO-2 (sharded grads)
-    reads the grads from the buffer's shards; ZeRO-3 (sharded params) also updates the
-    stored parameter shards and gathers nothing: the next forward does (param_shards.py).
-
-    Checkpoints: `state_dict()` gives each owned range as flat values with its start in the
-    param's local flat shard (`flat_ranges`); the checkpoint cuts them into pieces of the
-    global tensors (megalite/checkpoint/pieces.py), so any other layout, sharded or not, reads them.
-    """
+    """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every grad-buffer bucket (one
+    contiguous range of a param's flat values each), where its grads arrive by reduce-scatter;
+    after AdamW each bucket is all-gathered so every rank's model params are whole again. ZeRO-2
+    reads the grads from the buffer's shards; ZeRO-3 updates the stored parameter shards and
+    gathers nothing: the next forward does (param_shards.py)."""
 
     distributed = True
 
     def _build_main_params(self) -> None:
-        """One entry per parameter that intersects this rank's shards: model param, name,
-        fp32 main values (1-D), grad view (1-D) and `ranges` (local flat start, end)."""
+        """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
         self.model_params, self.names, self.main_params, self.main_grads, self.ranges = [], [], [], [], []
         buffer = self.grad_buffer
         for bucket in buffer.buckets:
@@ -339,16 +277,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 if low >= high:
                     continue
                 local = (low - start, high - start)
-                values = self._values(param, *local)
-                # fp32 models: the main values are a view of the param (or its stored shard), updated in place.
-                main = values if param.dtype == torch.float32 else values.to(torch.float32, copy=True)
                 self.model_params.append(param)
                 self.names.append(self.name_of[id(param)])
-                self.main_params.append(main)
+                self.main_params.append(_main_param(self._values(param, *local)))
                 self.main_grads.append(buffer.shard_view(bucket)[low - shard_start:high - shard_start])
                 self.ranges.append(local)
 
-    def _values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
+    def _values(self, param, start: int, end: int) -> torch.Tensor:
         """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view)."""
         if self.ddp.param_shards is not None:
             return self.ddp.param_shards.owned_values(param, start, end)
@@ -383,49 +318,32 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             start, numel = buffer.offsets[param]
             param.detach().view(-1).copy_(full[start - bucket.start:start - bucket.start + numel])
 
-    def _live_state(self) -> list[dict]:
+    def _adam_states(self) -> list[dict]:
         """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
         so the checkpoint pieces can always be views of the live tensors."""
-        states = []
         for main in self.main_params:
             if main not in self.adam.state:
                 self.adam.state[main] = _adam_state(self.adam, main, 0)
-            states.append(self.adam.state[main])
-        return states
+        return [self.adam.state[main] for main in self.main_params]
 
     def state_dict(self) -> dict:
-        """`{"tensors": {"<name>.<kind>": Tensor}, "flat_ranges": {name: start}, "meta"}`.
-
-        tensors: each owned range's fp32 values, 1-D (the live tensors, not copies), which
-        are the param's local flat elements `[start, start + numel)`, `start` from
-        `flat_ranges`; `meta` as MixedPrecisionOptimizer's.
-        """
-        tensors = {}
-        for name, main, state in zip(self.names, self.main_params, self._live_state()):
-            for kind, values in (("main_param", main), ("exp_avg", state["exp_avg"]),
-                                 ("exp_avg_sq", state["exp_avg_sq"])):
-                tensors[f"{name}.{kind}"] = values
+        """As the base class's, but each tensor 1-D, the param's local flat values from `flat_ranges[name]`
+        on (the checkpoint cuts them into pieces of the global tensors)."""
         flat_ranges = {name: start for name, (start, _) in zip(self.names, self.ranges)}
-        return {"tensors": tensors, "flat_ranges": flat_ranges, "meta": self._meta()}
-
-    def _adam_steps(self) -> int:
-        steps = {int(state["step"]) for state in self._live_state()}
-        if len(steps) > 1:
-            raise RuntimeError(f"the parameters have taken different numbers of Adam steps: {sorted(steps)}")
-        return steps.pop() if steps else 0
+        return {"tensors": self._state_tensors(), "flat_ranges": flat_ranges, "meta": self._meta()}
 
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
-        live = self.state_dict()["tensors"]
+        live = self._state_tensors()
         tensors, meta = state["tensors"], state["meta"]
         if set(tensors) != set(live):
             raise UserError(f"the optimizer state does not fit this model's shard (e.g. "
-                            f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start "
-                            f"the optimizer afresh")
+                            f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start the "
+                            f"optimizer afresh")
         for key, values in live.items():
             values.copy_(tensors[key])
-        for adam_state in self._live_state():
+        for adam_state in self._adam_states():
             adam_state["step"].fill_(float(meta["step"]))
         if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
             self.loss_scaler.load_state_dict(meta["loss_scaler"])
@@ -434,9 +352,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
 
 def _adam_state(adam: torch.optim.AdamW, main: torch.Tensor, steps: int, exp_avg: torch.Tensor | None = None,
                 exp_avg_sq: torch.Tensor | None = None) -> dict:
-    """Adam's state for `main` as torch builds it: fp32 moments (copies, zeros when None) beside a
-    float32 step count, which the fused and capturable kernels read on the param's device (a
-    checkpoint written on a CPU resumes on a GPU) and the others on the CPU."""
+    """Adam's state for `main` as torch builds it: fp32 moments (copies, or zeros) and a float32 step on
+    the param's device for fused and capturable kernels (a CPU checkpoint resumes on a GPU), else the CPU."""
     group = next(group for group in adam.param_groups if any(p is main for p in group["params"]))
     on_device = group.get("fused") or group.get("capturable")
     moments = [torch.zeros_like(main, dtype=torch.float32) if values is None
@@ -445,11 +362,9 @@ def _adam_state(adam: torch.optim.AdamW, main: torch.Tensor, steps: int, exp_avg
             "exp_avg": moments[0], "exp_avg_sq": moments[1]}
 
 
-def _main_param(param: nn.Parameter) -> torch.Tensor:
-    """The fp32 tensor AdamW updates for `param`: the param itself when fp32, else an fp32 clone."""
-    if param.dtype == torch.float32:
-        return param
-    return param.detach().to(torch.float32, copy=True)
+def _main_param(param: torch.Tensor) -> torch.Tensor:
+    """The fp32 tensor AdamW updates for `param` (or a view of it): itself when fp32, else a detached clone."""
+    return param if param.dtype == torch.float32 else param.detach().to(torch.float32, copy=True)
 
 
 def _check_tensors(tensors: dict, main_params: dict) -> None:

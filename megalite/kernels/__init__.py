@@ -1,16 +1,8 @@
-"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point.
-
-`--kernels {auto,triton,torch}` sets the mode once per process (`set_kernels`):
-- auto: Triton on CUDA tensors, PyTorch elsewhere (the default);
-- triton: Triton everywhere; on a CPU this needs TRITON_INTERPRET=1 (Triton's
-  interpreter, slow, for tests);
-- torch: the PyTorch reference everywhere.
-
-Each kernel module exposes one function the model calls (e.g. `rms_norm`), which asks
-`use_triton(x)` and runs either the Triton autograd Function or the reference.
+"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point: `--kernels`
+auto (Triton on CUDA tensors), triton (also on a CPU, through Triton's slow interpreter,
+TRITON_INTERPRET=1) or torch, set once per process (`set_kernels`) and asked by `use_triton(x)`.
 """
 
-import importlib.util
 import os
 
 import torch
@@ -18,11 +10,17 @@ import torch
 from megalite.config.train import KERNEL_MODES as MODES
 from megalite.errors import UserError
 
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # the PyTorch paths need no Triton
+    triton = tl = None
+
 _mode = "auto"
 
 
 def triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return triton is not None
 
 
 def interpreting() -> bool:
@@ -43,8 +41,7 @@ def check_kernels(mode: str) -> None:
 
 
 def set_kernels(mode: str) -> None:
-    """Choose the kernels for this process (see the module docstring); UserError when `--kernels mode`
-    cannot run on this machine (the run's start-up calls this before building anything)."""
+    """Choose this process's kernels; UserError when `--kernels mode` cannot run here."""
     global _mode
     check_kernels(mode)
     _mode = mode

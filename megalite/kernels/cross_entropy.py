@@ -1,38 +1,17 @@
-"""Cross-entropy over (possibly vocab-sharded) logits: two Triton kernels and their PyTorch twins.
+"""Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on:
+padding), Triton beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP:
 
-Each TP rank holds logits `[rows, v/tp]` for a contiguous vocabulary slice starting at
-`vocab_start`; columns at or above `real_columns` are vocabulary padding (-inf). Per row
-the loss needs three numbers from the whole vocabulary, computed here per shard and then
-combined over the TP group:
+    stats:    m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
+    combine:  lse = M + log(sum_r s_r exp(m_r - M)) with M = max_r m_r,  t = sum_r t_r
+    loss = lse - t + w * lse^2 (w: --z-loss-weight),  grad: dz_v = g * (softmax_v (1 + 2 w lse) - [v == label])
 
-    stats (one pass over the row):  m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
-    combine (all-reduce [rows]):   M = max_r m_r,  lse = M + log(sum_r s_r exp(m_r - M)),  t = sum_r t_r
-    loss = lse - t + w * lse^2                     (w: --z-loss-weight, PaLM's z-loss)
-    grad (one pass, recomputed):   dz_v = g * (softmax_v * (1 + 2 w lse) - [v == label])
-
-Rows whose label is `ignore_index` have loss 0 and zero grad (PyTorch's reduction="none").
-Softmax probabilities are never stored: the forward keeps the logits and one fp32 lse per
-row; the backward recomputes exp(z - lse) block by block while writing the grad.
-
-`row_stats` and `logit_grads` are the per-shard building blocks (Triton or PyTorch per
-`--kernels`); the one autograd Function over them, which combines the shards' stats over
-the TP group, is `megalite/tensor_parallel/cross_entropy.py`; the fused output layer
-(`megalite/kernels/linear_cross_entropy.py`) reuses the blocks chunk by chunk.
-
-The PyTorch path can take Megatron's in-place route for fp32 logits that nothing else reads
-(`keep_exp`): the stats pass leaves exp(z - m) in the logits' own memory, and the grad pass
-scales it in place, so the loss needs no second `[rows, v]` buffer and no recomputed exp.
+The softmax is never stored; for fp32 logits nothing else reads, the PyTorch path takes
+Megatron's in-place route (`keep_exp`): exp(z - m) stays in the logits and becomes the grad.
 """
 
 import torch
 
-from megalite.kernels import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton
-    triton = None
+from megalite.kernels import tl, triton, use_triton
 
 IGNORE_INDEX = -100
 BLOCK = 4096  # vocabulary columns per loop step (a power of two)
@@ -93,8 +72,7 @@ if triton is not None:
             z = tl.load(base + cols, mask=cols < real_columns, other=-float("inf")).to(tl.float32)
             new_m = tl.maximum(m, tl.max(z, axis=0))
             # exp(-inf - -inf) is NaN: a row that has seen only -inf so far keeps s = 0.
-            s = tl.where(new_m == -float("inf"), 0.0, s * tl.exp(m - new_m) +
-                         tl.sum(tl.exp(z - new_m), axis=0))
+            s = tl.where(new_m == -float("inf"), 0.0, s * tl.exp(m - new_m) + tl.sum(tl.exp(z - new_m), axis=0))
             m = new_m
         t = 0.0
         if owned:
@@ -122,19 +100,12 @@ if triton is not None:
             tl.store(grad_ptr + row * grad_stride + cols, grad.to(grad_ptr.dtype.element_ty), mask=cols < n_columns)
 
 
-def rows_view(logits: torch.Tensor) -> torch.Tensor:
-    """`[..., v]` -> `[rows, v]` with unit column stride (copies only when it must)."""
-    rows = logits.reshape(-1, logits.shape[-1])
-    return rows if rows.stride(-1) == 1 else rows.contiguous()
-
-
 def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index: int = IGNORE_INDEX,
               keep_exp: bool = False):
     """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32.
 
-    logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids.
-    keep_exp: fp32 `logits` nothing else reads, on the PyTorch path (`exp_kept` says when):
-    exp(z - max) overwrites their real columns, for `logit_grads(exp_max=max)`.
+    logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32 logits
+    nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns.
     """
     if not use_triton(logits):
         return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp)
@@ -146,20 +117,14 @@ def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index:
     return m, s, t
 
 
-def exp_kept(logits: torch.Tensor, inplace: bool) -> bool:
-    """Whether `row_stats(keep_exp=True)` may overwrite `logits` (the caller allows it with `inplace`)."""
-    return inplace and logits.dtype == torch.float32 and not use_triton(logits)
-
-
 def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_start: int, real_columns: int,
                 ignore_index: int = IGNORE_INDEX, out: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                 exp_in_logits: bool = False) -> torch.Tensor:
     """d loss / d logits `[rows, v_local]` in the logits' dtype (into `out` if given, which may be `logits`).
 
-    lse, grad_losses: `[rows]` fp32 (grad_losses already zero on ignored rows).
-    shift: `[rows]`, the row max the PyTorch path exponentiates against (row_stats' first value;
-    default lse). exp_in_logits: `logits` hold exp(z - shift) from `row_stats(keep_exp=True)`; the
-    grad is written over them.
+    lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the
+    PyTorch path exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift)
+    from `row_stats(keep_exp=True)`, and the grad is written over them.
     """
     if exp_in_logits:
         out = logits
@@ -169,10 +134,9 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
                                   ignore_index, out, shift, exp_in_logits)
     rows, columns = logits.shape
     if rows:
-        _grad_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), lse.contiguous(),
-                              grad_losses.contiguous(), out, out.stride(0), columns, real_columns, vocab_start,
-                              ignore_index, float(z_loss_weight),
-                              BLOCK=min(BLOCK, triton.next_power_of_2(max(columns, 1))))
+        _grad_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), lse.contiguous(), grad_losses.contiguous(),
+                              out, out.stride(0), columns, real_columns, vocab_start, ignore_index,
+                              float(z_loss_weight), BLOCK=min(BLOCK, triton.next_power_of_2(max(columns, 1))))
     return out
 
 

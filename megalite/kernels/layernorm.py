@@ -1,29 +1,15 @@
-"""LayerNorm: `y = (x - mean) / std * weight + bias`, the Triton kernel beside its PyTorch reference.
+"""LayerNorm `y = (x - mean) / std * weight + bias` over x `[..., hidden]`, Triton beside PyTorch.
 
-`layer_norm(x, weight, bias, eps)` is what the model calls; `megalite.kernels.use_triton`
-picks the path. x: `[..., hidden]` in any float dtype; weight, bias: `[hidden]`.
-Statistics are computed in fp32 whatever the input dtype.
-
-Triton path, one autograd Function:
-- forward: one program per row; saves x, weight and the row's fp32 mean and 1/std;
-- backward: each program walks a block of rows, writes dx and accumulates the weight
-  and bias grads of its rows in fp32; PyTorch sums the per-program partials.
-      xhat = (x - mean) * rstd,  g = dy * weight
-      dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
-      dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
-Row offsets are int64.
+Statistics in fp32; the Triton forward saves x and each row's mean and 1/std, and in the
+backward each program walks a block of rows, summing their weight and bias grads in fp32:
+    xhat = (x - mean) * rstd,  g = dy * weight,  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
+    dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
 """
 
 import torch
 import torch.nn.functional as F
 
-from megalite.kernels import backward_programs, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton
-    triton = None
+from megalite.kernels import backward_programs, tl, triton, use_triton
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -32,16 +18,13 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
     """LayerNorm of `x` over its last dimension; Triton or PyTorch per `--kernels`."""
-    if use_triton(x):
-        return _LayerNorm.apply(x, weight, bias, eps)
-    return layer_norm_reference(x, weight, bias, eps)
+    return _LayerNorm.apply(x, weight, bias, eps) if use_triton(x) else layer_norm_reference(x, weight, bias, eps)
 
 
 if triton is not None:
 
     @triton.jit
-    def _forward_kernel(x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps,
-                        BLOCK: tl.constexpr):
+    def _forward_kernel(x_ptr, weight_ptr, bias_ptr, y_ptr, mean_ptr, rstd_ptr, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         mask = cols < n_cols
@@ -51,8 +34,7 @@ if triton is not None:
         rstd = 1.0 / tl.sqrt(tl.sum(centred * centred, axis=0) / n_cols + eps)
         weight = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
         bias = tl.load(bias_ptr + cols, mask=mask, other=0.0).to(tl.float32)
-        tl.store(y_ptr + row * n_cols + cols, (centred * rstd * weight + bias).to(y_ptr.dtype.element_ty),
-                 mask=mask)
+        tl.store(y_ptr + row * n_cols + cols, (centred * rstd * weight + bias).to(y_ptr.dtype.element_ty), mask=mask)
         tl.store(mean_ptr + row, mean)
         tl.store(rstd_ptr + row, rstd)
 
@@ -85,16 +67,13 @@ if triton is not None:
 
 
 class _LayerNorm(torch.autograd.Function):
-    """The Triton LayerNorm; see the module docstring."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
         shape, hidden = x.shape, x.shape[-1]
         x2 = x.reshape(-1, hidden).contiguous()  # [rows, hidden]
         rows = x2.shape[0]
         y = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
-        mean = torch.empty(rows, dtype=torch.float32, device=x.device)
-        rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
+        mean, rstd = (torch.empty(rows, dtype=torch.float32, device=x.device) for _ in range(2))
         _forward_kernel[(rows,)](x2, weight.contiguous(), bias.contiguous(), y, mean, rstd, hidden, eps,
                                  BLOCK=triton.next_power_of_2(hidden))
         ctx.save_for_backward(x2, weight, mean, rstd)
@@ -108,8 +87,7 @@ class _LayerNorm(torch.autograd.Function):
         dy2 = dy.reshape(rows, hidden).contiguous()
         dx = torch.empty_like(x2)
         programs = backward_programs(rows, x2.device)
-        dweight = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)
-        dbias = torch.empty_like(dweight)
+        dweight, dbias = (torch.empty((programs, hidden), dtype=torch.float32, device=x2.device) for _ in range(2))
         _backward_kernel[(programs,)](dy2, x2, weight.contiguous(), mean, rstd, dx, dweight, dbias, rows, hidden,
                                       triton.cdiv(rows, programs), BLOCK=triton.next_power_of_2(hidden))
         return dx.view(ctx.shape), dweight.sum(0).to(weight.dtype), dbias.sum(0).to(ctx.bias_dtype), None

@@ -1,28 +1,10 @@
-"""The output layer and cross-entropy fused, in chunks, so the full logits never exist (TP = 1).
+"""The output layer and cross-entropy fused in chunks, so the logits `[N, V]` never exist whole (TP = 1).
 
-Unfused, a micro-batch of N tokens materialises logits `[N, V]` and their grad, each as
-large as the output weight when N = h (a 128k vocabulary at N = 4096 tokens: 1 GiB in
-bf16 apiece). Here at most one chunk of logits exists at a time:
-
-- forward, in chunks of tokens: logits_c = hidden_c @ W^T `[c, V]`, then the
-  cross-entropy row stats (`megalite/kernels/cross_entropy.py`); keeps one fp32 lse
-  per token and drops the logits;
-- backward, in chunks of the vocabulary (columns v0..v1):
-      logits_v = hidden @ W_v^T                      `[N, Vc]`, recomputed
-      d logits_v = g * (softmax_v (1 + 2 w lse) - onehot_v), in place over logits_v
-      d W_v = d logits_v^T @ hidden                  one matmul over all N tokens
-      d hidden += d logits_v @ W_v                   `[N, h]`, accumulated in fp32
-
-Chunking the backward over the vocabulary (not over tokens) makes each row block of
-d W a single matmul (fp32 accumulation inside it, written straight into the returned
-grad), so no fp32 copy of the `[V, h]` weight grad is needed; only d hidden `[N, h]`
-is accumulated across chunks, in fp32.
-
-The price is one extra `[N, h] x [h, V]` matmul (the recompute): the output layer costs
-4 matmuls instead of 3. Computing the grads in the forward would avoid it but needs each
-token's loss weight before the backward; megalite's losses are per token and reduced
-later, so the exact backward recomputes. Chunk math follows `--kernels` (Triton kernels
-or their PyTorch twins).
+Forward, in chunks of tokens: logits_c = hidden_c @ W^T and their row stats, keeping one fp32
+lse per token. Backward, in chunks of the vocabulary (columns v0..v1), recomputing the logits
+(grads in the forward would need each token's loss weight):
+    logits_v = hidden @ W_v^T,  d logits_v = g * (softmax_v (1 + 2 w lse) - onehot_v)
+    d W_v = d logits_v^T @ hidden  (one matmul, straight into the grad),  d hidden += d logits_v @ W_v  (fp32)
 """
 
 import torch
@@ -52,8 +34,7 @@ def _accumulate_mm(accumulator: torch.Tensor, a: torch.Tensor, b: torch.Tensor) 
 
 
 class _LinearCrossEntropy(torch.autograd.Function):
-    """See the module docstring. hidden `[N, h]`, weight `[V_padded, h]` (rows from `vocab` on are
-    padding: no probability, zero grad), labels `[N]` -> losses `[N]` fp32."""
+    """hidden `[N, h]`, weight `[V_padded, h]` (rows from `vocab` on: padding), labels `[N]` -> losses `[N]` fp32."""
 
     @staticmethod
     def forward(ctx, hidden, weight, labels, vocab, z_loss_weight, ignore_index, chunk_elements):
@@ -97,17 +78,13 @@ class _LinearCrossEntropy(torch.autograd.Function):
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
                          ignore_index: int = IGNORE_INDEX, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
-    """Per-token fp32 losses of `hidden @ weight^T` against `labels`, without full logits.
+    """Per-token fp32 losses of `hidden @ weight^T` against `labels`, equal to the unfused cross-entropy.
 
-    hidden: `[..., h]`; weight: `[V, h]`, rows at or above `real_vocab_size` (None: V) are
-    vocabulary padding (no probability, zero grad); labels: `[...]` ids below
-    real_vocab_size, or `ignore_index`. Returns losses shaped like labels; equals
-    cross_entropy(hidden @ weight^T, labels) with the same z-loss and ignore semantics.
+    hidden: `[..., h]`; weight: `[V, h]`, rows from `real_vocab_size` (None: V) on are padding;
+    labels: `[...]`, ids or `ignore_index`; returns losses shaped like labels.
     chunk_elements: logits per chunk (forward: whole rows; backward: whole columns).
     """
-    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
-    flat_labels = labels.reshape(-1)
     vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
-    losses = _LinearCrossEntropy.apply(flat_hidden, weight, flat_labels, vocab, z_loss_weight, ignore_index,
-                                       chunk_elements)
+    losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), vocab,
+                                       z_loss_weight, ignore_index, chunk_elements)
     return losses.view(labels.shape)

@@ -1,29 +1,13 @@
-"""RMSNorm: `y = weight * (x / rms(x))`, the Triton kernel beside its PyTorch reference.
+"""RMSNorm `y = weight * (x / rms(x))` over x `[..., hidden]`, Triton beside PyTorch.
 
-`rms_norm(x, weight, eps)` is what the model calls; `megalite.kernels.use_triton`
-picks the path. x: `[..., hidden]` in any float dtype (non-contiguous is fine);
-weight: `[hidden]`. Statistics are computed in fp32 whatever the input dtype.
-
-Triton path, one autograd Function:
-- forward: one program per row; saves x, weight and the row's fp32 1/rms (4 bytes per
-  row), nothing else;
-- backward: each program walks a block of rows, writes dx for each and accumulates its
-  rows' weight-grad contribution in fp32 registers; the per-program partial sums
-  (`[programs, hidden]`, fp32) are then summed by PyTorch.
-      dx = rstd * (g - xhat * mean(g * xhat)),  g = dy * weight,  xhat = x * rstd
-      dweight = sum over rows of dy * xhat
-Row offsets are int64, so tensors past 2^31 elements are addressed correctly.
+Statistics in fp32; the Triton forward saves x and each row's 1/rms, and in the backward each
+program walks a block of rows (int64 offsets), summing their weight grads in fp32:
+    xhat = x * rstd,  g = dy * weight,  dx = rstd * (g - xhat * mean(g * xhat)),  dweight = sum of dy * xhat
 """
 
 import torch
 
-from megalite.kernels import backward_programs, use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton
-    triton = None
+from megalite.kernels import backward_programs, tl, triton, use_triton
 
 
 def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -35,9 +19,7 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm of `x` over its last dimension; Triton or PyTorch per `--kernels`."""
-    if use_triton(x):
-        return _RMSNorm.apply(x, weight, eps)
-    return rms_norm_reference(x, weight, eps)
+    return _RMSNorm.apply(x, weight, eps) if use_triton(x) else rms_norm_reference(x, weight, eps)
 
 
 if triton is not None:
@@ -77,8 +59,6 @@ if triton is not None:
 
 
 class _RMSNorm(torch.autograd.Function):
-    """The Triton RMSNorm; see the module docstring."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         shape, hidden = x.shape, x.shape[-1]
@@ -86,8 +66,7 @@ class _RMSNorm(torch.autograd.Function):
         rows = x2.shape[0]
         y = torch.empty((rows, hidden), dtype=torch.promote_types(x.dtype, weight.dtype), device=x.device)
         rstd = torch.empty(rows, dtype=torch.float32, device=x.device)
-        block = triton.next_power_of_2(hidden)
-        _forward_kernel[(rows,)](x2, weight.contiguous(), y, rstd, hidden, eps, BLOCK=block)
+        _forward_kernel[(rows,)](x2, weight.contiguous(), y, rstd, hidden, eps, BLOCK=triton.next_power_of_2(hidden))
         ctx.save_for_backward(x2, weight, rstd)
         ctx.shape = shape
         return y.view(shape)

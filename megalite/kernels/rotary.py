@@ -1,29 +1,15 @@
-"""Rotary embedding applied to q and k together, Triton beside PyTorch (rotate-half convention).
+"""Rotary embedding of q `[s, b, heads, d]` and k `[s, b, groups, d]` together, Triton beside PyTorch.
 
-`apply_rotary(q, k, cos, sin)` is what attention calls; `megalite.kernels.use_triton`
-picks the path. q: `[s, b, heads, d]`, k: `[s, b, groups, d]` (grouped-query attention:
-any head counts), cos/sin: `[s, b or 1, 1, d]` fp32 tables (model/rotary.py), for any
-positions (offsets, --reset-position-ids). Channel i pairs with channel i + d/2:
+cos/sin: `[s, b or 1, 1, d]` fp32 tables (model/rotary.py). Channel i pairs with i + d/2:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
-The backward is the rotation by the opposite angle, so the kernel serves both with a
-sign; nothing but cos and sin is saved. Arithmetic is fp32; offsets are int64.
-
-Triton path: one launch rotates q and k of a block of tokens per program (all their
-heads at once, the token's cos/sin read once), reading q and k where they lie (the
-strided views attention splits from the fused QKV output, or the permuted grads SDPA's
-backward returns: only the channel stride must be 1) and writing contiguous outputs.
-Memory traffic is one read and one write of q and k, forward and backward.
+The backward is the same kernel with the opposite sign, saving only cos and sin. A Triton program
+rotates every head of a few tokens, reading q and k where they lie (channel stride 1: the views
+split from the fused QKV) and writing contiguous outputs, in fp32.
 """
 
 import torch
 
-from megalite.kernels import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton
-    triton = None
+from megalite.kernels import tl, triton, use_triton
 
 TOKENS_PER_PROGRAM = 4
 
@@ -45,9 +31,7 @@ def apply_rotary_reference(q, k, cos, sin):
 
 def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
     """(rotated q, rotated k); Triton or PyTorch per `--kernels`."""
-    if use_triton(q):
-        return _Rotary.apply(q, k, cos, sin)
-    return apply_rotary_reference(q, k, cos, sin)
+    return _Rotary.apply(q, k, cos, sin) if use_triton(q) else apply_rotary_reference(q, k, cos, sin)
 
 
 if triton is not None:
@@ -87,19 +71,12 @@ if triton is not None:
                               k_stride_h, k_heads, half, BLOCK_K, BLOCK)
 
 
-def _channels_last(x: torch.Tensor) -> torch.Tensor:
-    """x itself when its channels are contiguous (any other strides are read as they are)."""
-    return x if x.stride(-1) == 1 else x.contiguous()
-
-
 def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float):
-    """q `[s, b, heads, d]` and k `[s, b, groups, d]` rotated by `sign` times the angles of cos/sin
-    `[s, b or 1, 1, d]`; contiguous outputs in the inputs' dtypes."""
-    q, k = _channels_last(q), _channels_last(k)
+    """q and k rotated by `sign` times the angles of cos/sin; contiguous outputs in the inputs' dtypes."""
+    q, k = (x if x.stride(-1) == 1 else x.contiguous() for x in (q, k))
     s, b, q_heads, d = q.shape
     k_heads = k.shape[2]
-    q_out, k_out = torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype,
-                                                                                       device=k.device)
+    q_out, k_out = (torch.empty(x.shape, dtype=x.dtype, device=x.device) for x in (q, k))
     cos, sin = cos.float().contiguous(), sin.float().contiguous()
     stride_b = cos.stride(1) if cos.shape[1] > 1 else 0
     tokens = s * b
@@ -112,8 +89,6 @@ def _rotate(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tens
 
 
 class _Rotary(torch.autograd.Function):
-    """The Triton rotary embedding for q and k; see the module docstring."""
-
     @staticmethod
     def forward(ctx, q, k, cos, sin):
         ctx.save_for_backward(cos, sin)

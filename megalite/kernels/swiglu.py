@@ -1,27 +1,13 @@
-"""SwiGLU: `silu(gate) * up` over the fused `[gate; up]` output of FC1, Triton beside PyTorch.
-
-`swiglu(x)` is what the MLP calls; `megalite.kernels.use_triton` picks the path.
-x: `[..., 2 * ffn]`, gate in the first half of the last dimension and up in the second
-(the layout ColumnParallelLinear's `output_chunks=2` keeps on every TP rank); returns
-`[..., ffn]` in x's dtype.
-
-Triton path: the forward saves only x (the two inputs), nothing computed from it; the
-backward recomputes the sigmoid:
-    d gate = dy * up * s * (1 + gate * (1 - s)),  s = sigmoid(gate)
-    d up   = dy * gate * s
-Arithmetic is fp32 inside the kernel; offsets are int64.
+"""SwiGLU `silu(gate) * up`, Triton beside PyTorch: x `[..., 2 * ffn]`, gate then up (the layout
+ColumnParallelLinear's `output_chunks=2` keeps per TP rank) -> `[..., ffn]`. The Triton forward
+saves only x; the backward recomputes in fp32 d gate = dy * up * s * (1 + gate * (1 - s)),
+d up = dy * gate * s, s = sigmoid(gate).
 """
 
 import torch
 import torch.nn.functional as F
 
-from megalite.kernels import use_triton
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # the PyTorch path needs no Triton
-    triton = None
+from megalite.kernels import tl, triton, use_triton
 
 BLOCK = 1024
 
@@ -33,9 +19,7 @@ def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
 
 def swiglu(x: torch.Tensor) -> torch.Tensor:
     """silu(gate) * up of the fused `[..., 2 * ffn]` tensor; Triton or PyTorch per `--kernels`."""
-    if use_triton(x):
-        return _SwiGLU.apply(x)
-    return swiglu_reference(x)
+    return _SwiGLU.apply(x) if use_triton(x) else swiglu_reference(x)
 
 
 if triton is not None:
@@ -67,8 +51,6 @@ if triton is not None:
 
 
 class _SwiGLU(torch.autograd.Function):
-    """The Triton SwiGLU; see the module docstring."""
-
     @staticmethod
     def forward(ctx, x: torch.Tensor) -> torch.Tensor:
         shape, width = x.shape, x.shape[-1] // 2

@@ -1,17 +1,8 @@
 """GPTModel: embedding -> transformer layers -> final norm -> output layer -> loss.
 
-One class covers GPT-2 (learned positions, LayerNorm, GELU, biases, tied output) and
-LLaMA (rope, RMSNorm, SwiGLU, GQA, untied) from a ModelConfig. A pipeline stage builds
-only its part: the embedding when `pre_process`, the layers in `layer_ids`, and the
-final norm, output layer and loss when `post_process`. Layers sit in a ModuleDict
-keyed by their global id, so parameter names (`layers.7.mlp.linear_fc1.weight`) and
-their initial values are the same under every layout.
-
-Vocabulary padding: the embedding and output layer hold `config.vocab_size` rows, of
-which the tokenizer uses `config.real_vocab_size`. Padding rows start at zero and
-padding logits are -inf in the loss, so they get no gradient and stay zero: the
-model does not depend on how much padding the TP size adds, and converted
-checkpoints drop the padding without changing any output.
+GPT-2 (learned positions, LayerNorm, GELU, biases, tied) or LLaMA (rope, RMSNorm, SwiGLU, GQA,
+untied). Layers are keyed by global id, so parameter names and initial values are the same under
+every layout; vocabulary padding rows start at zero and get -inf logits, so they stay zero.
 """
 
 import torch
@@ -19,11 +10,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.kernels.linear_cross_entropy import linear_cross_entropy
 from megalite.model.rotary import RotaryEmbedding
-from megalite.model.transformer import TransformerLayer, hidden_dropout, make_norm
+from megalite.model.transformer import Norm, TransformerLayer, hidden_dropout
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
-from megalite.kernels.linear_cross_entropy import linear_cross_entropy
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
                                              initialize, mark_parameter, tensor_parallel_group)
@@ -44,7 +35,6 @@ class Embedding(nn.Module):
                 nn.Parameter(torch.empty(config.max_position_embeddings, config.hidden_size)), False)
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        """The position table (replicated on TP ranks); word_embeddings initialise themselves."""
         if self.position_embeddings is not None:
             with torch.no_grad():
                 self.position_embeddings.copy_(init_full_tensor(
@@ -63,13 +53,8 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """A GPT / LLaMA model, or the part of it one pipeline stage holds.
-
-    config: the architecture. seed: the init seed; every parameter is drawn from
-    (seed, its global name). layer_ids: the global layer ids this stage holds (all by
-    default). pre_process / post_process: whether it holds the embedding / the final
-    norm, output layer and loss. parallel: this rank's ParallelState (default: one process).
-    """
+    """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the
+    embedding if `pre_process`, the final norm, output layer and loss if `post_process`."""
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
                  post_process: bool = True, parallel: ParallelState = ONE_PROCESS):
@@ -77,23 +62,19 @@ class GPTModel(nn.Module):
         config.validate()
         self.config, self.parallel = config, parallel
         self.pre_process, self.post_process = pre_process, post_process
-        self.tp_size = parallel.tp_size
         self.tied = not config.untie_embeddings_and_output_weights
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
         if any(not 0 <= i < config.num_layers for i in layer_ids):
             raise ValueError(f"layer ids {list(layer_ids)} are outside 0..{config.num_layers - 1}")
 
         self.embedding = None
-        if pre_process:
-            self.embedding = Embedding(config, parallel)
-        elif post_process and self.tied:
-            # The last stage keeps its own copy of the tied word embeddings, under the same
-            # name and with the same initial values; the pipeline keeps the copies equal by
-            # summing their grads over the embedding group (parameters marked shared_embedding).
-            self.embedding = Embedding(config, parallel, with_positions=False)
+        if pre_process or (post_process and self.tied):
+            # A tied last stage keeps its own copy of the word embeddings, with the same name and
+            # initial values; DDP sums the copies' grads (parameters marked shared_embedding).
+            self.embedding = Embedding(config, parallel, with_positions=pre_process)
         if self.embedding is not None and self.tied:
             self.embedding.word_embeddings.weight.shared_embedding = True
-        if config.fused_output_cross_entropy and self.tp_size > 1:
+        if config.fused_output_cross_entropy and parallel.tp_size > 1:
             raise ValueError("the fused output cross-entropy needs tensor-parallel size 1")
 
         self.rotary = None
@@ -105,34 +86,26 @@ class GPTModel(nn.Module):
 
         self.final_layernorm = self.output_layer = None
         if post_process:
-            self.final_layernorm = make_norm(config)
+            self.final_layernorm = Norm(config)
             # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
                 skip_weight_param=self.tied, real_output_size=config.real_vocab_size, parallel=parallel)
 
         if not any(p.is_meta for p in self.parameters()):
-            self.reset_parameters(seed)
-
-    def reset_parameters(self, seed: int) -> None:
-        """Initialise every parameter from (seed, its global name); layout-independent."""
-        initialize(self, seed)
+            initialize(self, seed)
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
                 labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage.
-
-        tokens, position_ids, labels, loss_mask: `[b, s]` (position_ids None: 0..s-1).
-        hidden_states: `[s, b, h]` from the previous stage, on stages without the embedding.
-        Returns: on the last stage, per-token fp32 losses `[b, s]` (times loss_mask when
-        given) if labels are given, else logits `[b, s, real_vocab]`; on other stages the
-        hidden states `[s, b, h]` for the next stage.
-        """
+        """Run this stage on tokens, position_ids (None: 0..s-1), labels, loss_mask `[b, s]`, or on the
+        previous stage's hidden_states `[s, b, h]`. Returns on the last stage per-token fp32 losses
+        `[b, s]` (times loss_mask) if labels are given, else logits `[b, s, real_vocab]`; elsewhere
+        the hidden states `[s, b, h]`."""
         hidden = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
-            seq_length = hidden.shape[0] * (self.tp_size if self.parallel.sequence_parallel else 1)
+            seq_length = hidden.shape[0] * (self.parallel.tp_size if self.parallel.sequence_parallel else 1)
             rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
         for layer in self.layers.values():
@@ -146,31 +119,25 @@ class GPTModel(nn.Module):
             weight = self.output_layer.weight if weight is None else weight
             losses = linear_cross_entropy(hidden, weight, labels.t(), self.config.real_vocab_size,
                                           self.config.z_loss_weight).t()  # [b, s] fp32
-            return (losses if loss_mask is None else losses * loss_mask).contiguous()
-        logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
-        group = tensor_parallel_group(self.parallel)
-        if labels is None:
-            logits = gather_from_tensor_parallel_region(logits, group)
-            return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
-        vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
-        # The logits are this forward's own: the loss may overwrite them with their grad.
-        losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                              self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
-        if loss_mask is not None:
-            losses = losses * loss_mask
-        return losses.contiguous()
+        else:
+            logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
+            group = tensor_parallel_group(self.parallel)
+            if labels is None:
+                logits = gather_from_tensor_parallel_region(logits, group)
+                return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
+            vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
+            # The logits are this forward's own: the loss may overwrite them with their grad.
+            losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
+                                                  self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
+        return (losses if loss_mask is None else losses * loss_mask).contiguous()
 
 
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
                 layer_ids=None, pre_process: bool = True, post_process: bool = True,
                 parallel: ParallelState = ONE_PROCESS) -> GPTModel:
-    """GPTModel on `device` in `dtype`; 'meta' gives shapes only (no memory, no init).
-
-    Weights are drawn on the CPU in fp32, copied to the device, then cast to `dtype`,
-    so a GPU model starts from exactly the CPU model.
-    """
+    """GPTModel on `device` in `dtype`; 'meta' gives shapes only (no memory, no init). Weights are
+    drawn on the CPU in fp32, then copied and cast, so a GPU model starts from exactly the CPU model."""
     # Built directly on the device: Module.to_empty would drop the parameters' TP attributes.
     with torch.device(device):
-        model = GPTModel(config, seed, layer_ids=layer_ids, pre_process=pre_process,
-                         post_process=post_process, parallel=parallel)
+        model = GPTModel(config, seed, layer_ids, pre_process, post_process, parallel)
     return model.to(dtype)

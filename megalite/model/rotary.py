@@ -1,10 +1,7 @@
-"""Rotary position embeddings (RoPE) in Hugging Face's rotate-half convention.
+"""Rotary position embeddings: the cos/sin tables (the rotation is megalite/kernels/rotary.py).
 
-Channel i of a head is paired with channel i + d/2 (not with its neighbour), the
-convention of HF's LLaMA, so converted checkpoints need no permutation of q/k rows.
-Tensors are `[s, b, heads, d]`. Frequencies are inv_freq[j] = base^(-2j/d), with Llama
-3.1's long-context scaling when `scaling_factor` is set. This file makes the cos/sin
-tables; the rotation itself, Triton beside its PyTorch reference, is megalite/kernels/rotary.py.
+Hugging Face's rotate-half convention (channel i pairs with i + d/2), so converted checkpoints
+need no permutation; inv_freq[j] = base^(-2j/d), with Llama 3.1's scaling given `scaling_factor`.
 """
 
 import math
@@ -26,13 +23,8 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables `[s, b, 1, d]` (fp32) for given positions; no parameters.
-
-    Positions are `position_ids` `[b, s]` when given (documents restarting at 0 with
-    --reset-position-ids), else `offset + arange(s)`; the tables for the latter are
-    cached per device, for the longest length seen. The model computes them once per forward and
-    every layer reuses them.
-    """
+    """cos/sin tables `[s, b, 1, d]` (fp32) for positions `position_ids` `[b, s]` when given
+    (--reset-position-ids), else `offset + arange(s)`, cached per device for the longest length seen."""
 
     def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None):
         super().__init__()

@@ -1,28 +1,13 @@
-"""Pipeline schedules: the order of forwards and backwards on each rank, and running it.
+"""Pipeline schedules as data (the same for the run, the tests and the bench), and running them.
 
-A schedule is pure data, the same for the real run, the tests and the bench:
-
-- `operation_order(pp, vp, m, rank)`: the forwards `F(chunk, mb)` and backwards
-  `B(chunk, mb)` rank `rank` runs for `m` micro-batches, P = `pp` ranks, V = `vp`
-  chunks per rank:
-  * P = 1: no pipelining, F0 B0 F1 B1 ... (plain gradient accumulation);
-  * V = 1: 1F1B. Rank r runs min(P - r - 1, m) warm-up forwards, then alternates one
-    forward and one backward, then runs the remaining backwards (cool-down). At most
-    P - r micro-batches are in flight on rank r;
-  * V > 1: interleaved 1F1B in Megatron's order. Virtual micro-batch k runs chunk
-    `(k mod P*V) // P` on micro-batch `(k // P*V) * P + k mod P` (backwards take the
-    chunks in reverse), so micro-batches move through the chunks in groups of P. The
-    warm-up is `(P - r - 1) * 2 + (V - 1) * P` forwards (all of them when m == P), then
-    1F1B steady state and cool-down as above. Needs m to be a multiple of P.
-- `plan_steps(ops, pp, vp, rank)`: the same order with its communication, in
-  Megatron's pairing: each step receives what its op (or, with V > 1, its steady-state
-  forward-backward pair) needs and sends what the previous step's ops produced, in one
-  batch (comm.py). A final step sends the last output.
-
-`run_schedule` executes the steps on real model chunks: only the last stage computes
-the loss; a stage frees its output's memory once sent and keeps only what the backward
-needs (at most the schedule's in-flight count of micro-batches). Gradient reductions
-(SP, tied embeddings, DP) happen once after it returns, i.e. after the last backward.
+`operation_order(pp, vp, m, rank)`: the forwards `F(chunk, mb)` and backwards `B(chunk, mb)` rank
+r runs for m micro-batches, P = `pp` ranks, V = `vp` chunks per rank. P = 1: F0 B0 F1 B1 ...;
+V = 1: 1F1B, min(P - r - 1, m) warm-up forwards, one forward and one backward in turn, then the
+remaining backwards; V > 1: Megatron's interleaved 1F1B, virtual micro-batch k running chunk
+`(k mod P*V) // P` (backwards in reverse) on micro-batch `(k // P*V) * P + k mod P`, after
+`(P - r - 1) * 2 + (V - 1) * P` warm-up forwards (all when m == P). `schedule_steps` adds the
+communication in Megatron's pairing: each step receives what its op (V > 1: its steady-state
+forward-backward pair) needs and sends what the previous step produced, in one batch.
 """
 
 from dataclasses import dataclass
@@ -67,18 +52,14 @@ def warmup_forwards(pp: int, vp: int, num_microbatches: int, rank: int) -> int:
 
 def _virtual_microbatch(k: int, pp: int, vp: int, forward: bool) -> tuple[int, int]:
     """(chunk, micro-batch) of the k-th forward (or backward) in Megatron's interleaved order."""
-    in_group = k % (pp * vp)
-    chunk = in_group // pp
-    if not forward:
-        chunk = vp - 1 - chunk
-    return chunk, (k // (pp * vp)) * pp + k % pp
+    chunk = k % (pp * vp) // pp
+    return chunk if forward else vp - 1 - chunk, (k // (pp * vp)) * pp + k % pp
 
 
 def operation_units(pp: int, vp: int, num_microbatches: int, rank: int,
                     forward_only: bool = False) -> list[tuple[Op, ...]]:
-    """Rank `rank`'s ops in order, grouped into the units that `plan_steps` communicates
-    around: single ops, except that with V > 1 each steady-state forward and backward
-    form one unit, run back to back as in Megatron's interleaved schedule."""
+    """Rank `rank`'s ops in order, in the units `plan_steps` communicates around: single ops, or with
+    V > 1 each steady-state forward and backward pair (run back to back, as Megatron's)."""
     check_microbatches(num_microbatches, pp, vp)
     total = num_microbatches * vp
     forwards = [Op("F", *_virtual_microbatch(k, pp, vp, True)) for k in range(total)]
@@ -120,12 +101,10 @@ def _messages(op: Op, pp: int, vp: int, rank: int) -> tuple[Message | None, Mess
 
 
 def plan_steps(units: list[tuple[Op, ...]], pp: int, vp: int, rank: int) -> list[Step]:
-    """`operation_units` with their communication.
+    """`operation_units` with their communication; a final step sends the last unit's output.
 
-    The batch before a unit receives what the unit needs and sends what the previous
-    unit produced; a final step sends the last unit's output. Receiving a steady-state
-    backward's gradient together with its paired forward's input (V > 1) is what keeps
-    the interleaved schedule deadlock-free when sends wait for their receives (NCCL).
+    Receiving a steady-state backward's gradient together with its paired forward's input (V > 1)
+    keeps the interleaved schedule deadlock-free when sends wait for their receives (NCCL).
     """
     steps, pending = [], ()
     for unit in units:
@@ -142,48 +121,33 @@ def schedule_steps(pp: int, vp: int, num_microbatches: int, rank: int, forward_o
     return plan_steps(operation_units(pp, vp, num_microbatches, rank, forward_only), pp, vp, rank)
 
 
-# -- running a schedule on model chunks ------------------------------------------------------
-
-
 def _release(tensor: torch.Tensor) -> None:
-    """Free an output's memory once sent, keeping its autograd node for the backward.
-
-    The next stage has its own copy; the backward only needs `tensor.grad_fn`.
-    Megatron does the same (deallocate_output_tensor).
-    """
+    """Free a sent output's memory, keeping its autograd node (Megatron's deallocate_output_tensor)."""
     tensor.data = torch.empty((1,), device=tensor.device, dtype=tensor.dtype)
 
 
 def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
-    """`output.backward(grad)` for an output whose memory `_release` freed.
-
-    torch.autograd.backward compares `grad` with the (now 1-element) `output`, so this
-    calls the autograd engine directly; the node still checks `grad` against the shape
-    it recorded in the forward.
-    """
+    """`output.backward(grad)` for an output whose memory `_release` freed: torch.autograd.backward
+    would compare `grad` with the 1-element `output`; the node still checks the recorded shape."""
     Variable._execution_engine.run_backward(
         tensors=(output,), grad_tensors=(grad,), keep_graph=False, create_graph=False, inputs=(),
         allow_unreachable=True, accumulate_grad=True)
 
 
 class ScheduleRunner:
-    """Runs one rank's steps for one global batch on its model chunks.
-
-    chunks: the rank's model chunks (callables like GPTModel.forward). micro_batches:
-    dicts of `[b, s]` tensors on the device. total_tokens: unmasked tokens of the global
-    batch (each micro-batch loss is divided by it). comm: a PipelineComm, or None for one
-    stage. scale_loss: the optimizer's loss scaling; None runs forward only.
+    """Runs one rank's steps for one global batch on its model chunks (GPTModels), freeing each output
+    once sent. micro_batches: dicts of `[b, s]` tensors. total_tokens: the global batch's unmasked
+    tokens, each micro-batch loss's divisor. comm: a PipelineComm, or None for one stage.
+    scale_loss: the optimizer's loss scaling; None runs forward only.
     """
 
-    def __init__(self, chunks, micro_batches, total_tokens: float, comm=None, scale_loss=None,
-                 log=None, rank: int = 0):
+    def __init__(self, chunks, micro_batches, total_tokens: float, comm=None, scale_loss=None, log=None, rank: int = 0):
         self.chunks, self.micro_batches, self.total_tokens = chunks, micro_batches, total_tokens
         self.comm, self.scale_loss, self.log, self.rank = comm, scale_loss, log, rank
-        self.inputs: dict[tuple[int, int], torch.Tensor] = {}  # received, not yet used by a forward
-        self.grads: dict[tuple[int, int], torch.Tensor] = {}  # received, not yet used by a backward
+        self.pp, self.pp_rank = (comm.parallel.pp_size, comm.parallel.pp_rank) if comm is not None else (1, 0)
+        self.received: dict[Message, torch.Tensor] = {}  # not yet used by their op
         self.saved: dict[tuple[int, int], tuple] = {}  # (input, output or loss) kept for the backward
         self.outbox: dict[Message, torch.Tensor] = {}  # produced, sent by the next step
-        self.peak_in_flight = 0
         self.loss = None  # accumulated on the last stage, float64
 
     def run(self, steps: list[Step]) -> torch.Tensor | None:
@@ -201,21 +165,15 @@ class ScheduleRunner:
         sends = [(message, self.outbox.pop(message)) for message in step.sends]
         for message in step.recvs:
             self._trace(f"recv {message}")
-        received = self.comm.exchange(sends, list(step.recvs)) if sends or step.recvs else {}
+        received = self.comm.exchange(sends, list(step.recvs)) if sends or step.recvs else {}  # comm: None at P = 1
         for message, _ in sends:
             self._trace(f"sent {message}")
-        for message, tensor in received.items():
-            key = (message.stage, message.microbatch)
-            if message.kind == "activation":
-                self.inputs[key] = tensor.requires_grad_(self.scale_loss is not None)
-            else:
-                self.grads[key] = tensor
+        self.received.update(received)
 
     def _forward(self, op: Op) -> None:
-        chunk = self.chunks[op.chunk]
-        stage = self._stage(op.chunk)
-        mb = self.micro_batches[op.microbatch]
-        hidden = self.inputs.pop((stage, op.microbatch)) if not chunk.pre_process else None
+        chunk, mb = self.chunks[op.chunk], self.micro_batches[op.microbatch]
+        recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)
+        hidden = self.received.pop(recv).requires_grad_(self.scale_loss is not None) if not chunk.pre_process else None
         labels = mb["labels"] if chunk.post_process else None
         output = chunk(mb["tokens"], mb["position_ids"], labels, mb["loss_mask"] if labels is not None else None,
                        hidden_states=hidden)
@@ -223,38 +181,24 @@ class ScheduleRunner:
             output = output.sum() / self.total_tokens
             self.loss = (self.loss if self.loss is not None else 0) + output.detach().double()
         else:
-            send = Message("activation", self._pp_rank, (self._pp_rank + 1) % self._pp, stage + 1, op.microbatch)
             self.outbox[send] = output.detach()
         if self.scale_loss is None:
             return
         self.saved[(op.chunk, op.microbatch)] = (hidden, output)
-        self.peak_in_flight = max(self.peak_in_flight, len(self.saved))
         if not chunk.post_process and output._base is None and output is not hidden:
             # The outbox's detached alias keeps the values until the send; then only the graph remains.
             _release(output)
 
     def _backward(self, op: Op) -> None:
         chunk = self.chunks[op.chunk]
-        stage = self._stage(op.chunk)
+        recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)
         hidden, output = self.saved.pop((op.chunk, op.microbatch))
         if chunk.post_process:
             self.scale_loss(output).backward()
         else:
-            _backward_from(output, self.grads.pop((stage, op.microbatch)))
+            _backward_from(output, self.received.pop(recv))
         if not chunk.pre_process:
-            send = Message("grad", self._pp_rank, (self._pp_rank - 1) % self._pp, stage - 1, op.microbatch)
             self.outbox[send] = hidden.grad
-
-    @property
-    def _pp(self) -> int:
-        return getattr(self.comm, "parallel", None).pp_size if self.comm is not None else 1
-
-    @property
-    def _pp_rank(self) -> int:
-        return self.comm.parallel.pp_rank if self.comm is not None else 0
-
-    def _stage(self, chunk: int) -> int:
-        return chunk * self._pp + self._pp_rank
 
     def _trace(self, text: str) -> None:
         if self.log is not None:

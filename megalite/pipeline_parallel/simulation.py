@@ -1,25 +1,14 @@
-"""A discrete-event run of the real schedule steps: idle time, deadlocks, message order.
+"""A discrete-event run of the real schedule steps with NCCL's rules: idle time, deadlocks, message order.
 
-`simulate(pp, vp, m)` plays every rank's `schedule_steps` (schedules.py) against each
-other with NCCL's rules, without tensors or processes:
-
-- a step posts its sends and receives together; it completes when every one of them
-  has met its counterpart (a send waits for the receive, as NCCL's do), then its op runs
-  for `forward_cost` or `backward_cost` (per whole stage: a chunk costs 1/V of it);
-- messages from one rank to another are matched in posting order, whatever their kind.
-  A receive matched with a different message than it expects is an error here, as it
-  would silently swap tensors on NCCL;
-- when no rank can move and some have steps left, that is a deadlock: SimulationError.
-
-It returns each rank's busy time, the makespan, and each rank's peak number of
-micro-batch chunks in flight, from which the bench computes the pipeline's idle
-fraction and compares it with the theory, (P - 1) / (V * m).
+A step posts its sends and receives together and completes when each has met its counterpart;
+then its ops run (`forward_cost` or `backward_cost` per whole stage). Messages between two ranks
+match in posting order: a mismatch (tensors swapped on NCCL) or a deadlock raises SimulationError.
 """
 
 from collections import defaultdict
 from dataclasses import dataclass
 
-from megalite.pipeline_parallel.schedules import max_in_flight, operation_order, schedule_steps
+from megalite.pipeline_parallel.schedules import max_in_flight, schedule_steps
 
 
 class SimulationError(RuntimeError):
@@ -40,7 +29,7 @@ class SimulationResult:
 
 def simulate(pp: int, vp: int, num_microbatches: int, forward_cost: float = 1.0,
              backward_cost: float = 2.0) -> SimulationResult:
-    ops = [operation_order(pp, vp, num_microbatches, rank) for rank in range(pp)]
+    """Every rank's `schedule_steps` played against each other: busy times, makespan, peak in flight."""
     steps = [schedule_steps(pp, vp, num_microbatches, rank) for rank in range(pp)]
     cost = {"F": forward_cost / vp, "B": backward_cost / vp}
     position = [0] * pp
@@ -48,7 +37,6 @@ def simulate(pp: int, vp: int, num_microbatches: int, forward_cost: float = 1.0,
     busy = [0.0] * pp
     # Per (src, dst) channel: posted sends and receives in order, as (message, time posted).
     sent, wanted = defaultdict(list), defaultdict(list)
-    posted_by = [-1] * pp  # the last step index each rank has posted
 
     def post(rank: int) -> None:
         step = steps[rank][position[rank]]
@@ -56,7 +44,6 @@ def simulate(pp: int, vp: int, num_microbatches: int, forward_cost: float = 1.0,
             sent[(message.src, message.dst)].append((message, clock[rank]))
         for message in step.recvs:
             wanted[(message.src, message.dst)].append((message, clock[rank]))
-        posted_by[rank] = position[rank]
 
     def match_time(message, mine: bool) -> float | None:
         """When `message` meets its counterpart; None if the peer has not posted it yet."""
@@ -74,11 +61,9 @@ def simulate(pp: int, vp: int, num_microbatches: int, forward_cost: float = 1.0,
 
     for rank in range(pp):
         post(rank)
-    while any(position[rank] < len(steps[rank]) for rank in range(pp)):
+    while waiting := [rank for rank in range(pp) if position[rank] < len(steps[rank])]:
         moved = False
-        for rank in range(pp):
-            if position[rank] >= len(steps[rank]):
-                continue
+        for rank in waiting:
             step = steps[rank][position[rank]]
             times = [match_time(m, True) for m in step.sends] + [match_time(m, False) for m in step.recvs]
             if any(time is None for time in times):
@@ -92,9 +77,10 @@ def simulate(pp: int, vp: int, num_microbatches: int, forward_cost: float = 1.0,
                 post(rank)
             moved = True
         if not moved:
-            stuck = {rank: str(steps[rank][position[rank]]) for rank in range(pp) if position[rank] < len(steps[rank])}
+            stuck = {rank: str(steps[rank][position[rank]]) for rank in waiting}
             raise SimulationError(f"deadlock: P={pp} V={vp} m={num_microbatches}, ranks waiting at {stuck}")
-    return SimulationResult(max(clock), busy, [max_in_flight(rank_ops) for rank_ops in ops])
+    return SimulationResult(max(clock), busy, [max_in_flight([op for step in rank_steps for op in step.ops])
+                                               for rank_steps in steps])
 
 
 def theoretical_idle_fraction(pp: int, vp: int, num_microbatches: int) -> float:

@@ -1,31 +1,15 @@
-"""`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, before any GPU is booked.
+"""`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, with no process,
+GPU or data (docs/memory.md).
 
-Nothing is launched: no processes, no GPU, no data. The flags go through every check
-a real run makes (megalite/arguments.py, megalite/config/). Then, for each pipeline rank, the model
-chunks are built on the meta device (shapes only, no memory) with a ParallelState whose
-process groups are placeholders, and the fp32 grad buffer is laid out over them as the
-optimizer lays it out, so its buckets, padding and the distributed optimizer's shards
-are the real ones. From these, megalite/plan/memory.py gives each rank's bytes of
-params, grads, optimizer state and activations. Ranks with the same figures form one
-class in the printed table (e.g. the first and the last pipeline stage).
-
-TP ranks hold equal shapes (every split TP makes is even, and the vocabulary is padded
-to a multiple of TP), so one build per pipeline rank serves all of its TP ranks; DP
-ranks differ only in their optimizer shard, which is arithmetic on the grad buffer.
-
-World size: `--world-size N`, default TP x PP (one data-parallel replica).
-
-Vocabulary (the model's embedding size comes from the tokenizer): NullTokenizer's
-`--vocab-size`; the built-in corpus's tokenizer (8192, or its manifest when built);
-the tokenizer at `--tokenizer-model` when that file or folder is on this machine (a
-SentencePiece model or a local Hugging Face tokenizer folder, both small to read);
-otherwise the `--model` preset's published vocabulary. The report says which.
+Each pipeline rank's model chunks are built on the meta device, and the grad buffer is laid out over them
+as the optimizer lays it out, so its buckets, padding and shards are the real ones. One build serves all
+TP ranks of a pipeline rank (every TP split is even); DP ranks differ only in their optimizer shard.
 """
 
 import dataclasses
 import os
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
@@ -34,8 +18,8 @@ from megalite.data_parallel.ddp import buffer_groups
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.kernels import check_kernels
 from megalite.run.flops import DTYPE_NAMES, flops_per_iteration
-from megalite.plan.memory import (ActivationModel, chunk_activation_bytes, element_bytes,
-                                      peak_activation_bytes, state_bytes)
+from megalite.plan.memory import (ActivationModel, chunk_activation_bytes, element_bytes, peak_activation_bytes,
+                                  state_bytes)
 from megalite.parallel_state import ParallelState, coordinates, group_ranks, rank_grid
 from megalite.pipeline_parallel.schedules import max_in_flight, operation_order
 from megalite.pipeline_parallel.stages import build_model_chunks, chunk_layers
@@ -43,20 +27,12 @@ from megalite.pipeline_parallel.stages import build_model_chunks, chunk_layers
 GIB = 2 ** 30
 
 
-class PlaceholderGroup:
-    """Stands where a process group would be: the layers ask for one when TP > 1, but a
-    dry run never communicates."""
-
-    def __repr__(self) -> str:
-        return "PlaceholderGroup()"
-
-
 def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
     pipelines = group_ranks(world_size, tp, pp)
     embedding = pipelines["embedding"][next(i for i, ranks in enumerate(pipelines["pp"]) if rank in ranks)]
-    group = PlaceholderGroup()
+    group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
                          pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
                          dp_rank=dp_rank, dp_group=group, mp_group=group,
@@ -105,10 +81,6 @@ class RankClass:
     def total_bytes(self) -> int:
         return self.param_bytes + self.grad_bytes + self.optimizer_bytes + self.working_bytes + self.activation_bytes
 
-    def figures(self) -> tuple:
-        return (self.pp_rank, self.params, self.param_bytes, self.grad_bytes, self.optimizer_bytes,
-                self.working_bytes, self.activation_bytes, self.in_flight)
-
 
 @dataclass
 class DryRunReport:
@@ -118,11 +90,10 @@ class DryRunReport:
     run: RunConfig
     tokenizer_vocab: int
     vocab_source: str
-    num_microbatches: int
     model_flops: float  # per iteration, recomputation not counted (what MFU divides)
     hardware_flops: float  # per iteration, recomputation counted
-    classes: list[RankClass] = field(default_factory=list)
-    seconds: float = 0.0
+    classes: list[RankClass]
+    seconds: float  # how long planning took
 
     def rank_class(self, rank: int) -> RankClass:
         return next(cls for cls in self.classes if rank in cls.ranks)
@@ -136,23 +107,18 @@ def plan(run: RunConfig) -> DryRunReport:
     layout, train, model, num_microbatches = run.parallel, run.train, run.model, run.num_microbatches
     tp, pp, dp, world = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                          layout.data_parallel_size, layout.world_size)
-    vp = layout.virtual_pipeline_model_parallel_size
-    dtype = train.params_dtype
+    vp, dtype = layout.virtual_pipeline_model_parallel_size, train.params_dtype
+    first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
-    report = DryRunReport(run, vocab, source, num_microbatches,
-                          flops_per_iteration(model, train.global_batch_size, model.seq_length),
-                          flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True))
     strategy = layout.sharding
     shards = dp if strategy != "no_shard" else 1
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
     for pp_rank in range(pp):
         state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel)
-        first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
-        # The optimizer's grad buffer, laid out as MixedPrecisionOptimizer lays it out (building the
-        # optimizer itself would import torch's compiler, seconds for nothing; tests/plan/test_dry_run.py
-        # checks the two agree against a live run).
+        # The grad buffer as MixedPrecisionOptimizer lays it out: building the optimizer itself would import
+        # torch's compiler, seconds for nothing (tests/plan/test_dry_run.py checks the two agree).
         buffer = GradBuffer(buffer_groups(list(chunks), strategy), shard_count=shards,
                             bucket_size=None if strategy == "optim_grads_params" else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
@@ -169,13 +135,16 @@ def plan(run: RunConfig) -> DryRunReport:
             param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])
-            cls = by_figures.setdefault(candidate.figures(), candidate)
+            # The rest is the pipeline rank's: DP ranks differ only in their optimizer shard.
+            cls = by_figures.setdefault((pp_rank, figures["grads"], figures["optimizer"]), candidate)
             cls.ranks += grid[pp_rank, dp_rank].tolist()  # its TP ranks
-    report.classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
-    for cls in report.classes:
+    classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
+    for cls in classes:
         cls.ranks.sort()
-    report.seconds = time.perf_counter() - start
-    return report
+    return DryRunReport(run, vocab, source,
+                        flops_per_iteration(model, train.global_batch_size, model.seq_length),
+                        flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True),
+                        classes, time.perf_counter() - start)
 
 
 def format_ranks(ranks: list[int]) -> str:
@@ -186,10 +155,6 @@ def format_ranks(ranks: list[int]) -> str:
             runs.append(f"{start}" if start == previous else f"{start}-{previous}")
             start = current
     return ",".join(runs)
-
-
-def _layers(layers: list[list[int]]) -> str:
-    return " ".join(f"{ids[0]}-{ids[-1]}" if len(ids) > 1 else f"{ids[0]}" for ids in layers)
 
 
 def _stage(cls: RankClass, pp: int) -> str:
@@ -218,7 +183,7 @@ def format_report(report: DryRunReport) -> str:
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
-        f"{report.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
+        f"{run.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
         f"recompute: {model.recompute_granularity or 'none'}",
         f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
         f"{report.hardware_flops:.3e} with recomputation",
@@ -229,13 +194,13 @@ def format_report(report: DryRunReport) -> str:
     # Classes that print alike share a row: DP ranks' optimizer shards differ by a few bytes at most.
     ranks_by_cells: dict[tuple, list[int]] = {}
     for cls in report.classes:
-        cells = (_stage(cls, pp), _layers(cls.layers), f"{cls.params:,}",
+        cells = (_stage(cls, pp), " ".join(format_ranks(ids) for ids in cls.layers), f"{cls.params:,}",
                  *(f"{value / GIB:.2f}" for value in (cls.param_bytes, cls.grad_bytes, cls.optimizer_bytes,
                                                       cls.working_bytes)),
                  str(cls.in_flight), f"{cls.activation_bytes / GIB:.2f}", f"{cls.total_bytes / GIB:.2f}")
         ranks_by_cells.setdefault(cells, []).extend(cls.ranks)
     rows = [header] + [(format_ranks(sorted(ranks)), *cells) for cells, ranks in ranks_by_cells.items()]
-    widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
+    widths = [max(map(len, column)) for column in zip(*rows)]
     for row in rows:
         lines.append("  " + "  ".join(cell.ljust(width) if i < 3 else cell.rjust(width)
                                       for i, (cell, width) in enumerate(zip(row, widths))))

@@ -1,28 +1,7 @@
-"""Bytes per rank in closed form: parameters, gradients, optimizer state and activations.
-
-Used by `pretrain_gpt.py --dry-run` (megalite/plan/dry_run.py) and tools/bench/memory.py.
-
-Parameters, gradients and optimizer state are exact, to the byte:
-
-- params: the rank's parameter count x the bytes of `--bf16` / `--fp16` / fp32;
-- grads: the fp32 grad buffer (data_parallel/grad_buffer.py), every bucket's parameters
-  zero-padded to a multiple of DP under the distributed optimizer; under ZeRO-2/3 this
-  rank's shard of it, and under ZeRO-3 the params are its shard of the units too
-  (`state_bytes` also gives the transient `working` bytes of those strategies);
-- optimizer: for every element this rank updates (all of its parameters, or its shard
-  of every bucket under --use-distributed-optimizer) 8 bytes of Adam moments, plus 4
-  bytes of fp32 main param when the model is bf16/fp16 (an fp32 model's main params
-  are its params); plus 4 bytes for each of AdamW's `step` counters (one per parameter
-  or per piece of one in the shard).
-
-tools/bench/memory.py checks these against live tensors, and tests/plan/test_dry_run.py
-against a real TP x PP x DP run.
-
-Activations are an estimate of what autograd keeps between a micro-batch's forward and
-its backward, per tensor the model saves, for the GPU code path (flash attention,
-the fused kernels). docs/memory.md derives it and compares it with Korthikanti et
-al.'s sbh(34 + 5as/h). The pipeline schedule decides how many micro-batches are held at
-once: `peak_activation_bytes` walks the rank's forwards and backwards.
+"""Bytes per rank in closed form (docs/memory.md derives each): parameters, gradients and optimizer state
+exactly under each sharding strategy, and an estimate of the activations autograd keeps on the GPU code path
+(flash attention, the fused kernels). Used by `--dry-run` and tools/bench/memory.py, which checks them
+against live tensors.
 """
 
 import torch
@@ -43,27 +22,21 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-# ----------------------------------------------------------------------------- model state
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
+                num_microbatches: int = 1) -> dict[str, int]:
+    """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
+    when the strategy shards, else 1) of every bucket of `buffer`, a GradBuffer, under the sharding `strategy`.
 
-
-def grad_buffer_bytes(buffer, shards: int) -> int:
-    """The fp32 grad buffer: each bucket's parameters, rounded up to a multiple of `shards`.
-
-    buffer: a GradBuffer (its bucket layout; the padding is recomputed here, not read).
-    shards: DP under the distributed optimizer, else 1.
+    The buffer pads each bucket to a multiple of `shards`; the optimizer keeps a step counter per parameter,
+    or per piece of one inside the shard. ZeRO-2/3 keep the shard of the grads, ZeRO-3 of the params (as
+    laid out in its units) too. `working` exists only during an iteration: ZeRO-3's gathered units (the
+    two largest, plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
+    full grads of two buckets, or of every bucket while several micro-batches accumulate.
     """
-    elements = 0
+    grad_elements = elements = pieces = 0
+    bucket_sizes = []
     for bucket in buffer.buckets:
-        bucket_numel = sum(param.numel() for param in bucket.params)
-        elements += -(-bucket_numel // shards) * shards
-    return GRAD_BYTES * elements
-
-
-def shard_elements(buffer, shard: int, shards: int) -> tuple[int, int]:
-    """(elements, parameter pieces) of `buffer` inside shard `shard` of `shards` of every bucket:
-    what this rank's optimizer updates (shard 0 of 1 without the distributed optimizer)."""
-    elements = pieces = 0
-    for bucket in buffer.buckets:
+        bucket_sizes.append(-(-sum(param.numel() for param in bucket.params) // shards) * shards)
         shard_start, shard_end = bucket.shard(shard, shards)
         for param in bucket.params:
             start, numel = buffer.offsets[param]
@@ -71,53 +44,23 @@ def shard_elements(buffer, shard: int, shards: int) -> tuple[int, int]:
             if owned > 0:
                 elements += owned
                 pieces += 1
-    return elements, pieces
-
-
-def optimizer_state_bytes(elements: int, pieces: int, params_dtype: torch.dtype) -> int:
-    """Adam moments (+ fp32 main params for a bf16/fp16 model) of `elements`, and `pieces` step counters."""
+    grad_elements, bucket_sizes = sum(bucket_sizes), sorted(bucket_sizes)
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
-    return (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces
-
-
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
-                num_microbatches: int = 1) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "working"} bytes of the rank owning shard `shard` of `shards`
-    (0 of 1: unsharded) under the sharding `strategy` (--data-parallel-sharding-strategy).
-
-    params, grads, optimizer: what the rank keeps between iterations. working: what exists only
-    during an iteration: under ZeRO-3 the gathered units (the two largest, plus one more for a
-    tied embedding's unit, which stays gathered from the first layer to the last); under ZeRO-2/3
-    the full grads of the buckets being reduced (two), or of every bucket while the grads of
-    several micro-batches accumulate (they are reduced once per global batch).
-    """
-    elements, pieces = shard_elements(buffer, shard, shards)
-    padded = grad_buffer_bytes(buffer, shards) // GRAD_BYTES
-    bucket_sizes = sorted(-(-sum(p.numel() for p in bucket.params) // shards) * shards for bucket in buffer.buckets)
-    params = element_bytes(params_dtype) * (padded // shards if strategy == "optim_grads_params" else buffer.numel)
-    grads = GRAD_BYTES * padded // shards if strategy in ("optim_grads", "optim_grads_params") else \
-        grad_buffer_bytes(buffer, shards)
+    sharded_grads, sharded_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
     working = 0
-    if strategy == "optim_grads_params":
-        held = 3 if any(getattr(p, "shared_embedding", False) for p in buffer.params) else 2
+    if sharded_params:
+        held = 3 if any(getattr(param, "shared_embedding", False) for param in buffer.params) else 2
         working += element_bytes(params_dtype) * sum(bucket_sizes[-held:])
-    if strategy in ("optim_grads", "optim_grads_params"):
-        working += GRAD_BYTES * (padded if num_microbatches > 1 else sum(bucket_sizes[-2:]))
-    return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(elements, pieces, params_dtype),
-            "working": working}
-
-
-# ----------------------------------------------------------------------------- activations
+    if sharded_grads:
+        working += GRAD_BYTES * (grad_elements if num_microbatches > 1 else sum(bucket_sizes[-2:]))
+    return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
+            "grads": GRAD_BYTES * (grad_elements // shards if sharded_grads else grad_elements),
+            "optimizer": (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces, "working": working}
 
 
 class ActivationModel:
-    """Bytes one TP rank keeps per micro-batch, for `config` at micro-batch `micro_batch_size`.
-
-    tp / sequence_parallel: the layout. element_size: bytes of an activation (the params'
-    dtype: 2 for bf16/fp16, 4 for fp32). Every figure is per micro-batch in flight.
-    Notation of docs/memory.md: s sequence, b micro-batch, h hidden, a heads, g key/value
-    groups, d head size, f FFN size, t TP, V padded vocabulary, e element_size.
-    """
+    """Bytes one TP rank keeps per micro-batch in flight, for `config` at `micro_batch_size`;
+    element_size: bytes of an activation (the params' dtype)."""
 
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                  element_size: int = 2):
@@ -134,7 +77,7 @@ class ActivationModel:
         h, d = c.hidden_size, c.head_dim
         heads, groups, ffn = c.num_attention_heads // t, c.query_groups // t, c.ffn_hidden_size // t
         rope = c.position_embedding_type == "rope"
-        terms = {
+        return {
             # input_layernorm and pre_mlp_layernorm keep their input and per-row statistics
             "norm inputs": 2 * (e * stream * h + self.stats * stream),
             # linear_qkv and linear_fc1 keep their input, all-gathered to the full sequence under SP
@@ -149,7 +92,6 @@ class ActivationModel:
             "mlp": e * tokens * ffn * (3 if c.swiglu else 2),
             "dropout masks": 2 * MASK_BYTES * stream * h if c.hidden_dropout > 0 else 0,
         }
-        return terms
 
     def layer_bytes(self, recompute: str | None = None) -> int:
         """One layer's kept bytes under `recompute` (None, "selective" or "full")."""
@@ -177,8 +119,7 @@ class ActivationModel:
         cross-entropy's logits slice `[s, b, V/t]` (the Triton kernel keeps the logits, not a softmax),
         labels and fp32 log-sum-exp. --fused-output-cross-entropy keeps no logits at all."""
         c, e, h, tokens = self.config, self.e, self.config.hidden_size, self.tokens
-        fused = getattr(c, "fused_output_cross_entropy", False)
-        logits = 0 if fused else e * tokens * c.vocab_size // self.tp
+        logits = 0 if c.fused_output_cross_entropy else e * tokens * c.vocab_size // self.tp
         return (e * self.stream_tokens * h + self.stats * self.stream_tokens + e * tokens * h + logits
                 + (ID_BYTES + LSE_BYTES) * tokens)
 
@@ -199,12 +140,9 @@ def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool,
 
 
 def peak_activation_bytes(ops, chunk_bytes: list[int], backward_working_bytes: int = 0) -> int:
-    """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order).
-
-    Each forward `F(chunk, mb)` adds `chunk_bytes[chunk]` until its backward. With full
-    recomputation a backward first rebuilds one layer's activations:
-    `backward_working_bytes` held on top for the duration of the backward.
-    """
+    """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order): each
+    forward holds `chunk_bytes[chunk]` until its backward, which holds `backward_working_bytes` on top
+    (with full recomputation, the one layer it rebuilds)."""
     live = peak = 0
     for op in ops:
         if op.kind == "F":

@@ -1,18 +1,7 @@
-"""A training run: the loop and what surrounds it, one concern per module.
+"""A training run: the loop (training.py) and what surrounds it, one concern per module.
 
-    training.py     Trainer and pretrain(): build, load, iterate, evaluate, save, stop
-    data.py         the built-in corpus for the default run; datasets sized for the run
-    lr_schedule.py  LRSchedule: the learning rate of every iteration
-    resilience.py   signals (one SIGTERM/SIGINT owner), dead peers, divergence, loss spikes,
-                    skipped steps, when to stop, token-id checks
-    flops.py        model FLOPs per iteration and the peak FLOP/s of a device (MFU)
-    metrics.py      the metrics JSONL file: its keys, writing, trimming on resume, reading
-    logger.py       TrainingLogger: Megatron's log line, progress bar, metrics records
-    tracking.py     wandb and TensorBoard
-    generation.py   sampling a continuation from a trained model
-
-The entry points below are imported on first use, so that a module of this package (the
-command line reads tracking's wandb defaults) can be imported without the training loop.
+The entry points below are imported on first use, so that a module of this package (the command line
+reads tracking's wandb defaults) can be imported without the training loop.
 """
 
 _EXPORTS = {

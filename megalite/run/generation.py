@@ -4,20 +4,17 @@ import torch
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the top-p probability mass.
-
-    logits: [vocab] fp32. top_k 0 and top_p 1.0 keep everything. Top-p keeps the smallest
-    set of most likely tokens whose probability reaches top_p (always at least one).
-    """
+    """Set to -inf every logit outside the top-k and outside the top-p probability mass: the smallest set
+    of most likely tokens whose probability reaches top_p (at least one). logits: [vocab] fp32; top_k 0
+    and top_p 1.0 keep everything."""
     logits = logits.clone()
     if 0 < top_k < logits.numel():
         threshold = torch.topk(logits, top_k).values[-1]
         logits[logits < threshold] = float("-inf")
     if top_p < 1.0:
         sorted_logits, order = torch.sort(logits, descending=True)
-        cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-        # Drop a token when the mass before it already reaches top_p.
-        drop = (cumulative - torch.softmax(sorted_logits, dim=-1)) >= top_p
+        probs = torch.softmax(sorted_logits, dim=-1)
+        drop = (probs.cumsum(dim=-1) - probs) >= top_p  # the mass before the token already reaches top_p
         logits[order[drop]] = float("-inf")
     return logits
 
@@ -25,11 +22,8 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 @torch.no_grad()
 def generate(model, tokens: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
              top_p: float = 1.0, eod: int | None = None, generator: torch.Generator | None = None) -> list[int]:
-    """`tokens` followed by up to `max_new_tokens` sampled ids (stops after `eod`).
-
-    The context is the last `seq_length` tokens; there is no KV cache, which is fine for
-    the small models this serves (checking a run, not serving one). temperature 0 is greedy.
-    """
+    """`tokens` followed by up to `max_new_tokens` sampled ids (stops after `eod`); temperature 0 is greedy.
+    The context is the last `seq_length` tokens, without a KV cache: this checks a run, it serves none."""
     was_training = model.training
     model.eval()
     device = next(model.parameters()).device

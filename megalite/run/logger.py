@@ -1,17 +1,11 @@
-"""Training logs: Megatron's iteration line, the metrics records, a progress bar, throughput and MFU.
-
-`TrainingLogger` is what the training loop calls once per iteration and after each
-evaluation. It prints Megatron-shaped lines, writes the metrics file (megalite/run/metrics.py),
-and shows a tqdm bar with an ETA on a terminal. Throughput and MFU come from the FLOPs
-formula and the peak of megalite/run/flops.py.
-"""
+"""TrainingLogger: Megatron's log lines with throughput and MFU (megalite/run/flops.py), the metrics file
+(megalite/run/metrics.py) and a progress bar."""
 
 import math
 import os
 import resource
 import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable
 
 import torch
@@ -31,8 +25,6 @@ def peak_memory_bytes(device) -> int:
     return int(max_rss if sys.platform == "darwin" else max_rss * 1024)  # Linux reports KiB
 
 
-# ----------------------------------------------------------------------------- the logger
-
 SPLITS = {"validation": "valid", "valid": "valid", "test": "test"}  # printed name / metrics name
 
 
@@ -51,25 +43,9 @@ class _Interval:
 
 
 class TrainingLogger:
-    """Console lines, progress bar and metrics file of one training run, with throughput and MFU.
-
-    The training loop builds one on every rank and calls:
-
-        logger = TrainingLogger(config, global_batch_size, seq_length, train_iters, log_interval,
-                                metrics_file, device=device, dtype=params_dtype,
-                                start_iteration=iteration)   # 0, or the iteration resumed from
-        # after each iteration (iteration = iterations completed, from 1):
-        logger.log_iteration(iteration, consumed_samples, elapsed_s, lr, lm_loss, loss_scale,
-                             grad_norm, skipped=not updated)
-        # after each evaluation:
-        logger.log_evaluation(iteration, "valid", valid_loss)   # or "test"
-        logger.close()   # at the end, also on errors (or use `with`)
-
-    Only the logging rank, by default the last rank (the loss lives on the last pipeline
-    stage), prints, measures a CPU peak or touches the metrics file; on the others every
-    method returns at once. A wandb sink will be one `add_sink(fn)` call: each metrics
-    record (the dict written as a JSON line) goes to every sink.
-    """
+    """Console lines, progress bar and metrics file of one training run: `log_iteration` after each
+    iteration, `log_evaluation` after each evaluation, `close` at the end (or `with`). Only the logging
+    rank prints, measures a CPU peak or writes; elsewhere every method returns at once."""
 
     def __init__(self, config: ModelConfig, global_batch_size: int, seq_length: int, train_iters: int,
                  log_interval: int = 1, metrics_file: str | os.PathLike | None = None, *,
@@ -77,20 +53,11 @@ class TrainingLogger:
                  is_logging_rank: bool | None = None, start_iteration: int = 0,
                  progress_bar: bool | None = None, peak: tuple[float | None, str] | None = None,
                  print_fn: Callable[[str], None] | None = None):
-        """config: the model. global_batch_size, seq_length, train_iters: the run's (the batch
-        size is `log_iteration`'s default: the final one under batch-size ramp-up).
-        log_interval: a training line every this many iterations (and at train_iters).
-        metrics_file: the JSONL path, or None for none.
-        device, dtype: one device and the run's compute dtype, for the peak and memory.
-        num_devices: devices sharing the job's FLOPs, for TFLOP/s per device; None: the
-        torch.distributed world size (1 without it).
-        is_logging_rank: None: the last rank of torch.distributed (True without it).
-        start_iteration: 0, or the iteration a resumed run starts from; metrics lines past
-        it are dropped (megalite/run/metrics.py, `trim_metrics_file`).
-        progress_bar: None shows a tqdm bar only when stdout is a terminal and lines go to it.
-        peak: (FLOP/s or None, source) to use instead of `peak_flops(device, dtype)`.
-        print_fn: where lines go (None or `print`: stdout).
-        """
+        """num_devices: devices sharing the FLOPs (None: the torch.distributed world size). is_logging_rank:
+        None is the last torch.distributed rank, which holds the loss under pipeline parallelism.
+        start_iteration: a resumed run's; the metrics file's lines past it are dropped. progress_bar: None
+        shows one when stdout is a terminal that the lines go to. peak: (FLOP/s or None, source) instead
+        of `peak_flops(device, dtype)`. print_fn: where lines go (None: stdout, above the progress bar)."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
         world_size = torch.distributed.get_world_size() if distributed else 1
         if is_logging_rank is None:
@@ -101,7 +68,7 @@ class TrainingLogger:
         self.device, self.dtype = torch.device(device), dtype
         self.num_devices = num_devices or world_size
         self.is_logging_rank = is_logging_rank
-        self._print_fn = None if print_fn is print else print_fn
+        self._print_fn = print_fn
         self._interval = _Interval()
         self._sinks: list[Callable[[dict], None]] = []
         self._metrics = self._bar = None
@@ -110,7 +77,11 @@ class TrainingLogger:
             return
         self.peak, self.peak_source = peak if peak is not None else peak_flops(self.device, dtype)
         if metrics_file is not None:
-            self._open_metrics_file(Path(metrics_file), start_iteration)
+            self._metrics = MetricsFile(metrics_file, start_iteration)
+            if self._metrics.dropped:
+                self.print(f"metrics file {self._metrics.path}: dropped {self._metrics.dropped} line(s) after "
+                           f"iteration {start_iteration}, which this run writes again")
+            self._sinks.append(self._metrics.write)
         if progress_bar is None:
             progress_bar = self._print_fn is None and sys.stdout.isatty()
         if progress_bar:
@@ -119,25 +90,13 @@ class TrainingLogger:
                              dynamic_ncols=True, unit="it", desc="training")
         self.print(self.startup_line())
 
-    # -- sinks
-
     def add_sink(self, sink: Callable[[dict], None]) -> None:
         """Send every later metrics record (training and evaluation) to `sink(record)` too."""
-        if self.is_logging_rank:
-            self._sinks.append(sink)
-
-    def _open_metrics_file(self, path: Path, start_iteration: int) -> None:
-        self._metrics = MetricsFile(path, start_iteration)
-        if self._metrics.dropped:
-            self.print(f"metrics file {path}: dropped {self._metrics.dropped} line(s) after iteration "
-                       f"{start_iteration}, which this run writes again")
-        self._sinks.append(self._metrics.write)
+        self._sinks.append(sink)  # records are made on the logging rank only
 
     def _emit(self, record: dict) -> None:
         for sink in self._sinks:
             sink(dict(record))  # a sink that edits its record (adds a prefix, say) affects no other
-
-    # -- console
 
     def print(self, line: str) -> None:
         """Print one line on the logging rank, above the progress bar when there is one."""
@@ -162,25 +121,14 @@ class TrainingLogger:
                 f"peak per device: {peak} ({self.peak_source}) | model FLOPs per iteration: {flops:.4E} "
                 f"({self.global_batch_size} x {self.seq_length} tokens, 3 x forward{recompute}; docs/flops.md)")
 
-    # -- training and evaluation
-
     def log_iteration(self, iteration: int, consumed_samples: int, elapsed_s: float, lr: float,
                       lm_loss: float | None, loss_scale: float | None = 1.0, grad_norm: float | None = None,
                       *, skipped: bool = False, global_batch_size: int | None = None,
                       force: bool = False) -> dict | None:
-        """Record one finished iteration; every `log_interval` iterations print and write a line.
-
-        iteration: iterations completed so far (1-based, as Megatron's). consumed_samples:
-        samples consumed so far. elapsed_s: wall time of this iteration (synchronise the
-        GPU before taking it). lm_loss: this iteration's mean loss over the global batch's
-        tokens, a float. skipped: the optimizer skipped the step (fp16 overflow); its
-        loss stays out of the average, its time and tokens count. global_batch_size: this
-        iteration's, when batch-size ramp-up makes it differ from the constructor's.
-        A line is due when `iteration % log_interval == 0`, at `train_iters`, or when
-        `force`; it reports averages over the iterations since the last line and the
-        current lr, loss scale and grad norm. Returns the metrics record (keys:
-        megalite.run.metrics.TRAINING_KEYS) when a line was written, else None.
-        """
+        """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations, at
+        `train_iters` or when `force`, print and write a line of averages since the last one and return its
+        record (else None). A `skipped` step's loss (fp16 overflow) stays out of the average; its time and
+        tokens count. global_batch_size: this iteration's, under batch-size ramp-up."""
         if not self.is_logging_rank:
             return None
         global_batch_size = global_batch_size or self.global_batch_size
@@ -201,20 +149,9 @@ class TrainingLogger:
         if not (force or iteration % self.log_interval == 0 or iteration >= self.train_iters):
             return None
         mean_loss = interval.loss_sum / interval.losses if interval.losses else None
-        record = self._training_record(iteration, consumed_samples, lr, mean_loss, loss_scale, grad_norm)
-        self.print(self._training_line(record, global_batch_size, mean_loss, loss_scale, grad_norm))
-        if self._bar is not None and mean_loss is not None:
-            self._bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
-        self._emit(record)
-        self._interval = _Interval()
-        return record
-
-    def _training_record(self, iteration, consumed_samples, lr, mean_loss, loss_scale, grad_norm) -> dict:
-        """The metrics record of the interval that ends at `iteration` (keys: metrics.TRAINING_KEYS)."""
-        interval = self._interval
         seconds = max(interval.seconds, 1e-12)
         flops_per_device = interval.flops / seconds / self.num_devices
-        return {
+        record = {
             "iteration": iteration,
             "consumed_samples": consumed_samples,
             "lm_loss": finite_or_none(mean_loss),
@@ -227,14 +164,17 @@ class TrainingLogger:
             "iteration_time_ms": 1000.0 * interval.seconds / interval.iterations,
             "mem_peak_bytes": peak_memory_bytes(self.device),
         }
+        self.print(self._training_line(record, global_batch_size, mean_loss, loss_scale, grad_norm))
+        if self._bar is not None and mean_loss is not None:
+            self._bar.set_postfix(loss=f"{mean_loss:.4f}", refresh=False)
+        self._emit(record)
+        self._interval = _Interval()
+        return record
 
     def _training_line(self, record: dict, global_batch_size: int, mean_loss: float | None,
                        loss_scale: float | None, grad_norm: float | None) -> str:
-        """Megatron's iteration line, with tokens/s, TFLOP/s per device and MFU added.
-
-        The losses and norms come apart from the record: the record holds None for NaN
-        (strict JSON), and the console must show the NaN.
-        """
+        """Megatron's iteration line, with tokens/s, TFLOP/s per device and MFU added. The losses and
+        norms come apart from the record, which holds None for NaN: the console must show the NaN."""
         mfu = "unknown" if record["mfu"] is None else f"{100 * record['mfu']:.1f}%"
         parts = [
             f" iteration {record['iteration']:8d}/{self.train_iters:8d}",
@@ -256,12 +196,8 @@ class TrainingLogger:
         return " |".join(parts) + " |"
 
     def log_evaluation(self, iteration: int, split: str, lm_loss: float) -> dict | None:
-        """Print Megatron's evaluation block and write `{"iteration", "split", "lm_loss"}`.
-
-        split: "validation" (or "valid") or "test"; the metrics file says "valid" / "test".
-        lm_loss: the mean loss over the evaluated tokens. Returns the record (None off the
-        logging rank).
-        """
+        """Print Megatron's evaluation block for `split` ("validation" or "valid", or "test") and write
+        `{"iteration", "split", "lm_loss"}`; returns that record (None off the logging rank)."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         if not self.is_logging_rank:
@@ -275,8 +211,6 @@ class TrainingLogger:
         record = {"iteration": iteration, "split": SPLITS[split], "lm_loss": finite_or_none(lm_loss)}
         self._emit(record)
         return record
-
-    # -- lifetime
 
     def close(self) -> None:
         """Close the progress bar and the metrics file; safe to call twice."""

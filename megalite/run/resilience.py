@@ -1,22 +1,5 @@
-"""What keeps a long run alive and honest: preemption signals, dead ranks, NaNs, loss spikes, bad token ids.
-
-The training loop (megalite/run/training.py) uses these pieces:
-
-    with owned_signals(save_and_exit) as signals:  # SIGTERM / SIGINT -> save at the next boundary
-        signum, overtime = agreed_stop(signals.received or 0, overtime, parallel)  # the same on every rank
-    save_checkpoint(..., failed_ranks=failed_ranks_across(parallel))  # checkpoint/saving.py: one fails, all stop
-    peers = PeerWatch(parallel)                    # who the other ranks are, to name a dead one later
-    raise peers.failure(error, iteration, ckpt)    # a collective failed: one sentence, not a hang
-    reason = exit_reason(train, iteration, signum, overtime)  # why to stop now, or None
-    spikes = LossSpikeDetector(1.5)                # a warning line per spike
-    skipped = SkippedSteps()                       # too many unrecoverable skipped steps in a row stop the run
-    batches = checked_token_ids(loader, vocab, source)  # token ids beyond the vocabulary stop the run
-
-Preemption: one owner (`RunSignals`) holds SIGTERM and SIGINT for the whole run; the
-first signal only sets a flag. At each boundary (after every iteration, before every
-evaluation batch, after the last save) every rank contributes its flag to one all-reduce
-(MAX), so a signal that reached any single rank, at any moment, makes all of them stop at
-the same boundary, save the same checkpoint and exit 0.
+"""What keeps a long run alive and honest: exit signals, dead ranks, NaNs, loss spikes, skipped steps and
+token ids outside the vocabulary. docs/reliability.md says what happens in each case, and why.
 """
 
 import contextlib
@@ -35,23 +18,13 @@ import torch
 
 from megalite.errors import UserError
 
-EXIT_SIGNALS = (signal.SIGTERM, signal.SIGINT)
-
 
 class RunSignals:
-    """The one owner of SIGTERM and SIGINT for a run: from before its first iteration until it
-    returns, or, under `hold_signals_until_exit` (pretrain_gpt.py), until the process exits.
-
-    The handler records the first signal and does nothing else. What follows depends on
-    `save_and_exit` (--exit-signal-handler, on whenever --save is set):
-    - on: the loop agrees on the record across ranks at every boundary (after each
-      iteration, before each evaluation batch, after the last save), and all ranks save the
-      same checkpoint and exit 0. Repeated SIGTERMs change nothing (a scheduler and torchrun
-      may each send one to a rank); a second SIGINT (Ctrl-C again) raises KeyboardInterrupt.
-    - off: the signal ends the run at once as SystemExit(128 + signum), or KeyboardInterrupt
-      for SIGINT, which unwinds the loop's `finally` so tracking is finished, and the process
-      exits with that code; inside `deferred()` (a call into wandb) it is raised when the block ends.
-    Only the main thread can own signals; elsewhere `install` does nothing.
+    """The one owner of SIGTERM and SIGINT for a run (or, under `hold_signals_until_exit`, the process).
+    The handler records the first signal. With `save_and_exit` (--exit-signal-handler) the loop agrees on
+    it across ranks at its next boundary and saves; a second SIGINT raises KeyboardInterrupt. Without, the
+    signal ends the run at once as SystemExit(128 + signum) (KeyboardInterrupt for SIGINT), so the loop's
+    `finally` finishes the tracking, or when a `deferred()` block ends. Only the main thread owns signals.
     """
 
     def __init__(self, save_and_exit: bool):
@@ -63,7 +36,7 @@ class RunSignals:
 
     def install(self) -> "RunSignals":
         if threading.current_thread() is threading.main_thread() and not self._previous:
-            for signum in EXIT_SIGNALS:
+            for signum in (signal.SIGTERM, signal.SIGINT):
                 self._previous[signum] = signal.signal(signum, self._handle)
         return self
 
@@ -105,8 +78,8 @@ _owner: RunSignals | None = None  # the owner installed in this process, if any
 
 
 def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
-    """The process's signal owner, installed now and never given back: a signal at any later
-    moment, down to the interpreter's exit, is handled as `RunSignals` says (pretrain_gpt.py)."""
+    """The process's signal owner, installed now and never given back, so that a signal down to the
+    interpreter's exit is handled as `RunSignals` says (pretrain_gpt.py)."""
     global _owner
     if _owner is None:
         _owner = RunSignals(save_and_exit).install()
@@ -136,35 +109,13 @@ def deferred_signals():
     return _owner.deferred() if _owner is not None else contextlib.nullcontext()
 
 
-def agreed_stop(received_signal: int, overtime: bool, parallel) -> tuple[int, bool]:
-    """(signal number, whether --exit-duration-in-mins passed) as the maximum over every rank.
-
-    Both differ between ranks (a signal sent to one process; clocks), and every rank must
-    take the same decision at the same iteration or the others hang in the next collective.
-    One all-reduce of two ints per iteration; nothing in a world of one.
-    """
-    if parallel.world_size == 1:
-        return received_signal, overtime
-    flags = torch.tensor([received_signal, int(overtime)], dtype=torch.int64, device=parallel.device)
-    torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
-    received_signal, overtime = flags.tolist()
-    return received_signal, bool(overtime)
-
-
-def signal_name(signum: int) -> str:
-    return signal.Signals(signum).name
-
-
 def exit_reason(train, iteration: int, stop_signal: int, overtime: bool) -> str | None:
     """Why the loop should stop after `iteration` (iterations completed), or None to go on.
-
-    train: the run's TrainConfig. stop_signal / overtime: `agreed_stop`'s answer, the same on
-    every rank, so every rank takes the same decision.
-    """
+    train: the TrainConfig; stop_signal, overtime: `Trainer.agreed_stop`'s answer, the same on every rank."""
     if iteration >= train.train_iters:
         return "finished"
     if stop_signal:
-        return signal_name(stop_signal)
+        return signal.Signals(stop_signal).name
     if train.exit_interval and iteration % train.exit_interval == 0:
         return f"--exit-interval {train.exit_interval}"
     if overtime:
@@ -172,30 +123,16 @@ def exit_reason(train, iteration: int, stop_signal: int, overtime: bool) -> str 
     return None
 
 
-# -- dead ranks --------------------------------------------------------------------------------
-
-
-class RankFailure(UserError):
-    """A collective operation failed because another rank died or stopped answering."""
-
-
 def is_collective_failure(error: BaseException) -> bool:
-    """Whether `error` came out of a torch.distributed collective whose peer is gone or hung.
-
-    NCCL raises torch.distributed.DistError subclasses; gloo raises RuntimeError whose
-    text names its transport (`.../gloo/transport/tcp/pair.cc: Connection reset by peer`,
-    `Timed out waiting ...`).
-    """
+    """Whether `error` came out of a collective whose peer is gone or hung: NCCL raises DistError
+    subclasses, gloo a RuntimeError naming its transport (`.../gloo/transport/tcp/pair.cc: ...`)."""
     dist_error = getattr(torch.distributed, "DistError", ())
     return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and "gloo" in str(error))
 
 
 class PeerWatch:
     """Every rank's host and process id, gathered once, to tell which rank died when a collective fails.
-
-    Ranks on this host are checked through /proc (gone, or a zombie its launcher has not
-    reaped yet); ranks on other hosts cannot be checked from here.
-    """
+    Ranks on this host are checked through /proc; ranks on other hosts cannot be checked from here."""
 
     def __init__(self, parallel):
         self.rank = parallel.rank
@@ -205,12 +142,9 @@ class PeerWatch:
             self.peers = [None] * parallel.world_size
             torch.distributed.all_gather_object(self.peers, (self.host, os.getpid()))
 
-    def peer_states(self, wait: float = 0.0) -> dict[int, str]:
-        """{rank: "died" | "is suspended"} for the ranks on this host whose process cannot answer.
-
-        Checks for up to `wait` seconds: a killed process closes its sockets before it is
-        gone, so the peer's collective can fail a moment before the process looks dead.
-        """
+    def peer_states(self, wait: float) -> dict[int, str]:
+        """{rank: "died" | "is suspended"} for the ranks on this host whose process cannot answer,
+        checked for up to `wait` seconds: a killed process closes its sockets before it is gone."""
         deadline = time.monotonic() + wait
         while True:
             states = {rank: _process_state(pid) for rank, (host, pid) in enumerate(self.peers)
@@ -220,8 +154,8 @@ class PeerWatch:
                 return states
             time.sleep(0.05)
 
-    def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> RankFailure:
-        """The RankFailure to raise on this rank for a failed collective `error` during `iteration`."""
+    def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> UserError:
+        """The error to raise on this rank for a collective that failed with `error` during `iteration`."""
         states = self.peer_states(wait=3.0)
         if states:
             who = " and ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
@@ -229,11 +163,10 @@ class PeerWatch:
             remote = sorted({host for host, _ in self.peers} - {self.host})
             where = f" (ranks on {', '.join(remote)} cannot be checked from here)" if remote else ""
             who = f"another rank died or stopped answering{where}; the launcher's failure summary names it"
-        detail = _short_error(error)
         resume = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else \
             "no checkpoint was saved yet"
-        return RankFailure(f"rank {self.rank} stopped during iteration {iteration}: {who} ({detail}); {resume}, "
-                           f"rerun the same command (or use torchrun --max-restarts) to resume from it")
+        return UserError(f"rank {self.rank} stopped during iteration {iteration}: {who} ({_short_error(error)}); "
+                         f"{resume}, rerun the same command (or use torchrun --max-restarts) to resume from it")
 
 
 def _short_error(error: BaseException) -> str:
@@ -262,36 +195,23 @@ def _process_state(pid: int) -> str:
         return "running"
 
 
-# -- numerics ------------------------------------------------------------------------------------
-
-
-# fp16 skips steps whose gradients overflow and lowers the loss scale. Once the scale sits at
-# --min-loss-scale it cannot go lower, so this many overflows in a row there stop the run
-# (also for skipped steps without a scaler, under --no-check-for-nan-in-loss-and-grad).
+# fp16 skips steps whose gradients overflow and lowers the loss scale; at --min-loss-scale it cannot go
+# lower, so this many overflows in a row there stop the run (as do skipped steps without a scaler).
 MAX_SKIPPED_AT_MIN_SCALE = 10
 
 LIKELY_CAUSES = ("likely causes: a learning rate too high for this model (--lr, --lr-warmup-iters), "
                  "gradient clipping off (--clip-grad), a corrupt batch of data, or overflow in half precision")
 
 
+def _last_good(last_checkpoint: str | None) -> str:
+    return f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved before it"
+
+
 def divergence_message(what: str, iteration: int, last_checkpoint: str | None) -> str:
     """The sentence a NaN/Inf loss or grad norm stops the run with."""
-    resume = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else \
-        "no checkpoint was saved before it"
-    return (f"{what} at iteration {iteration}, so the run diverged and stopped without saving; {resume}; "
-            f"{LIKELY_CAUSES}; fix the cause and resume from that checkpoint with --load "
-            f"(--no-check-for-nan-in-loss-and-grad skips such steps instead)")
-
-
-def skipped_message(count: int, iteration: int, min_loss_scale: float | None, last_checkpoint: str | None) -> str:
-    """The sentence `count` skipped steps in a row stop the run with (min_loss_scale None: no scaler)."""
-    where = f"at the minimum loss scale (--min-loss-scale {min_loss_scale:g}), which cannot go lower" \
-        if min_loss_scale is not None else "(--no-check-for-nan-in-loss-and-grad)"
-    resume = f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else \
-        "no checkpoint was saved before it"
-    return (f"{count} iterations in a row up to iteration {iteration} had inf/nan gradients and were skipped "
-            f"{where}, so the run is not recovering; {resume}; {LIKELY_CAUSES}; lower --lr or use --bf16, "
-            f"then resume from that checkpoint")
+    return (f"{what} at iteration {iteration}, so the run diverged and stopped without saving; "
+            f"{_last_good(last_checkpoint)}; {LIKELY_CAUSES}; fix the cause and resume from that checkpoint "
+            f"with --load (--no-check-for-nan-in-loss-and-grad skips such steps instead)")
 
 
 class SkippedSteps:
@@ -306,17 +226,18 @@ class SkippedSteps:
         DynamicLossScaler or None); UserError once MAX_SKIPPED_AT_MIN_SCALE came in a row."""
         stuck = not updated and (scaler is None or scaler.scale <= scaler.min_scale)
         self.in_a_row = self.in_a_row + 1 if stuck else 0
-        if self.in_a_row >= MAX_SKIPPED_AT_MIN_SCALE:
-            raise UserError(skipped_message(self.in_a_row, iteration, scaler.min_scale if scaler else None,
-                                            last_checkpoint))
+        if self.in_a_row < MAX_SKIPPED_AT_MIN_SCALE:
+            return
+        where = (f"at the minimum loss scale (--min-loss-scale {scaler.min_scale:g}), which cannot go lower"
+                 if scaler is not None else "(--no-check-for-nan-in-loss-and-grad)")
+        raise UserError(f"{self.in_a_row} iterations in a row up to iteration {iteration} had inf/nan gradients "
+                        f"and were skipped {where}, so the run is not recovering; {_last_good(last_checkpoint)}; "
+                        f"{LIKELY_CAUSES}; lower --lr or use --bf16, then resume from that checkpoint")
 
 
 class LossSpikeDetector:
-    """Flags an iteration whose loss exceeds `threshold` x the median of the previous `window` losses.
-
-    The median, so that one spike does not raise the bar for the next. Needs `window // 2`
-    finite losses before it judges; threshold 0 turns it off.
-    """
+    """Flags a loss above `threshold` x the median of the previous `window` finite losses (the median, so
+    one spike does not raise the bar for the next), from `window // 2` losses on; threshold 0 is off."""
 
     def __init__(self, threshold: float, window: int = 20):
         self.threshold, self.window = threshold, window
@@ -336,16 +257,10 @@ class LossSpikeDetector:
         return warning
 
 
-# -- input data ----------------------------------------------------------------------------------
-
-
 def checked_token_ids(micro_batches, vocab_size: int, source: str):
-    """`micro_batches` unchanged, after checking every token id is in [0, vocab_size).
-
-    An id outside means the data was tokenized with another tokenizer; without this
-    check the embedding lookup fails with an index error (on a GPU, a device-side assert).
-    Three reductions over the [b, s] int tensors of a micro-batch, on the CPU.
-    """
+    """`micro_batches` unchanged, after checking every token id is in [0, vocab_size): an id outside
+    means another tokenizer made the data, and the embedding lookup would fail with an index error
+    (on a GPU, a device-side assert)."""
     for batch in micro_batches:
         tokens, labels = batch["tokens"], batch["labels"]
         low, high = int(tokens.min()), max(int(tokens.max()), int(labels.max()))
@@ -360,7 +275,7 @@ def checked_token_ids(micro_batches, vocab_size: int, source: str):
 def check_token_dtypes(datasets, vocab_size: int) -> None:
     """UserError when a token file's dtype cannot hold the tokenizer's ids (it was made by another tokenizer)."""
     for indexed in _token_files(datasets):
-        dtype = getattr(indexed, "dtype", None)
+        dtype = getattr(indexed, "dtype", None)  # mock data has none
         if dtype is None or np.dtype(dtype).kind not in "iu":
             continue
         largest = int(np.iinfo(dtype).max)
@@ -371,12 +286,9 @@ def check_token_dtypes(datasets, vocab_size: int) -> None:
 
 
 def _token_files(datasets):
-    """The distinct IndexedDatasets under train/valid/test datasets (GPTDataset, BlendedDataset)."""
-    seen, stack = {}, [d for d in datasets if d is not None]
-    while stack:
-        dataset = stack.pop()
+    """The token files (IndexedDatasets) under datasets: GPTDatasets, BlendedDatasets or None."""
+    for dataset in datasets:
         if hasattr(dataset, "datasets"):
-            stack.extend(dataset.datasets)
+            yield from _token_files(dataset.datasets)
         elif hasattr(dataset, "indexed"):
-            seen[id(dataset.indexed)] = dataset.indexed
-    return list(seen.values())
+            yield dataset.indexed

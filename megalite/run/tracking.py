@@ -1,34 +1,12 @@
-"""Experiment tracking: a run's config and metrics records, sent to wandb and TensorBoard.
+"""Experiment tracking: a run's config and metrics records, sent to wandb (with --wandb-project, Megatron's
+rule) and TensorBoard (--tensorboard-dir) by the logging rank, under the same names (`scalars_of`).
 
-wandb tracks a run when `--wandb-project` is given (Megatron's rule); `--tensorboard-dir`
-writes the same scalars with `torch.utils.tensorboard`. Only the logging rank tracks (the
-last rank, which holds the loss under pipeline parallelism); elsewhere the tracker is
-inactive and every method returns at once. The training loop calls:
-
-    tracker = start_tracking(run, config_dict, logger, is_logging_rank, warn)
-    # the logger sends every metrics record (training line, evaluation) to the tracker
-    tracker.log_checkpoint(iteration)            # after each save
-    tracker.finish(exit_code, summary)           # in a finally: 0, or the error's exit code
-
-Scalars, at step = iteration, named alike in wandb and TensorBoard:
-
-    train/<key>       every key of a training record but "iteration" (lm_loss, lr, grad_norm,
-                      loss_scale, tokens_per_sec, tflops_per_device, mfu, iteration_time_ms,
-                      mem_peak_bytes, consumed_samples); None values (MFU unknown) are left out
-    valid/lm_loss, valid/ppl, test/lm_loss, test/ppl
-    checkpoint/iteration
-
-wandb's summary keeps each key's last value, so `summary["train/lm_loss"]` is the last
-logged loss; `finish` adds `exit_reason` and `final_iteration`.
-
-The network never blocks or stops a run. Without `--wandb-mode` a run is online only
-when an API key is configured (WANDB_API_KEY or a netrc entry for the wandb host), else
-offline. An online run first checks that the host answers (a few seconds at most), and
-wandb's own start is bounded by a short timeout; when either fails the run logs offline
-(upload later with `wandb sync`), and when wandb cannot start at all, training goes on
-without it. Each of these says so in one warning line.
+The network never blocks or stops a run: without --wandb-mode a run is online only with an API key, an
+online run first checks that the host answers, and wandb's start has a short timeout. When either fails
+the run logs offline; when wandb cannot start at all, training goes on without it; each in one warning.
 """
 
+import contextlib
 import importlib.util
 import math
 import netrc
@@ -49,27 +27,25 @@ PROBE_TIMEOUT_S = 3
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
 
 
-# ----------------------------------------------------------------------------- defaults
-
-
-def wandb_api_key_configured(environ=os.environ) -> bool:
+def wandb_api_key_configured() -> bool:
     """Whether wandb has a key: WANDB_API_KEY, or a netrc entry (NETRC or ~/.netrc) for its host."""
-    if environ.get("WANDB_API_KEY"):
+    if os.environ.get("WANDB_API_KEY"):
         return True
-    host = urlparse(environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
-    path = environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
     try:
         return bool(host) and netrc.netrc(path).authenticators(host) is not None
     except (OSError, netrc.NetrcParseError):
         return False
 
 
-def default_wandb_mode(environ=os.environ) -> str:
+def default_wandb_mode() -> str:
     """WANDB_MODE when it names a mode; otherwise online with an API key and offline without."""
-    requested = {"dryrun": "offline", "run": "online"}.get(environ.get("WANDB_MODE"), environ.get("WANDB_MODE"))
+    requested = os.environ.get("WANDB_MODE")
+    requested = {"dryrun": "offline", "run": "online"}.get(requested, requested)
     if requested in WANDB_MODES:
         return requested
-    return "online" if wandb_api_key_configured(environ) else "offline"
+    return "online" if wandb_api_key_configured() else "offline"
 
 
 def with_wandb_defaults(logging: LoggingConfig, save: str | None) -> LoggingConfig:
@@ -92,11 +68,9 @@ def default_run_name(run) -> str:
             f"-dp{parallel.data_parallel_size}-{time.strftime('%Y%m%d-%H%M%S')}")
 
 
-# ----------------------------------------------------------------------------- scalars
-
-
 def scalars_of(record: dict) -> dict[str, float]:
-    """The named scalars of one metrics record (a training line or an evaluation), None values left out."""
+    """The named scalars of one metrics record: `train/<key>` for every key of a training record but the
+    iteration, `<split>/lm_loss` and `<split>/ppl` for an evaluation; None values (MFU unknown) left out."""
     split = record.get("split", "train")
     scalars = {f"{split}/{key}": value for key, value in record.items()
                if key not in ("iteration", "split") and value is not None}
@@ -113,15 +87,9 @@ def exit_code_of(error: BaseException) -> int:
     return 130 if isinstance(error, KeyboardInterrupt) else 1
 
 
-# ----------------------------------------------------------------------------- the tracker
-
-
 class Tracker:
-    """Where metrics go besides the console and the metrics file: a wandb run, a TensorBoard writer.
-
-    Either may be None; with both None the tracker is inactive. A failure of either is
-    reported once and turns that one off: tracking never stops training.
-    """
+    """Where metrics go besides the console and the metrics file: a wandb run and a TensorBoard writer,
+    either None. A failure of either is reported once and turns it off: tracking never stops training."""
 
     def __init__(self, wandb_run=None, tensorboard=None, warn: Callable[[str], None] = print):
         self._wandb, self._tensorboard, self._warn = wandb_run, tensorboard, warn
@@ -139,30 +107,25 @@ class Tracker:
 
     def _write(self, scalars: dict, step: int) -> None:
         with deferred_signals():  # a SIGTERM that ends the run at once waits for wandb's call to return
-            self._write_now(scalars, step)
-
-    def _write_now(self, scalars: dict, step: int) -> None:
-        if self._wandb is not None:
-            try:
-                self._wandb.log(scalars, step=step)
-            except Exception as error:  # noqa: BLE001 - any wandb failure must not stop training
-                self._warn(f"wandb: logging failed ({_first_line(error)}); training goes on without wandb")
-                self._finish_wandb(1)
-        if self._tensorboard is not None:
-            try:
-                for key, value in scalars.items():
-                    self._tensorboard.add_scalar(key, value, step)
-            except Exception as error:  # noqa: BLE001 - a full disk, say; training goes on
-                self._warn(f"tensorboard: writing failed ({_first_line(error)}); training goes on without it")
-                self._tensorboard = None
+            if self._wandb is not None:
+                try:
+                    self._wandb.log(scalars, step=step)
+                except Exception as error:  # noqa: BLE001 - any wandb failure must not stop training
+                    self._warn(f"wandb: logging failed ({_first_line(error)}); training goes on without wandb")
+                    self._finish_wandb(1)
+            if self._tensorboard is not None:
+                try:
+                    for key, value in scalars.items():
+                        self._tensorboard.add_scalar(key, value, step)
+                except Exception as error:  # noqa: BLE001 - a full disk, say; training goes on
+                    self._warn(f"tensorboard: writing failed ({_first_line(error)}); training goes on without it")
+                    self._tensorboard = None
 
     def finish(self, exit_code: int = 0, summary: dict | None = None) -> None:
         """Close the wandb run (marked failed for a non-zero exit code) and the writer; safe twice."""
         if self._wandb is not None and summary:
-            try:
+            with contextlib.suppress(Exception):  # the summary is a nicety; finishing is what matters
                 self._wandb.summary.update(summary)
-            except Exception:  # noqa: BLE001 - the summary is a nicety; finishing is what matters
-                pass
         self._finish_wandb(exit_code)
         if self._tensorboard is not None:
             try:
@@ -189,18 +152,21 @@ class Tracker:
 
 def start_tracking(run, config: dict, logger, is_logging_rank: bool,
                    warn: Callable[[str], None] = print) -> Tracker:
-    """Start what `run.logging` asks for on the logging rank and add it to `logger`'s sinks.
-
-    run: the RunConfig. config: the full config as plain JSON values (wandb's run config).
-    logger: the run's TrainingLogger. warn: where the one-line warnings go.
-    """
+    """Start what `run.logging` asks for on the logging rank and add it to `logger`'s sinks; `config` is
+    the full RunConfig as plain JSON values (wandb's run config)."""
     logging = run.logging
     if not is_logging_rank:
         return Tracker(warn=warn)
-    wandb_run = None
+    wandb_run = tensorboard = None
     if logging.wandb_project and logging.wandb_mode != "disabled":
         wandb_run = _start_wandb(logging, logging.wandb_exp_name or default_run_name(run), config, warn)
-    tensorboard = _start_tensorboard(logging.tensorboard_dir, warn) if logging.tensorboard_dir else None
+    if logging.tensorboard_dir:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+            tensorboard = SummaryWriter(log_dir=logging.tensorboard_dir, flush_secs=30)
+        except Exception as error:  # noqa: BLE001 - missing package or unwritable folder: training goes on
+            warn(f"tensorboard: cannot write to {logging.tensorboard_dir} ({_first_line(error)}); "
+                 f"training goes on without it")
     tracker = Tracker(wandb_run, tensorboard, warn)
     if tracker.active:
         logger.add_sink(tracker.log_record)
@@ -242,9 +208,7 @@ def _start_wandb(logging, name: str, config: dict, warn):
 
 def _unreachable(base_url: str) -> str | None:
     """Why the wandb host cannot be reached in PROBE_TIMEOUT_S seconds, or None when it answers.
-
-    Behind a proxy only wandb itself can tell, so there is no probe then.
-    """
+    Behind a proxy only wandb itself can tell, so there is no probe then."""
     if any(os.environ.get(variable) for variable in PROXY_VARIABLES):
         return None
     parsed = urlparse(base_url)
@@ -254,15 +218,6 @@ def _unreachable(base_url: str) -> str | None:
     except OSError as error:
         return f"{parsed.hostname}:{port} cannot be reached ({error.strerror or error})"
     return None
-
-
-def _start_tensorboard(log_dir: str, warn):
-    try:
-        from torch.utils.tensorboard import SummaryWriter
-        return SummaryWriter(log_dir=log_dir, flush_secs=30)
-    except Exception as error:  # noqa: BLE001 - missing package or unwritable folder: training goes on
-        warn(f"tensorboard: cannot write to {log_dir} ({_first_line(error)}); training goes on without it")
-        return None
 
 
 def _first_line(error: BaseException) -> str:

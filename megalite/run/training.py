@@ -1,47 +1,26 @@
-"""The training loop: global batches, optimizer steps, evaluation, checkpoints, stopping.
+"""The training loop: `pretrain(run)` builds a run's data, model, optimizer and checkpoint, then iterates.
 
-`pretrain(run)` takes a validated, frozen RunConfig (megalite/arguments.py) through one run:
-
-    resolve data (megalite/run/data.py) and tokenizer -> build model and optimizer -> load a checkpoint (--load)
-    -> data loaders from the consumed samples -> iterations -> test evaluation -> save
-
-One iteration is one global batch: its micro-batches run forward and backward one after
-another, gradients accumulate in fp32 (megalite/data_parallel/grad_buffer.py), and the
-optimizer steps once. The loss of an iteration is the mean over every unmasked token of
-the global batch, so the number of micro-batches changes no arithmetic.
-
-Stopping (`exit_reason` in megalite/run/resilience.py): after `--train-iters`; at a multiple
-of `--exit-interval`; once `--exit-duration-in-mins` have passed; or after SIGTERM or SIGINT
-on any rank (the exit signal handler, on whenever `--save` is set; `--no-exit-signal-handler`
-turns it off).
-Every early stop happens at an iteration boundary that all ranks agree on, saves a
-checkpoint when `--save` is set, and returns normally (exit code 0), so a scheduler can
-requeue the same command and the run continues exactly where it stopped (`--load`
-defaults to `--save` when that holds a checkpoint). Without the handler a SIGTERM
-kills the run where it stands, except while wandb or TensorBoard track it
-(megalite/run/tracking.py): then it unwinds as SystemExit(143) so the tracking run is finished.
-
-Faults (megalite/run/resilience.py, docs/reliability.md): a NaN/Inf loss or grad norm stops
-the run naming the iteration and the last good checkpoint (`--check-for-nan-in-loss-and-grad`);
-fp16 skips overflowing steps, and stops after too many in a row; loss spikes get a
-warning line; a failed save stops with the path and the error, its partial folder
-removed; a rank that dies makes the others stop with a message instead of hanging.
+An iteration is one global batch: its micro-batches run forward and backward, gradients accumulate in fp32
+and the optimizer steps once. The loss is the mean over every unmasked token of the global batch, so the
+number of micro-batches changes no arithmetic. Every early stop happens at an iteration boundary all ranks
+agree on, saves when --save is set and returns normally, so the same command resumes (docs/reliability.md).
 """
 
 import dataclasses
 import math
 import os
+import random
+import signal
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from megalite import cpu, parallel_state
-from megalite.checkpoint import Checkpointer
-from megalite.checkpoint.checkpointer import json_able
+from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig
-from megalite.data import build_data_loader
-from megalite.data.loader import next_global_batch
+from megalite.data.loader import build_data_loader, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
@@ -53,9 +32,8 @@ from megalite.run.logger import TrainingLogger
 from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
 from megalite.run.data import build_datasets, resolve_data
-from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, agreed_stop, check_token_dtypes,
-                                     checked_token_ids, divergence_message, exit_reason, is_collective_failure,
-                                     owned_signals, signal_name)
+from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, check_token_dtypes, checked_token_ids,
+                                     divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.options import apply_options
@@ -79,37 +57,19 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def seed_everything(seed: int, parallel) -> None:
-    """Python, numpy and torch RNGs: the same on every TP rank (dropout outside TP regions must
-    match), offset per pipeline stage as Megatron does; the TP-region RNG differs per TP rank."""
-    import random
-
-    import numpy as np
-
-    stage_seed = seed + 100 * parallel.pp_rank
-    random.seed(stage_seed)
-    np.random.seed(stage_seed)
-    model_parallel_seed(seed, parallel.tp_rank, parallel.pp_rank, parallel.device)
-
-
-def build_loss_scaler(run: RunConfig) -> DynamicLossScaler | None:
-    """fp16's dynamic loss scaler; None for fp32 and bf16, which need none."""
-    train = run.train
-    if not train.fp16:
-        return None
-    return DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
-                             growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
-
-
 def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrecisionOptimizer:
-    """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the
-    distributed one when the sharding strategy shards anything (ZeRO-1/2/3)."""
+    """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the distributed
+    one when the sharding strategy shards anything (ZeRO-1/2/3); fp16 gets a dynamic loss scaler."""
     train, layout = run.train, run.parallel
     kind = DistributedOptimizer if layout.sharding != "no_shard" else MixedPrecisionOptimizer
     ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, strategy=layout.sharding,
                             overlap=layout.overlap_grad_reduce)
+    scaler = None
+    if train.fp16:
+        scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
+                                   growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
     return kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=build_loss_scaler(run))
+                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -118,27 +78,12 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
                       train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
 
 
-def with_schedule_settings(run: RunConfig, schedule: LRSchedule) -> RunConfig:
-    """`run` with the LR flags `schedule` runs on (build_lr_schedule's inverse): after
-    --use-checkpoint-opt_param-scheduler adopted a checkpoint's settings, the config says so too."""
-    return dataclasses.replace(run, train=dataclasses.replace(
-        run.train, lr=schedule.lr, min_lr=schedule.min_lr, lr_warmup_iters=schedule.warmup_iters,
-        lr_decay_iters=schedule.decay_iters, lr_decay_style=schedule.decay_style,
-        lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
-
-
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
                      log=None) -> float:
-    """Mean loss over the global batch's unmasked tokens; with `optimizer`, backward too.
-
-    model: a GPTModel, or ModelChunks (this pipeline rank's chunks). micro_batches: dicts
-    of [b, s] tensors (this DP rank's part of the global batch). The loss of each
-    micro-batch is divided by the token count of the whole global batch (all DP ranks),
-    so the accumulated gradients, summed over DP, are the gradient of the global mean.
-    Runs the pipeline schedule for `parallel` (default: one process, one stage), exchanging
-    activations through `comm`; the loss is computed on the last stage and returned on
-    every pipeline rank. `log`: prints the schedule's every step (--debug-pipeline-schedule).
-    """
+    """Mean loss over the global batch's unmasked tokens, on every pipeline rank; with `optimizer`, backward too.
+    model: a GPTModel, or this pipeline rank's ModelChunks. micro_batches: dicts of [b, s] tensors, this DP
+    rank's part of the global batch; each one's loss is divided by the token count of the whole global batch,
+    so the gradients summed over DP are those of the global mean."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     device = next(chunks[0].parameters()).device
     total_tokens = global_token_count(micro_batches, parallel, device)
@@ -148,10 +93,8 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     micro_batches = [{key: value.to(device, non_blocking=True) for key, value in mb.items()} for mb in micro_batches]
     steps = schedule_steps(parallel.pp_size, len(chunks), len(micro_batches), parallel.pp_rank,
                            forward_only=optimizer is None)
-    runner = ScheduleRunner(chunks, micro_batches, total_tokens, comm,
-                            optimizer.scale_loss if optimizer is not None else None, log,
-                            parallel.rank)
-    loss = runner.run(steps)
+    scale_loss = optimizer.scale_loss if optimizer is not None else None
+    loss = ScheduleRunner(chunks, micro_batches, total_tokens, comm, scale_loss, log, parallel.rank).run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
     # The last stage's loss to every stage, summed over data-parallel ranks (each already
     # divided by the global token count): every rank gets the global mean and decides alike.
@@ -159,28 +102,6 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return float(total_loss)  # one device sync per global batch
-
-
-@torch.no_grad()
-def evaluate(model, micro_batch_iterator, num_microbatches: int, eval_iters: int,
-             parallel: ParallelState = ONE_PROCESS, comm=None,
-             should_stop=None) -> float | None:
-    """Mean over `eval_iters` global batches of their mean token loss (dropout off).
-
-    `should_stop()`, asked before each batch (a boundary every rank reaches, so it must give
-    every rank the same answer), may cut the evaluation short: then None.
-    """
-    model.eval()
-    try:
-        losses = []
-        for _ in range(eval_iters):
-            if should_stop is not None and should_stop():
-                return None
-            losses.append(forward_backward(model, next_global_batch(micro_batch_iterator, num_microbatches),
-                                           parallel=parallel, comm=comm))
-    finally:
-        model.train()
-    return sum(losses) / len(losses)
 
 
 class Trainer:
@@ -193,9 +114,13 @@ class Trainer:
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
-        self.stop_signal = 0  # an exit signal every rank has agreed on (agreed_stop)
+        self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
-        seed_everything(train.seed, self.parallel)
+        # Python, numpy and torch RNGs alike on every TP rank (dropout outside TP regions must match), offset
+        # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
+        random.seed(train.seed + 100 * self.parallel.pp_rank)
+        np.random.seed(train.seed + 100 * self.parallel.pp_rank)
+        model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         set_kernels(train.kernels)
         run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
@@ -215,7 +140,7 @@ class Trainer:
             tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)
             self.comm = PipelineComm(self.parallel, (tokens, train.micro_batch_size, run.model.hidden_size),
                                      train.params_dtype)
-        self.schedule_log = self._log_everywhere if run.logging.debug_pipeline_schedule else None
+        self.schedule_log = print_flushed if run.logging.debug_pipeline_schedule else None  # on every rank
         self.optimizer = build_optimizer(self.model, run, self.parallel)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
@@ -229,18 +154,15 @@ class Trainer:
         metrics_file = run.logging.metrics_file
         if metrics_file is None and run.checkpoint.save:
             metrics_file = os.path.join(run.checkpoint.save, "metrics.jsonl")
-        self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length,
-                                     train.train_iters, run.logging.log_interval, metrics_file,
-                                     device=self.device, dtype=train.params_dtype,
-                                     num_devices=self.parallel.world_size,
+        self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length, train.train_iters,
+                                     run.logging.log_interval, metrics_file, device=self.device,
+                                     dtype=train.params_dtype, num_devices=self.parallel.world_size,
                                      is_logging_rank=self.parallel.is_logging_rank,
                                      start_iteration=self.state.iteration,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
-            # Above the progress bar, and only on the logging rank. Handed to the checkpointer, not looked
-            # up through the Trainer: a closure over the Trainer makes a reference cycle that keeps it and
-            # its process groups alive until the collector runs at interpreter exit, where gloo ranks then
-            # aborted ("terminate called without an active exception").
+            # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
+            # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
             self.log = self.checkpointer.log = self.logger.print
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
@@ -260,31 +182,25 @@ class Trainer:
             source = "the --train/valid/test-data-path files"
         return checked_token_ids(iter(loader), self.tokenizer.vocab_size, source)
 
-    @staticmethod
-    def _log_everywhere(line: str) -> None:
-        print(line, flush=True)
-
-    # -- checkpoints -------------------------------------------------------------------------
-
     def load(self) -> None:
         """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
         resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule)
         if resumed is None:
             return
-        self.state.iteration = resumed.iteration
-        self.state.consumed_train_samples = resumed.consumed_train_samples
-        self.state.consumed_valid_samples = resumed.consumed_valid_samples
+        self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
         self.evaluation_pending = resumed.evaluation_pending
         # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
-        # the run saves and reports says what it runs on.
-        self.run = self.checkpointer.run = with_schedule_settings(self.run, self.schedule)
+        # the run saves and reports says what it runs on (build_lr_schedule's inverse).
+        schedule = self.schedule
+        self.run = self.checkpointer.run = dataclasses.replace(self.run, train=dataclasses.replace(
+            self.run.train, lr=schedule.lr, min_lr=schedule.min_lr, lr_warmup_iters=schedule.warmup_iters,
+            lr_decay_iters=schedule.decay_iters, lr_decay_style=schedule.decay_style,
+            lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
         if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending):
             self.tracker.log_checkpoint(self.state.iteration)
-
-    # -- the loop ----------------------------------------------------------------------------
 
     def train_step(self) -> tuple[float, float, bool, float]:
         """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
@@ -292,8 +208,7 @@ class Trainer:
         self.optimizer.zero_grad()
         self.optimizer.ddp.start_iteration(self.num_microbatches)
         batch = next_global_batch(self.train_iterator, self.num_microbatches)
-        loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm,
-                                self.schedule_log)
+        loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
         self.optimizer.ddp.finish_grad_sync()
         # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
@@ -312,30 +227,41 @@ class Trainer:
     def agreed_stop(self, start_time: float | None = None) -> tuple[int, bool]:
         """(the exit signal any rank has received, 0 for none; whether any rank's clock is past
         --exit-duration-in-mins, asked only with the loop's `start_time`), the same on every rank.
-
-        Called at boundaries every rank reaches alike: one all-reduce, none when the run has no
-        exit signal handler and no time limit. A signal once agreed stays agreed.
-        """
+        One all-reduce, none without an exit signal handler and a time limit; a signal once agreed stays."""
         train = self.run.train
         timed = start_time is not None and bool(train.exit_duration_in_mins)
         overtime = timed and (time.time() - start_time) / 60 > train.exit_duration_in_mins
         if self.stop_signal or not (self.signals.save_and_exit or timed):
             return self.stop_signal, overtime
-        self.stop_signal, overtime = agreed_stop(self.signals.received or 0, overtime, self.parallel)
-        return self.stop_signal, overtime
+        received = self.signals.received or 0
+        if self.parallel.world_size > 1:  # a signal reaches one rank, clocks differ: every rank must decide alike
+            flags = torch.tensor([received, int(overtime)], dtype=torch.int64, device=self.device)
+            torch.distributed.all_reduce(flags, op=torch.distributed.ReduceOp.MAX)
+            received, overtime = flags.tolist()
+        self.stop_signal = received
+        return received, bool(overtime)
 
     def evaluate_split(self, split: str, iterator) -> bool:
-        """Evaluate `split` and log it; False when an exit signal cut it short (nothing logged, no
-        samples counted: a resumed run evaluates the same batches again)."""
-        if iterator is None or self.run.train.eval_iters == 0:
+        """Evaluate `split` (the mean of --eval-iters global batches' mean token loss, dropout off) and log it;
+        False when an exit signal cut it short (nothing logged, no samples counted: a resumed run evaluates
+        the same batches again)."""
+        train = self.run.train
+        if iterator is None or train.eval_iters == 0:
             return True
-        loss = evaluate(self.model, iterator, self.num_microbatches, self.run.train.eval_iters,
-                        self.parallel, self.comm, should_stop=lambda: bool(self.agreed_stop()[0]))
-        if loss is None:
-            return False
+        losses = []
+        self.model.eval()
+        try:
+            with torch.no_grad():
+                for _ in range(train.eval_iters):
+                    if self.agreed_stop()[0]:  # before each batch, a boundary every rank reaches
+                        return False
+                    batch = next_global_batch(iterator, self.num_microbatches)
+                    losses.append(forward_backward(self.model, batch, parallel=self.parallel, comm=self.comm))
+        finally:
+            self.model.train()
         if split == "valid":
-            self.state.consumed_valid_samples += self.run.train.eval_iters * self.run.train.global_batch_size
-        self.logger.log_evaluation(self.state.iteration, split, loss)
+            self.state.consumed_valid_samples += train.eval_iters * train.global_batch_size
+        self.logger.log_evaluation(self.state.iteration, split, sum(losses) / len(losses))
         return True
 
     def train(self) -> TrainState:
@@ -377,12 +303,14 @@ class Trainer:
                     self.save()
                     saved_at = state.iteration
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
-            if reason == "finished":
-                self._final_evaluation()
+            if reason == "finished":  # validation (unless the last iteration had it), then test; a signal stops them
+                validated = run.train.eval_interval and state.iteration % run.train.eval_interval == 0
+                if validated or self.evaluate_split("valid", self.valid_iterator):
+                    self.evaluate_split("test", self._iterator(self.test_ds, 0))
             if saved_at != state.iteration:
                 self.save()
             if self.agreed_stop()[0]:  # a signal up to the last save: say that it was heard
-                reason = signal_name(self.stop_signal)
+                reason = signal.Signals(self.stop_signal).name
             state.exit_reason = reason
             if reason != "finished":
                 self.log(f"exiting at iteration {state.iteration}: {reason}")
@@ -398,15 +326,6 @@ class Trainer:
             self.logger.close()
             parallel_state.destroy(self.parallel)
         return state
-
-    def _final_evaluation(self) -> None:
-        """The end of the run: validation (unless the last iteration just had it), then the test
-        split; a signal stops it (the same command again repeats it from the final checkpoint)."""
-        train = self.run.train
-        if not (train.eval_interval and self.state.iteration % train.eval_interval == 0):
-            if not self.evaluate_split("valid", self.valid_iterator):
-                return
-        self.evaluate_split("test", self._iterator(self.test_ds, 0))
 
 
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:

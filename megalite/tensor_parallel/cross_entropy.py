@@ -1,21 +1,14 @@
-"""Cross-entropy over vocabulary-sharded logits, without gathering the full logits.
-
-Each TP rank holds the logits of its contiguous vocabulary slice `[s, b, v/tp]`. The
-loss needs only three numbers per token from the whole vocabulary: the max logit (for
-stability), the sum of exponentials, and the target's logit, owned by one rank. Each rank
-computes them over its shard (`megalite/kernels/cross_entropy.py`: a Triton kernel or its
-PyTorch twin, per `--kernels`), and three all-reduces of `[s * b]` tensors combine them.
-The backward is local: softmax minus one-hot on this rank's slice. PaLM's z-loss
-(`--z-loss-weight` w adds w * lse^2 per token) and an ignore index (those tokens get
-loss 0 and zero grad, as PyTorch's reduction="none") are part of the function.
+"""Cross-entropy over vocabulary-sharded logits `[s, b, v/tp]` without gathering them: each rank
+computes the max logit, the sum of exponentials and the target logit over its shard
+(megalite/kernels/cross_entropy.py), three all-reduces of `[s * b]` combine them, and the
+backward is local (softmax minus one-hot on this rank's slice).
 """
 
 import torch
 import torch.distributed as dist
 
 from megalite.kernels import use_triton
-from megalite.kernels.cross_entropy import (IGNORE_INDEX, exp_kept, logit_grads, losses_from_stats, row_stats,
-                                            rows_view)
+from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
 from megalite.tensor_parallel.comm import all_reduce
 
 
@@ -31,22 +24,19 @@ def combine_stats(m, s, t, group):
 
 
 class VocabParallelCrossEntropy(torch.autograd.Function):
-    """Forward: per-token lse - z_label (+ w lse^2) from the shards' stats; saves the logits (the
-    input itself when it has unit column stride) and one fp32 lse per row, never the softmax.
-
-    Backward: (softmax * (1 + 2 w lse) - one_hot(label)) * grad on this rank's slice, zero on
-    the padding columns and on ignored tokens. With `inplace` on the PyTorch path the saved
-    logits already hold the shifted exponentials and become the grad (one buffer in all).
-    """
+    """Saves the logits (the input itself when it has unit column stride) and one fp32 lse per
+    row, never the softmax; with `inplace` on the PyTorch path the saved logits hold the shifted
+    exponentials and become the grad (one buffer in all)."""
 
     @staticmethod
     def forward(ctx, logits, labels, group, vocab_start, real_vocab_size, z_loss_weight, ignore_index, inplace):
-        shape = labels.shape
-        rows_logits, rows_labels = rows_view(logits.detach()), labels.reshape(-1)
-        local_vocab = rows_logits.shape[-1]
+        shape, local_vocab = labels.shape, logits.shape[-1]
+        rows_logits, rows_labels = logits.detach().reshape(-1, local_vocab), labels.reshape(-1)
+        if rows_logits.stride(-1) != 1:  # the kernels need unit column stride
+            rows_logits = rows_logits.contiguous()
         real_columns = local_vocab if real_vocab_size is None else \
             min(max(real_vocab_size - vocab_start, 0), local_vocab)
-        keep_exp = exp_kept(rows_logits, inplace)
+        keep_exp = inplace and rows_logits.dtype == torch.float32 and not use_triton(rows_logits)
         m, s, t = row_stats(rows_logits, rows_labels, vocab_start, real_columns, ignore_index, keep_exp)
         lse, target = combine_stats(m, s, t, group)
         # The PyTorch path exponentiates against the row max in both passes (Triton needs only lse).
@@ -67,20 +57,15 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start_index: int,
                                  real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
                                  ignore_index: int = IGNORE_INDEX, inplace: bool = False) -> torch.Tensor:
-    """Per-token fp32 losses `[s, b]` of vocab-sharded `logits` `[s, b, v/tp]` against `labels`.
+    """Per-token fp32 losses `[s, b]` of vocab-sharded `logits` `[s, b, v/tp]` against global ids `labels`.
 
-    logits: this rank's vocabulary slice, columns `vocab_start_index ...` (any float dtype;
-    computed in fp32; its grad comes back in the same dtype). labels `[s, b]`: global
-    token ids below `real_vocab_size`. real_vocab_size: ids at or above it are padding,
-    their logits count as -inf (no probability, zero grad); None: no padding.
-    group: the TP group (None for one rank: plain cross-entropy). z_loss_weight: adds
-    w * logsumexp^2 per token. Labels equal to ignore_index give loss 0 and no grad. With
-    w = 0 this equals F.cross_entropy(full_logits[..., :real_vocab_size], labels,
-    reduction="none", ignore_index=ignore_index).
-    inplace: `logits` may be overwritten (by the exponentials, then their grad), as Megatron
-    does: one `[s, b, v/tp]` buffer instead of two. Only for logits nothing else reads; the
-    model's own logits are such. Were they saved for some other backward, autograd would stop
-    with its "modified by an inplace operation" error.
+    logits: this rank's slice from column `vocab_start_index`, any float dtype (computed in fp32).
+    real_vocab_size: ids from it on are padding, their logits count as -inf (None: no padding).
+    group: the TP group (None: one rank). z_loss_weight: adds w * logsumexp^2 per token; labels
+    equal to ignore_index give loss 0 and no grad. With w = 0 this equals F.cross_entropy(
+    full_logits[..., :real_vocab_size], labels, reduction="none", ignore_index=ignore_index).
+    inplace: `logits` may be overwritten (by the exponentials, then their grad), as Megatron does,
+    for logits nothing else reads (else autograd stops with "modified by an inplace operation").
     """
     return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size,
                                            z_loss_weight, ignore_index, inplace)

@@ -1,25 +1,11 @@
 """Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
 
-Every layer takes `parallel`, the ParallelState `megalite/parallel_state.py` builds
-(default: one process), and reads its tensor-parallel rank and size, its group
-(`tensor_parallel_group`) and the sequence-parallel flag from it. With TP=1 the layers
-are plain `F.linear` / `F.embedding` on full weights shaped like `nn.Linear` /
-`nn.Embedding` (the collectives of `tensor_parallel/comm.py` are then no-ops).
-
-Initialisation is layout-independent: each weight is drawn as the FULL tensor from a
-generator seeded by (global seed, the parameter's global name), then this rank's shard
-is cut from it. So every TP size, every pipeline split and every module build order
-starts from the same model.
-
-Parameter attributes (read by grad clipping, DDP and sequence parallelism):
-- `tensor_model_parallel`: True when each TP rank holds a different shard; False when
-  the parameter is replicated on all TP ranks (counted once in the grad norm).
-- `partition_dim`, `partition_chunks`: the dimension sharded across TP, and the number
-  of equal blocks it is sharded block by block (see shard_full_tensor); so checkpoint
-  code can cut or join any shard from these attributes alone.
-- `sequence_parallel`: the parameter acts on sequence-split activations under SP
-  (norm weights, row-parallel biases), so its grads must be summed across TP then
-  (`allreduce_sequence_parallel_grads` in comm.py, called by the DDP's finish_grad_sync).
+Each reads its TP rank, size, group and SP flag from `parallel` (default one process: plain
+`F.linear` / `F.embedding`). Each weight is drawn as the full tensor from (seed, global name),
+then sliced, so initialisation is layout-independent. Parameter attributes, read by grad
+clipping, DDP, SP and checkpoints: `tensor_model_parallel` (sharded, else replicated),
+`partition_dim` and `partition_chunks` (see shard_full_tensor), `sequence_parallel` (acts on
+sequence-split activations: its grads are summed over TP under SP).
 """
 
 import hashlib
@@ -29,9 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                           gather_from_tensor_parallel_region,
-                                           reduce_from_tensor_parallel_region,
+from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+                                           gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region,
                                            scatter_to_tensor_parallel_region)
 
@@ -44,11 +29,8 @@ def init_seed(seed: int, name: str) -> int:
 
 def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
                      real_rows: int | None = None) -> torch.Tensor:
-    """The full fp32 CPU tensor normal(0, std) for parameter `name`; depends on nothing else.
-
-    With `real_rows`, only the first `real_rows` rows are drawn and the rest (vocabulary
-    padding) are zero, so the drawn values do not depend on how much padding TP adds.
-    """
+    """The full fp32 CPU tensor normal(0, std) for parameter `name`; with `real_rows` only those rows are
+    drawn and the rest (vocabulary padding) are zero, whatever padding TP adds."""
     generator = torch.Generator(device="cpu").manual_seed(init_seed(seed, name))
     rows = shape[0] if real_rows is None else real_rows
     # Explicitly on the CPU: models are built under a default-device context (cuda, meta).
@@ -58,12 +40,8 @@ def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
 
 
 def shard_full_tensor(full: torch.Tensor, dim: int, rank: int, size: int, chunks: int = 1) -> torch.Tensor:
-    """Rank `rank`'s shard of `full` along `dim` among `size` ranks.
-
-    With `chunks` > 1 the dimension is `chunks` equal blocks (e.g. SwiGLU's [gate; up])
-    and the rank takes its slice of every block, in order, so a local chunk(...) still
-    splits gate from up.
-    """
+    """Rank `rank`'s shard of `full` along `dim` among `size` ranks; with `chunks` > 1 its slice of
+    each of that many equal blocks (SwiGLU's [gate; up]), in order, so the shard splits alike."""
     blocks = full.chunk(chunks, dim=dim)
     return torch.cat([block.chunk(size, dim=dim)[rank] for block in blocks], dim=dim)
 
@@ -89,30 +67,18 @@ def tensor_parallel_group(parallel: ParallelState):
 
 
 def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
-    """Call `init_weights(seed, global name)` on `module` and every submodule that has one.
-
-    `prefix` is the module's own global name (e.g. "layers.3") when it is not the model root.
-    """
+    """Call `init_weights(seed, global name)` on `module` (named `prefix`) and every submodule that has one."""
     for name, submodule in module.named_modules(prefix=prefix):
         if hasattr(submodule, "init_weights"):
             submodule.init_weights(seed, name)
 
 
-def _divide(numerator: int, denominator: int, what: str) -> int:
-    if numerator % denominator:
-        raise ValueError(f"{what} {numerator} is not divisible by the tensor-parallel size {denominator}")
-    return numerator // denominator
-
-
 class ColumnParallelLinear(nn.Module):
-    """y = x A^T + b with A's rows (output features) split across TP ranks.
+    """y = x A^T + b with A's rows (output features) split across TP ranks: `[*, in]` (TP+SP: `[s/tp, b, in]`,
+    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`.
 
-    Input `[*, in]` (full; TP+SP: `[s/tp, b, in]`, all-gathered first), output
-    `[*, out/tp]`, or `[*, out]` with `gather_output`. `output_chunks` > 1 says the
-    output is that many equal blocks sharded block by block (see shard_full_tensor);
-    a gathered output is put back in the full layout `[block 0; block 1; ...]`.
-    `skip_weight_param`: the weight is passed to forward (tied output layer).
-    `real_output_size`: rows at or above it are vocabulary padding, initialised to zero.
+    output_chunks: the output is that many equal blocks sharded block by block. skip_weight_param:
+    the weight is passed to forward (tied output layer). real_output_size: rows from it on are padding.
     """
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
@@ -122,23 +88,20 @@ class ColumnParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
-        self.output_size_per_partition = _divide(output_size, self.tp_size, "output size")
+        self.output_size_per_partition = divide(output_size, self.tp_size, "output size")
         if output_size % (output_chunks * self.tp_size):
             raise ValueError(f"output size {output_size} ({output_chunks} equal blocks) is not divisible into "
                              f"{output_chunks} x tensor-parallel size {self.tp_size} parts")
         self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
         self.real_output_size = real_output_size
-        self.weight = None
-        if not skip_weight_param:
-            self.weight = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition, input_size)),
-                                         True, 0, partition_chunks=output_chunks)
+        rows = self.output_size_per_partition
+        self.weight = None if skip_weight_param else mark_parameter(
+            nn.Parameter(torch.empty(rows, input_size)), True, 0, partition_chunks=output_chunks)
         self.bias = None
         if bias:
-            self.bias = mark_parameter(nn.Parameter(torch.empty(self.output_size_per_partition)),
-                                       True, 0, partition_chunks=output_chunks)
+            self.bias = mark_parameter(nn.Parameter(torch.empty(rows)), True, 0, partition_chunks=output_chunks)
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        """Draw the full weight for `{prefix}.weight` and keep this rank's rows; zero the bias."""
         with torch.no_grad():
             if self.weight is not None:
                 full = init_full_tensor((self.output_size, self.input_size), self.init_std, seed,
@@ -163,18 +126,12 @@ class ColumnParallelLinear(nn.Module):
         return output
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}")
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A's columns (input features) split across TP ranks.
-
-    Input `[*, in/tp]` (`input_is_parallel`) or `[*, in]` (scattered first); output
-    `[*, out]`, summed over TP ranks (TP+SP: reduce-scattered to `[s/tp, b, out]`).
-    The bias is replicated and added once, after the reduction; under SP each rank's
-    bias grad covers its s/tp tokens only (see allreduce_sequence_parallel_grads).
-    """
+    """y = x A^T + b with A's columns (input features) split across TP ranks: `[*, in/tp]` (or `[*, in]`,
+    scattered, without `input_is_parallel`) -> `[*, out]` summed over TP (TP+SP: `[s/tp, b, out]`)."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  input_is_parallel: bool = True, parallel: ParallelState = ONE_PROCESS):
@@ -182,19 +139,16 @@ class RowParallelLinear(nn.Module):
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
-        self.input_size_per_partition = _divide(input_size, self.tp_size, "input size")
+        self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
         self.init_std, self.input_is_parallel = init_std, input_is_parallel
-        self.weight = mark_parameter(
-            nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), True, 1)
+        self.weight = mark_parameter(nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), True, 1)
         self.bias = None
         if bias:
             self.bias = mark_parameter(nn.Parameter(torch.empty(output_size)), False, sequence_parallel=True)
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        """Draw the full weight for `{prefix}.weight` and keep this rank's columns; zero the bias."""
         with torch.no_grad():
-            full = init_full_tensor((self.output_size, self.input_size), self.init_std, seed,
-                                    f"{prefix}.weight")
+            full = init_full_tensor((self.output_size, self.input_size), self.init_std, seed, f"{prefix}.weight")
             self.weight.copy_(shard_full_tensor(full, 1, self.tp_rank, self.tp_size))
             if self.bias is not None:
                 self.bias.zero_()
@@ -212,33 +166,25 @@ class RowParallelLinear(nn.Module):
         return output
 
     def extra_repr(self) -> str:
-        return (f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, "
-                f"bias={self.bias is not None}")
+        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Embedding table `[num, dim]` with rows (vocabulary) split across TP ranks.
-
-    Input ids `[*]`, output `[*, dim]`. Under TP a rank looks up the ids in its row
-    range, zeroes the rest, and the outputs are summed over TP. The output is full on
-    every rank; under SP the model scatters it to the sequence-parallel region.
-    `real_num_embeddings`: rows at or above it are vocabulary padding, initialised to zero.
-    """
+    """Embedding table `[num, dim]` with rows (vocabulary) split across TP ranks: ids `[*]` -> `[*, dim]`,
+    each rank's rows looked up, summed over TP. `real_num_embeddings`: rows from it on are padding."""
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, init_std: float = 0.02,
                  real_num_embeddings: int | None = None, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
-        self.tp_group = tensor_parallel_group(parallel)
+        self.tp_rank, self.tp_size, self.tp_group = parallel.tp_rank, parallel.tp_size, tensor_parallel_group(parallel)
         self.num_embeddings, self.embedding_dim = num_embeddings, embedding_dim
-        self.num_embeddings_per_partition = _divide(num_embeddings, self.tp_size, "vocabulary size")
+        self.num_embeddings_per_partition = divide(num_embeddings, self.tp_size, "vocabulary size")
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.init_std, self.real_num_embeddings = init_std, real_num_embeddings
         self.weight = mark_parameter(
             nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim)), True, 0)
 
     def init_weights(self, seed: int, prefix: str) -> None:
-        """Draw the full table for `{prefix}.weight` and keep this rank's rows."""
         with torch.no_grad():
             full = init_full_tensor((self.num_embeddings, self.embedding_dim), self.init_std, seed,
                                     f"{prefix}.weight", self.real_num_embeddings)

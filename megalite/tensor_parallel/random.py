@@ -1,20 +1,8 @@
-"""Named RNG states for dropout inside tensor-parallel regions (Megatron's RNG tracker idea).
+"""Named RNG states for dropout inside tensor-parallel regions (Megatron's RNG tracker).
 
-Two random streams per process:
-- the default torch RNG, seeded alike on every TP rank, for work on replicated
-  activations (dropout on full `[s, b, h]` hidden states without SP), so every TP rank
-  draws the same mask and the replicas stay identical;
-- the "tensor-parallel" state of `model_parallel_rng_tracker`, seeded differently on
-  every TP rank, for work on sharded or split activations: attention-probability
-  dropout on this rank's heads, and hidden dropout on `[s/tp, b, h]` under SP. Run it
-  inside `with model_parallel_rng_tracker.fork():`.
-
-`fork` swaps the tracked state into the default generator of the tracker's device
-(`torch.get_rng_state` on CPU, `torch.cuda.get_rng_state` on CUDA), runs the block,
-keeps the advanced state and puts the default one back, so the default stream is
-untouched by forked draws. `get_states` / `set_states` save and restore the tracker
-exactly (checkpoints). Activation recomputation must replay the forked stream too:
-use this module's `checkpoint` for a function that forks inside.
+Dropout on replicated activations draws from the default RNG, alike on every TP rank; on split
+ones (attention heads, hidden states under SP) from the per-rank "tensor-parallel" state, inside
+`with model_parallel_rng_tracker.fork():`. Recomputation must use this module's `checkpoint`.
 """
 
 import contextlib
@@ -29,9 +17,7 @@ PIPELINE_SEED_STRIDE = 100
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        return torch.cuda.get_rng_state(device)
-    return torch.get_rng_state()
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
 def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
@@ -45,21 +31,18 @@ class RNGStatesTracker:
     """Named generator states of one device (CPU or a CUDA device), swapped in by `fork`."""
 
     def __init__(self, device="cpu"):
-        self.device = torch.device(device)
-        self.states: dict[str, torch.Tensor] = {}
+        self.reset(device)
 
     def reset(self, device="cpu") -> None:
         """Forget every state; later states belong to `device`'s default generator."""
         self.device = torch.device(device)
-        self.states = {}
+        self.states: dict[str, torch.Tensor] = {}
 
     def add(self, name: str, seed: int) -> None:
         """Track a new state `name`, that of a generator seeded with `seed`."""
         if name in self.states:
             raise ValueError(f"RNG state {name!r} is already tracked")
-        generator = torch.Generator(device=self.device)
-        generator.manual_seed(seed)
-        self.states[name] = generator.get_state()
+        self.states[name] = torch.Generator(device=self.device).manual_seed(seed).get_state()
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every tracked state (uint8 CPU tensors), e.g. for a checkpoint."""
@@ -87,30 +70,22 @@ model_parallel_rng_tracker = RNGStatesTracker()
 
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu") -> None:
-    """Seed torch's default RNG and the tracker for this rank.
-
-    The default RNG (CPU and every CUDA device, through torch.manual_seed) gets
-    `seed + 100 * pp_rank`: the same on all TP (and DP) ranks of a pipeline stage,
-    different between stages, as Megatron does. The tracker is reset to `device` with
-    one state, "tensor-parallel", seeded `seed + 100 * pp_rank + 2718 + tp_rank`.
-    Python's `random` and numpy are the caller's to seed.
-    """
+    """Seed torch's default RNG (CPU and CUDA) with `seed + 100 * pp_rank`, alike on a stage's ranks as in
+    Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`."""
     stage_seed = seed + PIPELINE_SEED_STRIDE * pp_rank
     torch.manual_seed(stage_seed)
     model_parallel_rng_tracker.reset(device)
     model_parallel_rng_tracker.add(TENSOR_PARALLEL_RNG, stage_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
 
 
-def checkpoint(function, *args, tracker: RNGStatesTracker | None = None, **kwargs):
+def checkpoint(function, *args, **kwargs):
     """torch.utils.checkpoint (non-reentrant) that also replays the tracker's streams.
 
-    torch's checkpoint restores the default RNG for the recomputation, but a `fork`
-    inside `function` would then draw from the tracker's state as it is at backward
-    time, giving other dropout masks than the forward. Here the recomputation starts
-    from the tracker states of the forward, and the tracker is left as it was.
+    torch restores the default RNG for the recomputation, but a `fork` inside `function` would
+    draw from the tracker's backward-time state (other dropout masks). Here the recomputation
+    starts from the forward's tracker states, and the tracker is left as it was.
     """
-    tracker = model_parallel_rng_tracker if tracker is None else tracker
-    states_at_forward = tracker.get_states()
+    states_at_forward = model_parallel_rng_tracker.get_states()
     calls = 0
 
     def replay(*inner_args, **inner_kwargs):
@@ -118,11 +93,11 @@ def checkpoint(function, *args, tracker: RNGStatesTracker | None = None, **kwarg
         calls += 1
         if calls == 1:
             return function(*inner_args, **inner_kwargs)
-        states_now = tracker.get_states()
-        tracker.set_states(states_at_forward)
+        states_now = model_parallel_rng_tracker.get_states()
+        model_parallel_rng_tracker.set_states(states_at_forward)
         try:
             return function(*inner_args, **inner_kwargs)
         finally:
-            tracker.set_states(states_now)
+            model_parallel_rng_tracker.set_states(states_now)
 
     return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)

@@ -2,7 +2,6 @@
 
 import numpy as np
 import pytest
-import torch
 
 from megalite.data import build_gpt_datasets, parse_data_path
 from megalite.data.blended_dataset import BlendedDataset, build_blending_indices

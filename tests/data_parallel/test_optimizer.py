@@ -338,7 +338,8 @@ def test_reload_model_params_restarts_bf16_main_params_from_newly_loaded_weights
     from megalite.data_parallel import optimizer as module
 
     model = tiny_llama(dtype=torch.bfloat16)
-    optimizer = getattr(module, kind)(DataParallelGrads(model, shard=kind == "DistributedOptimizer"), lr=1e-3)
+    strategy = "optim" if kind == "DistributedOptimizer" else "no_shard"
+    optimizer = getattr(module, kind)(DataParallelGrads(model, strategy=strategy), lr=1e-3)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)  # what loading other weights does

@@ -133,7 +133,8 @@ class PeakSampler:
 def random_micro_batch(config: ModelConfig, seed: int) -> dict:
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.real_vocab_size, (MICRO_BATCH_SIZE, config.seq_length + 1), generator=generator)
-    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": torch.ones(MICRO_BATCH_SIZE, config.seq_length),
+    return {"tokens": tokens[:, :-1], "labels": tokens[:, 1:],
+            "loss_mask": torch.ones(MICRO_BATCH_SIZE, config.seq_length),
             "position_ids": torch.arange(config.seq_length).expand(MICRO_BATCH_SIZE, -1)}
 
 

@@ -136,7 +136,8 @@ def main(argv=None) -> int:
     rank0 = launch(args)[0]
     plain = sum(rank0["no_shard"].values())
     print(f"DP={args.dp}, {args.dtype} params, fp32 grads; MB per rank in one iteration (ring algorithm volumes)")
-    print(f"{'strategy':<19} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14} {'total':>8} {'vs no_shard':>11}")
+    print(f"{'strategy':<19} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14} {'total':>8} "
+          f"{'vs no_shard':>11}")
     for strategy in SHARDING_STRATEGIES:
         volumes = rank0[strategy]
         total = sum(volumes.values())

@@ -1,14 +1,9 @@
 """The built-in default corpus: the running interpreter's standard library, tokenized.
 
-`ensure_builtin_corpus()` turns every `.py` file of the standard library (sorted by
-path, one document each) into `corpus.jsonl`, trains a SentencePiece tokenizer on it
-(megalite.data.tokenizer.train_sentencepiece, as tools/train_tokenizer.py does), and
-tokenizes it with megalite.data.prep.preprocess (end-of-document tokens appended, as
-tools/preprocess_data.py --append-eod does). The result lives in
-`data/build/stdlib-py<version>/` and is reused until it is missing or incomplete:
-`manifest.json` is written last and checked on every call. Building is deterministic,
-and safe when several processes ask at once (a lock file, and a staging folder renamed
-into place).
+Every stdlib `.py` file (one document each) goes into `corpus.jsonl`, which trains a
+SentencePiece tokenizer and is tokenized with end-of-document tokens. The result in
+`data/build/stdlib-py<version>/` is reused while its `manifest.json`, written last, checks
+out. Building is deterministic and safe when several processes ask at once.
 """
 
 import fcntl
@@ -19,7 +14,6 @@ import shutil
 import sys
 import sysconfig
 import time
-from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -38,18 +32,17 @@ DATA_NAME = "stdlib"  # preprocessing writes stdlib_text_document.bin/.idx
 TOKENIZER_NAME = "tokenizer"  # training writes tokenizer.model/.vocab
 
 
-def ensure_builtin_corpus(
-    build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None, force: bool = False
-) -> tuple[str, str]:
+def ensure_builtin_corpus(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None,
+                          force: bool = False) -> tuple[str, str]:
     """Build the corpus if needed; return (data_prefix, tokenizer_model_path).
 
-    build_dir: relative paths resolve against the repository root, not the cwd.
-    max_files: keep only the first N files (by path), for tests; built in its own folder.
-    force: rebuild even if a complete build exists.
+    build_dir: relative to the repository root, not the cwd. max_files: keep only the first
+    N files (by path), for tests, built in its own folder. force: rebuild even if complete.
     """
     corpus_dir = corpus_folder(build_dir, max_files)
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
-    with _exclusive_lock(corpus_dir.with_name(corpus_dir.name + ".lock")):
+    with open(corpus_dir.with_name(corpus_dir.name + ".lock"), "a") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here; closing the file unlocks
         if force or load_manifest(corpus_dir, max_files) is None:
             _build(corpus_dir, max_files)
     return str(corpus_dir / f"{DATA_NAME}_text_document"), str(corpus_dir / f"{TOKENIZER_NAME}.model")
@@ -67,13 +60,9 @@ def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None
         manifest = json.loads((corpus_dir / "manifest.json").read_text())
     except (OSError, ValueError):
         return None
-    expected = {
-        "format": MANIFEST_FORMAT,
-        "python_version": platform.python_version(),
-        "max_files": max_files,
-        "num_files": len(stdlib_files(max_files)[1]),  # an edited installation means a rebuild
-    }
-    if any(manifest.get(key) != value for key, value in expected.items()):
+    # Another Python, or an edited installation (another file count), means a rebuild.
+    identity = _identity(max_files, len(stdlib_files(max_files)[1]))
+    if any(manifest.get(key) != value for key, value in identity.items()):
         return None
     bin_file = corpus_dir / f"{DATA_NAME}_text_document.bin"
     needed = [bin_file, bin_file.with_suffix(".idx"), corpus_dir / f"{TOKENIZER_NAME}.model"]
@@ -84,11 +73,13 @@ def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None
     return manifest
 
 
-def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
-    """The standard library's root and its .py files (relative posix paths, sorted).
+def _identity(max_files: int | None, num_files: int) -> dict:
+    return {"format": MANIFEST_FORMAT, "python_version": platform.python_version(), "max_files": max_files,
+            "num_files": num_files}
 
-    Third-party packages (site-packages, dist-packages) are left out.
-    """
+
+def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
+    """The standard library's root and its .py files (relative posix paths, sorted), without site-packages."""
     root = Path(sysconfig.get_paths()["stdlib"])
     files = []
     for folder, subfolders, names in os.walk(root):
@@ -114,65 +105,33 @@ def write_corpus_jsonl(root: Path, files: list[str], path: Path) -> int:
 
 
 def _build(corpus_dir: Path, max_files: int | None) -> None:
-    """Build into a staging folder, then swap it in; the manifest is the last file written."""
+    """Write corpus.jsonl, the tokenizer, the token files and last the manifest into a staging folder; swap it in."""
     start = time.perf_counter()
+    root, files = stdlib_files(max_files)
+    if not files:
+        raise UserError(f"found no .py files under {root}; the built-in corpus needs the Python standard library")
+    print(f"building the built-in corpus from {len(files)} files under {root}", file=sys.stderr)
     staging = corpus_dir.with_name(f"{corpus_dir.name}.staging")
     shutil.rmtree(staging, ignore_errors=True)  # what a killed build left behind
     staging.mkdir()
     try:
-        manifest = _build_into(staging, max_files)
+        jsonl = staging / "corpus.jsonl"
+        num_skipped = write_corpus_jsonl(root, files, jsonl)
+        # A small max_files corpus cannot fill VOCAB_SIZE pieces; it gets fewer instead of an error.
+        tokenizer = train_sentencepiece(iter_documents([str(jsonl)]), str(staging / TOKENIZER_NAME),
+                                        vocab_size=VOCAB_SIZE, hard_vocab_limit=False)
+        workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
+        summary = preprocess(str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
+                             json_keys=["text"], append_eod=True, workers=workers, log_interval=0)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest["build_seconds"] = round(time.perf_counter() - start, 1)
+    manifest = {
+        **_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
+        "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
+        "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
+        "build_seconds": round(time.perf_counter() - start, 1),
+    }
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(corpus_dir, ignore_errors=True)
     staging.rename(corpus_dir)
-
-
-def _build_into(staging: Path, max_files: int | None) -> dict:
-    """Write corpus.jsonl, the tokenizer and the token files into `staging`; return the manifest."""
-    root, files = stdlib_files(max_files)
-    if not files:
-        raise UserError(
-            f"found no .py files under {root}; the built-in corpus needs the Python standard library"
-        )
-    print(f"building the built-in corpus from {len(files)} files under {root}", file=sys.stderr)
-    jsonl = staging / "corpus.jsonl"
-    num_skipped = write_corpus_jsonl(root, files, jsonl)
-    # A small max_files corpus cannot fill VOCAB_SIZE pieces; it gets fewer instead of an error.
-    tokenizer = train_sentencepiece(
-        iter_documents([str(jsonl)]),
-        str(staging / TOKENIZER_NAME),
-        vocab_size=VOCAB_SIZE,
-        hard_vocab_limit=False,
-    )
-    workers = max(1, min(os.cpu_count() or 1, 8))  # the output is the same for any count
-    summary = preprocess(
-        str(jsonl), str(staging / DATA_NAME), "GPTSentencePieceTokenizer", tokenizer["model"],
-        json_keys=["text"], append_eod=True, workers=workers, log_interval=0,
-    )
-    return {
-        "format": MANIFEST_FORMAT,
-        "python_version": platform.python_version(),
-        "max_files": max_files,
-        "stdlib": str(root),
-        "num_files": len(files),
-        "num_skipped_not_utf8": num_skipped,
-        "num_empty_files": summary["skipped_empty"],
-        "num_documents": summary["documents"]["text"],
-        "num_tokens": summary["tokens"]["text"],
-        "dtype": summary["dtype"],
-        "vocab_size": tokenizer["vocab_size"],
-    }
-
-
-@contextmanager
-def _exclusive_lock(path: Path):
-    """Hold an exclusive lock on `path` (created if missing); a second process waits here."""
-    with open(path, "a") as lock_file:
-        fcntl.flock(lock_file, fcntl.LOCK_EX)
-        try:
-            yield
-        finally:
-            fcntl.flock(lock_file, fcntl.LOCK_UN)

@@ -1,14 +1,11 @@
 """Tokenize text into Megatron's .bin/.idx token files: the core of tools/preprocess_data.py.
 
-`preprocess(inputs, output_prefix, tokenizer_type, ...)` writes
-`{output_prefix}_{key}_document.bin/.idx`, one pair per JSON key, from JSONL files or
-globs, .txt files, or a Hugging Face dataset (megalite/data/prep/text_sources.py).
-
-The parent cuts the inputs into chunks of raw lines; each worker parses its chunk,
-batch-encodes it and sends back numpy arrays. Results are taken in input order, so the
-output is byte-identical for any number of workers. A failed run leaves no output files.
+The parent cuts the inputs (text_sources.py) into chunks of raw lines; each worker parses
+its chunk, batch-encodes it and sends back numpy arrays. Results are taken in input order,
+so the output is byte-identical for any number of workers.
 """
 
+import functools
 import multiprocessing
 import sys
 import time
@@ -26,47 +23,34 @@ from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import UserError
 
 
-@dataclass(frozen=True)
-class EncodeOptions:
-    """What a worker needs besides the tokenizer to turn a chunk into token arrays."""
-
-    json_keys: tuple[str, ...]
-    skip_bad_lines: bool
-    append_eod: bool
-    eod: int | None
-
-
 @dataclass
 class EncodedChunk:
-    """One chunk's documents, per key: token ids back to back, [sum(lengths)] int,
-    and tokens per document, [num_documents] int64 (eod included)."""
+    """One chunk's documents per key: token ids back to back and tokens per document (eod included)."""
 
-    tokens: dict[str, np.ndarray]
-    lengths: dict[str, np.ndarray]
+    tokens: dict[str, np.ndarray]  # [sum(lengths)] int
+    lengths: dict[str, np.ndarray]  # [num_documents] int64
     stats: ReadStats
 
 
-def encode_chunk(chunk, tokenizer, options: EncodeOptions) -> EncodedChunk:
+def encode_chunk(chunk, tokenizer, json_keys: tuple[str, ...], skip_bad_lines: bool,
+                 append_eod: bool) -> EncodedChunk:
     """Parse and batch-encode one chunk; documents that yield no tokens count as empty."""
-    parsed = chunk.parse(options.json_keys, options.skip_bad_lines)
+    parsed = chunk.parse(json_keys, skip_bad_lines)
     tokens, lengths = {}, {}
     for key, texts in parsed.texts.items():
         flat, counts = _tokenize(tokenizer, key, texts, chunk, parsed.records[key])
         empty = counts == 0  # e.g. whitespace under NullTokenizer; a zero-length document helps nobody
         parsed.stats.num_empty += int(empty.sum())
         counts = counts[~empty]
-        if options.append_eod:
-            flat = np.insert(flat, np.cumsum(counts), options.eod)
+        if append_eod:
+            flat = np.insert(flat, np.cumsum(counts), tokenizer.eod)
             counts = counts + 1
         tokens[key], lengths[key] = flat, counts
     return EncodedChunk(tokens, lengths, parsed.stats)
 
 
 def _tokenize(tokenizer, key, texts, chunk, records):
-    """tokenizer.tokenize_batch_flat(texts); if that fails, a UserError naming the line to blame.
-
-    records: each text's line (row, file) within `chunk`, as ParsedChunk.records holds them.
-    """
+    """tokenizer.tokenize_batch_flat(texts); if that fails, a UserError naming the line (`records`) to blame."""
     try:
         return tokenizer.tokenize_batch_flat(texts)
     except Exception:
@@ -74,37 +58,33 @@ def _tokenize(tokenizer, key, texts, chunk, records):
             try:
                 tokenizer.tokenize(text)
             except Exception as err:
-                raise UserError(
-                    f'{chunk.location(record)}: the tokenizer rejects "{key}" ({err}); fix the line or '
-                    "choose another --tokenizer-type"
-                ) from err
+                raise UserError(f'{chunk.location(record)}: the tokenizer rejects "{key}" ({err}); fix the line '
+                                "or choose another --tokenizer-type") from err
         raise
 
 
-_worker_state = None  # (tokenizer, options), set once per worker process
+_worker_encode = None  # encode_chunk with its tokenizer and options bound, set once per worker process
 
 
-def _init_worker(tokenizer, options):
-    global _worker_state
-    _worker_state = (tokenizer, options)
+def _init_worker(encode):
+    global _worker_encode
+    _worker_encode = encode
 
 
 def _encode_in_worker(chunk) -> EncodedChunk:
-    return encode_chunk(chunk, *_worker_state)
+    return _worker_encode(chunk)
 
 
-def encoded_chunks(chunks, tokenizer, options: EncodeOptions, workers: int) -> Iterator[EncodedChunk]:
-    """`encode_chunk` over `chunks`, in order; in this process or in a pool of `workers`.
+def encoded_chunks(chunks, encode, workers: int) -> Iterator[EncodedChunk]:
+    """`encode(chunk)` over `chunks`, in order; in this process or in a pool of `workers`.
 
-    At most 2 x workers chunks are in flight, so the reader never runs far ahead of
-    the encoders; a worker's exception is raised here, at its chunk. The tokenizer
-    travels to each worker once, through the pool's initializer.
+    At most 2 x workers chunks are in flight, so the reader never runs far ahead of the
+    encoders. `encode` (and its tokenizer) travels to each worker once, through the pool's initializer.
     """
     if workers == 1:
-        for chunk in chunks:
-            yield encode_chunk(chunk, tokenizer, options)
+        yield from map(encode, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(tokenizer, options)) as pool:
+    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encode,)) as pool:
         in_flight = deque()
         for chunk in chunks:
             in_flight.append(pool.apply_async(_encode_in_worker, (chunk,)))
@@ -114,62 +94,17 @@ def encoded_chunks(chunks, tokenizer, options: EncodeOptions, workers: int) -> I
             yield in_flight.popleft().get()
 
 
-class Progress:
-    """Running totals; a line to stderr every `log_interval` documents (all keys together)."""
+def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str,
+               tokenizer_model: str | None = None, vocab_size: int | None = None, *,
+               json_keys: Sequence[str] = ("text",), hf_split: str | None = None, skip_bad_lines: bool = False,
+               append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
+               chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
+    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per key.
 
-    def __init__(self, json_keys, log_interval: int):
-        self.log_interval = log_interval
-        self.documents = dict.fromkeys(json_keys, 0)
-        self.tokens = dict.fromkeys(json_keys, 0)
-        self.stats = ReadStats()
-        self.start = time.perf_counter()
-        self._intervals_logged = 0
-
-    def update(self, encoded: EncodedChunk) -> None:
-        for key, lengths in encoded.lengths.items():
-            self.documents[key] += len(lengths)
-            self.tokens[key] += int(lengths.sum())
-        self.stats.add(encoded.stats)
-        intervals = sum(self.documents.values()) // self.log_interval if self.log_interval else 0
-        if intervals > self._intervals_logged:  # a chunk may cross several intervals: one line
-            self._intervals_logged = intervals
-            print(self.rates(), file=sys.stderr, flush=True)
-
-    def rates(self) -> str:
-        seconds = max(time.perf_counter() - self.start, 1e-9)
-        documents, tokens = sum(self.documents.values()), sum(self.tokens.values())
-        return (
-            f"processed {documents} documents ({documents / seconds:.1f} docs/s, "
-            f"{tokens / seconds / 1e6:.3f} M tokens/s, {self.stats.num_bytes / seconds / 1e6:.2f} MB/s)"
-        )
-
-
-def preprocess(
-    inputs: str | Sequence[str],
-    output_prefix: str,
-    tokenizer_type: str,
-    tokenizer_model: str | None = None,
-    vocab_size: int | None = None,
-    *,
-    json_keys: Sequence[str] = ("text",),
-    hf_split: str | None = None,
-    skip_bad_lines: bool = False,
-    append_eod: bool = False,
-    workers: int = 1,
-    log_interval: int = 1000,
-    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-) -> dict:
-    """Tokenize `inputs` into `{output_prefix}_{key}_document.bin/.idx` for each of `json_keys`.
-
-    inputs: one or several of: JSONL / .txt files or globs, a datasets folder or data files,
-        a hub name (text_sources.resolve_inputs); `hf_split` picks a dataset's split.
-    tokenizer_type, tokenizer_model, vocab_size: as megalite.data.tokenizer.build_tokenizer takes them.
-    skip_bad_lines: count malformed lines and go on, instead of stopping at the first.
-    append_eod: end every document with the tokenizer's end-of-document token.
-    workers: encoding processes (1: encode in this process); the output is the same for any count.
-    log_interval: a progress line to stderr every this many documents (0: never).
-    chunk_bytes: input bytes per worker task.
-
+    The tokenizer flags are build_tokenizer's. skip_bad_lines: count malformed lines and go
+    on. append_eod: end every document with the end-of-document token. workers: encoding
+    processes (1: this one). log_interval: a progress line to stderr every this many
+    documents (0: never). chunk_bytes: input bytes per worker task.
     Returns {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad",
     "bad_examples", "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}.
     Bad input raises UserError and leaves no output files.
@@ -178,36 +113,35 @@ def preprocess(
         raise ValueError(f"workers ({workers}) and chunk_bytes ({chunk_bytes}) must be at least 1")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     if append_eod and tokenizer.eod is None:
-        raise UserError(
-            f"--append-eod needs an end-of-document token, and this {tokenizer_type} has none"
-        )
+        raise UserError(f"--append-eod needs an end-of-document token, and this {tokenizer_type} has none")
+    json_keys = tuple(json_keys)
     sources = resolve_inputs([inputs] if isinstance(inputs, str) else list(inputs), hf_split)
-    options = EncodeOptions(tuple(json_keys), skip_bad_lines, append_eod, tokenizer.eod)
+    encode = functools.partial(encode_chunk, tokenizer=tokenizer, json_keys=json_keys,
+                               skip_bad_lines=skip_bad_lines, append_eod=append_eod)
     dtype = token_dtype_for_vocab(tokenizer.vocab_size)
-    prefixes = {key: f"{output_prefix}_{key}_document" for key in options.json_keys}
-    progress = Progress(options.json_keys, log_interval)
+    prefixes = {key: f"{output_prefix}_{key}_document" for key in json_keys}
+    documents, tokens, stats = dict.fromkeys(json_keys, 0), dict.fromkeys(json_keys, 0), ReadStats()
+    start, intervals_logged = time.perf_counter(), 0
     with ExitStack() as stack:
         builders = {key: stack.enter_context(IndexedDatasetBuilder(p, dtype)) for key, p in prefixes.items()}
-        chunks = iter_chunks(sources, options.json_keys, hf_split, chunk_bytes)
+        chunks = iter_chunks(sources, json_keys, hf_split, chunk_bytes)
         # closing(): on an error, stop the worker pool now, not when the traceback is freed.
-        encoded_stream = closing(encoded_chunks(chunks, tokenizer, options, workers))
-        for encoded in stack.enter_context(encoded_stream):
+        for encoded in stack.enter_context(closing(encoded_chunks(chunks, encode, workers))):
             for key, builder in builders.items():
                 builder.add_documents(encoded.tokens[key], encoded.lengths[key])
-            progress.update(encoded)
-        if not all(progress.documents.values()):
-            empty_key = next(key for key, n in progress.documents.items() if not n)
-            raise UserError(
-                f'the inputs hold no non-empty "{empty_key}" document; check --input and --json-keys'
-            )
-    return {
-        "documents": progress.documents,
-        "tokens": progress.tokens,
-        "skipped_empty": progress.stats.num_empty,
-        "skipped_bad": progress.stats.num_bad,
-        "bad_examples": progress.stats.bad_examples,
-        "input_bytes": progress.stats.num_bytes,
-        "seconds": time.perf_counter() - progress.start,
-        "output_prefixes": prefixes,
-        "dtype": dtype.name,
-    }
+                documents[key] += len(encoded.lengths[key])
+                tokens[key] += int(encoded.lengths[key].sum())
+            stats.add(encoded.stats)
+            done = sum(documents.values())
+            if log_interval and done // log_interval > intervals_logged:  # one line for several intervals
+                intervals_logged = done // log_interval
+                seconds = max(time.perf_counter() - start, 1e-9)
+                print(f"processed {done} documents ({done / seconds:.1f} docs/s, "
+                      f"{sum(tokens.values()) / seconds / 1e6:.3f} M tokens/s, "
+                      f"{stats.num_bytes / seconds / 1e6:.2f} MB/s)", file=sys.stderr, flush=True)
+        for key, count in documents.items():
+            if not count:
+                raise UserError(f'the inputs hold no non-empty "{key}" document; check --input and --json-keys')
+    return {"documents": documents, "tokens": tokens, "skipped_empty": stats.num_empty,
+            "skipped_bad": stats.num_bad, "bad_examples": stats.bad_examples, "input_bytes": stats.num_bytes,
+            "seconds": time.perf_counter() - start, "output_prefixes": prefixes, "dtype": dtype.name}
