@@ -12,7 +12,6 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.checkpoint import flat_range_pieces, tensor_parallel_pieces
-from megalite.config import ModelConfig
 from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from megalite.data_parallel.param_shards import ParamShards
@@ -23,29 +22,10 @@ from megalite.pipeline_parallel.stages import build_model_chunks
 from megalite.plan.dry_run import plan
 from megalite.run.training import forward_backward
 from tests.distributed import run_world
+from tests.pipeline_parallel.test_pipeline_worlds import MICRO, SEQ, config
+from tests.pipeline_parallel.test_pipeline_worlds import micro_batches as global_batch
 from tools.bench.memory import PeakSampler, random_micro_batch
 from tools.check_layouts import COMMON, MODELS
-
-SEQ, MICRO, GLOBAL_MICRO_BATCHES = 8, 2, 4
-
-
-def config(tied: bool) -> ModelConfig:
-    return ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=64, seq_length=SEQ, vocab_size=128, tokenizer_vocab_size=100,
-                       untie_embeddings_and_output_weights=not tied, swiglu=True, normalization="RMSNorm",
-                       position_embedding_type="rope", add_bias_linear=False, hidden_dropout=0.0,
-                       attention_dropout=0.0)
-
-
-def global_batch() -> list[dict]:
-    generator = torch.Generator().manual_seed(3)
-    batches = []
-    for _ in range(GLOBAL_MICRO_BATCHES):
-        tokens = torch.randint(0, 100, (MICRO, SEQ + 1), generator=generator)
-        mask = (torch.rand(MICRO, SEQ, generator=generator) > 0.2).float()
-        batches.append({"tokens": tokens[:, :-1], "labels": tokens[:, 1:], "loss_mask": mask,
-                        "position_ids": torch.arange(SEQ).expand(MICRO, SEQ)})
-    return batches
 
 
 def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute):

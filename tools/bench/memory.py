@@ -187,16 +187,22 @@ def worker(args) -> None:
 
 def launch(dp: int, args) -> list[dict]:
     """Run `worker` on `dp` gloo ranks; every rank's figures, in rank order."""
+    return run_under_torchrun(__file__, dp, ["--dtype", args.dtype, "--strategies", *args.strategies,
+                                             *(["--small"] if args.small else [])])
+
+
+def run_under_torchrun(script: str, ranks: int, flags: list[str]) -> list:
+    """Run `script --worker --output FILE *flags` on `ranks` gloo ranks (one thread each) under torchrun;
+    what its rank 0 wrote to FILE as JSON."""
     with tempfile.TemporaryDirectory() as folder:
         output = os.path.join(folder, "figures.json")
         # --standalone: a free rendezvous port, so other torchrun jobs on the machine do not collide.
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(dp),
-                   os.path.abspath(__file__), "--worker", "--output", output, "--dtype", args.dtype,
-                   "--strategies", *args.strategies, *(["--small"] if args.small else [])]
+        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                   os.path.abspath(script), "--worker", "--output", output, *flags]
         result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
-            raise RuntimeError(f"DP={dp} failed (exit code {result.returncode}):\n{result.stdout[-2000:]}\n"
+            raise RuntimeError(f"{ranks} ranks failed (exit code {result.returncode}):\n{result.stdout[-2000:]}\n"
                                f"{result.stderr[-4000:]}")
         with open(output, encoding="utf-8") as file:
             return json.load(file)

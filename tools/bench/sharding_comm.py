@@ -19,17 +19,13 @@ The last line checks ZeRO-3's volume against plain DP's (target: 1.4x to 1.6x, f
 
 import argparse
 import json
-import os
-import subprocess
 import sys
-import tempfile
 
 import torch
 
 from megalite.config.parallel import SHARDING_STRATEGIES
-from tools.bench.memory import model_config, random_micro_batch
+from tools.bench.memory import model_config, random_micro_batch, run_under_torchrun
 
-REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 MB = 2 ** 20
 TARGET = (1.4, 1.6)
 
@@ -105,21 +101,6 @@ def worker(args) -> None:
     destroy(parallel)
 
 
-def launch(args) -> list[dict]:
-    with tempfile.TemporaryDirectory() as folder:
-        output = os.path.join(folder, "figures.json")
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(args.dp),
-                   os.path.abspath(__file__), "--worker", "--output", output, "--dtype", args.dtype,
-                   *(["--small"] if args.small else [])]
-        result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
-                                env={**os.environ, "OMP_NUM_THREADS": "1"})
-        if result.returncode != 0:
-            raise RuntimeError(f"DP={args.dp} failed (exit code {result.returncode}):\n{result.stdout[-2000:]}\n"
-                               f"{result.stderr[-4000:]}")
-        with open(output, encoding="utf-8") as file:
-            return json.load(file)
-
-
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, default=4, help="data-parallel ranks (at least 2)")
@@ -133,7 +114,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    rank0 = launch(args)[0]
+    rank0 = run_under_torchrun(__file__, args.dp, ["--dtype", args.dtype, *(["--small"] if args.small else [])])[0]
     plain = sum(rank0["no_shard"].values())
     print(f"DP={args.dp}, {args.dtype} params, fp32 grads; MB per rank in one iteration (ring algorithm volumes)")
     print(f"{'strategy':<19} {'all-reduce':>10} {'all-gather':>10} {'reduce-scatter':>14} {'total':>8} "
