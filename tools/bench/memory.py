@@ -168,6 +168,14 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel) ->
 
 def worker(args) -> None:
     """On every torchrun rank: each strategy; rank 0 writes every rank's figures to args.output."""
+    config, dtype = model_config(args.small), torch.bfloat16 if args.dtype == "bf16" else torch.float32
+    gather_to_file(args.output, lambda parallel: {strategy: measure(strategy, config, dtype, parallel)
+                                                  for strategy in args.strategies})
+
+
+def gather_to_file(output: str, figures_of) -> None:
+    """On every torchrun rank: `figures_of(parallel)` in a gloo world; rank 0 writes every rank's result,
+    in rank order, to `output` as JSON."""
     import torch.distributed as dist
 
     from megalite.config import ParallelConfig
@@ -175,12 +183,10 @@ def worker(args) -> None:
 
     # gloo: the ranks are CPU processes on any machine (a one-GPU machine could not hold DP ranks apart).
     parallel = initialize(ParallelConfig(world_size=world_size_from_env(), distributed_backend="gloo"))
-    config, dtype = model_config(args.small), torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    figures = {strategy: measure(strategy, config, dtype, parallel) for strategy in args.strategies}
     gathered = [None] * parallel.world_size
-    dist.all_gather_object(gathered, figures)
+    dist.all_gather_object(gathered, figures_of(parallel))
     if parallel.rank == 0:
-        with open(args.output, "w", encoding="utf-8") as file:
+        with open(output, "w", encoding="utf-8") as file:
             json.dump(gathered, file)
     destroy(parallel)
 

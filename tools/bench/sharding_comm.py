@@ -18,13 +18,12 @@ The last line checks ZeRO-3's volume against plain DP's (target: 1.4x to 1.6x, f
 """
 
 import argparse
-import json
 import sys
 
 import torch
 
 from megalite.config.parallel import SHARDING_STRATEGIES
-from tools.bench.memory import model_config, random_micro_batch, run_under_torchrun
+from tools.bench.memory import gather_to_file, model_config, random_micro_batch, run_under_torchrun
 
 MB = 2 ** 20
 TARGET = (1.4, 1.6)
@@ -85,20 +84,9 @@ def measure(strategy: str, dtype: torch.dtype, parallel, small: bool) -> dict:
 
 
 def worker(args) -> None:
-    import torch.distributed as dist
-
-    from megalite.config import ParallelConfig
-    from megalite.parallel_state import destroy, initialize, world_size_from_env
-
-    parallel = initialize(ParallelConfig(world_size=world_size_from_env(), distributed_backend="gloo"))
     dtype = torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    figures = {strategy: measure(strategy, dtype, parallel, args.small) for strategy in SHARDING_STRATEGIES}
-    gathered = [None] * parallel.world_size
-    dist.all_gather_object(gathered, figures)
-    if parallel.rank == 0:
-        with open(args.output, "w", encoding="utf-8") as file:
-            json.dump(gathered, file)
-    destroy(parallel)
+    gather_to_file(args.output, lambda parallel: {strategy: measure(strategy, dtype, parallel, args.small)
+                                                  for strategy in SHARDING_STRATEGIES})
 
 
 def main(argv=None) -> int:
