@@ -202,12 +202,20 @@ def format_report(report: DryRunReport) -> str:
     largest = max(cls.total_bytes for cls in report.classes)
     lines.append(f"largest total per rank: {largest / GIB:.2f} GiB, before the CUDA context, communication buffers "
                  f"and allocator slack; planned in {report.seconds:.2f} s")
-    over = sorted(rank for cls in report.classes if cls.total_bytes > run.dry_run_gpu_memory * GIB for rank in cls.ranks)
-    if over:
-        lines.append(f"warning: rank{'s' * (len(over) > 1)} {format_ranks(over)} need{'s' * (len(over) == 1)} more than the {run.dry_run_gpu_memory:g} GiB of "
-                     f"--dry-run-gpu-memory; add tensor or pipeline parallelism, --use-distributed-optimizer or "
-                     f"recomputation, or a smaller micro-batch")
+    lines += _memory_warning(report)
     return "\n".join(lines)
+
+
+def _memory_warning(report: DryRunReport) -> list[str]:
+    """A line naming the ranks that need more than --dry-run-gpu-memory, if any."""
+    limit = report.run.dry_run_gpu_memory
+    over = sorted(rank for cls in report.classes if cls.total_bytes > limit * GIB for rank in cls.ranks)
+    if not over:
+        return []
+    many = len(over) > 1
+    return [f"warning: rank{'s' * many} {format_ranks(over)} need{'' if many else 's'} more than the {limit:g} GiB "
+            f"of --dry-run-gpu-memory; add tensor or pipeline parallelism, --use-distributed-optimizer or "
+            f"recomputation, or a smaller micro-batch"]
 
 
 def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:
