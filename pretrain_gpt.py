@@ -14,6 +14,7 @@ saves checkpoints and metrics.jsonl under runs/default and ends with a generated
 """
 
 import math
+import os
 import sys
 import time
 
@@ -23,9 +24,11 @@ from megalite import cpu
 from megalite.arguments import parse_args
 from megalite.errors import run_main
 from megalite.parallel_state import choose_backend, world_size_from_env
-from megalite.run import generate, hold_signals_until_exit, pretrain
+from megalite.run import hold_signals_until_exit, pretrain
+from megalite.run.generation import SAMPLING, generate
 
 SAMPLE_PROMPT = "def "
+NO_SAVE = "this run keeps no checkpoints (no --save DIR)"
 
 
 def main(argv) -> None:
@@ -40,7 +43,15 @@ def main(argv) -> None:
         cpu.set_up_process()
     # Held until the process exits: a SIGTERM in the last moments still saves (or is ignored once all is saved).
     hold_signals_until_exit(run.train.exit_signal_handler)
-    trainer, state = pretrain(run)
+    last_rank = run.parallel.world_size - 1  # the logging rank
+    if run.checkpoint.save is None and int(os.environ.get("RANK", last_rank)) == last_rank:
+        print(f"{NO_SAVE}: its end or a Ctrl-C discards the model", flush=True)
+    try:
+        trainer, state = pretrain(run)
+    except KeyboardInterrupt:
+        if run.checkpoint.save is None:
+            raise KeyboardInterrupt(f"{NO_SAVE}; with --save DIR a Ctrl-C saves and exits") from None
+        raise
     run = trainer.run  # the config the run used: the built-in corpus and the tokenizer's vocabulary filled in
     if not state.losses or not trainer.parallel.is_logging_rank:
         return
@@ -49,10 +60,15 @@ def main(argv) -> None:
           f"{time.perf_counter() - start:.0f} s: lm loss {state.losses[0]:.3f} -> {state.losses[-1]:.3f} "
           f"(ln vocab = {math.log(vocab):.3f})")
     if state.exit_reason == "finished" and run.data.tokenizer_type != "NullTokenizer" and run.parallel.world_size == 1:
-        tokenizer = trainer.tokenizer
-        sample = generate(trainer.model[0], tokenizer.tokenize(SAMPLE_PROMPT), 60, temperature=0.8, top_k=40,
-                          generator=torch.Generator().manual_seed(run.train.seed))
-        print("sample:\n" + tokenizer.detokenize(sample))
+        print_sample(trainer)
+
+
+def print_sample(trainer) -> None:
+    """A continuation of SAMPLE_PROMPT by the trained model, sampled as tools/generate.py samples by default."""
+    tokenizer = trainer.tokenizer
+    sample = generate(trainer.model[0], tokenizer.tokenize(SAMPLE_PROMPT), eod=tokenizer.eod,
+                      generator=torch.Generator().manual_seed(SAMPLING.seed))
+    print(f"sample ({SAMPLING.describe()}: tools/generate.py's defaults):\n" + tokenizer.detokenize(sample))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,8 @@ NON_FIELD_FLAGS = [
                                                                 "data (megalite/plan/dry_run.py)")),
     ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
                                                         "(default: TP x PP, DP 1)")),
+    ("planning", ("--dry-run-gpu-memory",), dict(type=float, metavar="GIB", help="with --dry-run: warn when a "
+                                                 "rank needs more than this many GiB (default: 80)")),
     (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),
 ]
 
@@ -108,6 +110,9 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     elif args.world_size is not None:
         raise UserError("--world-size only applies to --dry-run; a real run's world size is what torchrun "
                         "launches, so drop it (or add --dry-run)")
+    if args.dry_run_gpu_memory is not None and not (args.dry_run and args.dry_run_gpu_memory > 0):
+        raise UserError(f"--dry-run-gpu-memory {args.dry_run_gpu_memory:g} needs --dry-run and a positive size in "
+                        f"GiB (e.g. 80); fix it or drop the flag")
     return run_config_from_args(args, world_size)
 
 
@@ -121,6 +126,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     data_given = _given(DataConfig, args)
     builtin = not (data_given.get("mock_data") or any(
         key in data_given for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path")))
+    # A dry run reads no data: a tokenizer alone says what vocabulary to plan for.
+    builtin = builtin and not (args.dry_run and (args.tokenizer_type or args.tokenizer_model))
     data = DataConfig(**data_given, builtin_corpus=builtin).validate()
     checkpoint_given = _given(CheckpointConfig, args)
     if builtin:  # the default run keeps its checkpoints and metrics
@@ -128,7 +135,9 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     checkpoint = CheckpointConfig(**checkpoint_given).validate()
     train = _train_config(args, parallel, checkpoint)
     logging = with_wandb_defaults(LoggingConfig(**_given(LoggingConfig, args)).validate(), checkpoint.save)
-    return RunConfig(args.model, model, parallel, train, data, checkpoint, logging, args.dry_run).validate()
+    gpu_memory = {} if args.dry_run_gpu_memory is None else {"dry_run_gpu_memory": args.dry_run_gpu_memory}
+    return RunConfig(args.model, model, parallel, train, data, checkpoint, logging, args.dry_run,
+                     **gpu_memory).validate()
 
 
 def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:

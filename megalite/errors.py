@@ -1,9 +1,16 @@
 """`UserError`, whose message is one sentence naming a problem the user can fix and the fix, and
 `run_main`, which prints that sentence and exits 1 without a traceback (`--debug` or
-MEGALITE_DEBUG=1 shows it)."""
+MEGALITE_DEBUG=1 shows it). Under a launcher (torchrun) the sentence is printed once, by rank 0."""
 
 import os
+import signal
 import sys
+import time
+
+# How long a rank other than 0 waits before printing its own error: rank 0 usually fails alike and first, and
+# the launcher then stops the other ranks, so the sentence is printed once and torchrun's summary names one rank.
+OTHER_RANKS_WAIT_S = 3.0
+INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # as a shell reports a process ended by Ctrl-C
 
 
 class UserError(Exception):
@@ -11,7 +18,8 @@ class UserError(Exception):
 
 
 def run_main(main, argv=None):
-    """Call `main(argv)`; turn a UserError into `error: <sentence>` on stderr and exit 1."""
+    """Call `main(argv)`; turn a UserError into `error: <sentence>` on stderr and exit 1, and a Ctrl-C
+    (KeyboardInterrupt, whose message may say what was lost) into `interrupted` and exit 130."""
     argv = sys.argv[1:] if argv is None else argv
     debug = "--debug" in argv or os.environ.get("MEGALITE_DEBUG") == "1"
     try:
@@ -19,5 +27,22 @@ def run_main(main, argv=None):
     except UserError as err:
         if debug:
             raise
-        print(f"error: {err}", file=sys.stderr)
+        _print_once(f"error: {err}")
         sys.exit(1)
+    except KeyboardInterrupt as err:
+        if debug:
+            raise
+        _print_once(f"interrupted{f': {err}' if str(err) else ''}")
+        sys.exit(INTERRUPTED_EXIT_CODE)
+
+
+def _print_once(line: str) -> None:
+    """Print `line` on stderr, once per launched world: rank 0 at once; another rank (RANK set by torchrun)
+    only if it is still running after OTHER_RANKS_WAIT_S, when its error was its own. A signal ends the wait."""
+    rank = int(os.environ.get("RANK", "0"))
+    if rank != 0:
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(signum, signal.SIG_DFL)  # the launcher's stop ends the process quietly
+        time.sleep(OTHER_RANKS_WAIT_S)
+        line = f"rank {rank}: {line}"
+    print(line, file=sys.stderr, flush=True)

@@ -63,3 +63,72 @@ def test_list_models_and_help():
     assert result.returncode == 0
     for flag in ["--tensor-model-parallel-size", "--lr-decay-style", "--exit-signal-handler", "--metrics-file"]:
         assert flag in result.stdout
+
+
+def test_an_error_under_a_launcher_prints_once_and_every_rank_exits_non_zero():
+    from tools.check_layouts import COMMON
+    from tools.fork_ranks import cpu_world_environment
+
+    command = [sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", "2", "--",
+               *COMMON, "--tensor-model-parallel-size", "3"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120,
+                            env=cpu_world_environment(OMP_NUM_THREADS="1"))
+    assert result.returncode == 1
+    assert result.stderr.strip().splitlines() == [  # rank 0's; rank 1 was stopped while it waited
+        "error: --tensor-model-parallel-size 3 x --pipeline-model-parallel-size 1 = 3 does not divide the world "
+        "size 2; launch a multiple of 3 processes"]
+
+
+def test_an_error_of_one_rank_alone_is_printed_by_that_rank(monkeypatch, capsys):
+    import megalite.errors
+    from megalite.errors import UserError, run_main
+
+    def fail(argv):
+        raise UserError("only this rank saw it")
+
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setattr(megalite.errors, "OTHER_RANKS_WAIT_S", 0.0)
+    monkeypatch.setattr(megalite.errors.signal, "signal", lambda signum, handler: None)  # keep pytest's handlers
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(fail, [])
+    assert exit_info.value.code == 1
+    assert capsys.readouterr().err == "rank 3: error: only this rank saw it\n"
+
+
+def test_ctrl_c_without_save_is_one_line_and_the_start_up_says_nothing_is_kept():
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--seq-length", "32",
+             "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "100000", "--log-interval", "1",
+             "--eval-interval", "0"]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen([sys.executable, os.path.join(REPO_ROOT, "pretrain_gpt.py"), *flags],
+                               stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    head = []
+    for line in process.stdout:
+        head.append(line)
+        if line.startswith(" iteration"):
+            process.send_signal(signal.SIGINT)
+            break
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 130
+    assert "this run keeps no checkpoints (no --save DIR): its end or a Ctrl-C discards the model\n" in head
+    assert err.strip().splitlines() == [
+        "interrupted: this run keeps no checkpoints (no --save DIR); with --save DIR a Ctrl-C saves and exits"]
+
+
+def test_the_closing_sample_is_tools_generate_with_its_defaults(tmp_path, capsys, monkeypatch):
+    from megalite.arguments import parse_args
+    from megalite.run.training import pretrain
+    from tools.fork_ranks import _pretrain_gpt
+    from tools.generate import main as generate_main
+
+    flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--num-layers", "2",
+             "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+             "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "0", "--save", str(tmp_path)]
+    trainer, _ = pretrain(parse_args(flags), log=lambda line: None)
+    entry = _pretrain_gpt()
+    monkeypatch.setattr(entry, "SAMPLE_PROMPT", "1 2 3")  # NullTokenizer text: ids
+    entry.print_sample(trainer)
+    closing = capsys.readouterr().out.splitlines()
+    generate_main(["--load", str(tmp_path), "--prompt", "1 2 3"])
+    assert closing[0] == "sample (temperature 0.8, top-k 40, top-p 0.95, seed 1234: tools/generate.py's defaults):"
+    assert closing[1:] == capsys.readouterr().out.splitlines()

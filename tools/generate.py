@@ -17,7 +17,7 @@ from megalite.checkpoint import load_checkpoint, read_metadata, resolve_checkpoi
 from megalite.config import ModelConfig
 from megalite.data.tokenizer import TOKENIZER_TYPES, build_tokenizer
 from megalite.errors import UserError, run_main
-from megalite.run.generation import generate
+from megalite.run.generation import SAMPLING, generate
 from megalite.model.gpt import build_model
 
 
@@ -26,11 +26,11 @@ def parse_args(argv) -> argparse.Namespace:
     parser.add_argument("--load", required=True, help="checkpoint folder (the run's --save)")
     parser.add_argument("--iteration", type=int, help="default: the latest checkpoint")
     parser.add_argument("--prompt", default="", help="text to continue")
-    parser.add_argument("--max-new-tokens", type=int, default=64)
-    parser.add_argument("--temperature", type=float, default=0.8, help="0: greedy")
-    parser.add_argument("--top-k", type=int, default=40, help="0: no top-k filter")
-    parser.add_argument("--top-p", type=float, default=1.0, help="1.0: no nucleus filter")
-    parser.add_argument("--seed", type=int, default=1234)
+    parser.add_argument("--max-new-tokens", type=int, default=SAMPLING.max_new_tokens)
+    parser.add_argument("--temperature", type=float, default=SAMPLING.temperature, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=SAMPLING.top_k, help="0: no top-k filter")
+    parser.add_argument("--top-p", type=float, default=SAMPLING.top_p, help="1.0: no nucleus filter")
+    parser.add_argument("--seed", type=int, default=SAMPLING.seed)
     parser.add_argument("--num-samples", type=int, default=1)
     parser.add_argument("--tokenizer-type", choices=TOKENIZER_TYPES)
     parser.add_argument("--tokenizer-model")

@@ -99,6 +99,7 @@ class RunConfig:
     checkpoint: CheckpointConfig
     logging: LoggingConfig
     dry_run: bool = False  # --dry-run: print what every rank needs and exit (megalite/plan/dry_run.py)
+    dry_run_gpu_memory: float = 80.0  # --dry-run-gpu-memory: GiB per rank above which the plan warns
 
     @property
     def num_microbatches(self) -> int:

@@ -48,18 +48,13 @@ def dry_run_vocabulary(run: RunConfig) -> tuple[int, str]:
     if data.tokenizer_type == "NullTokenizer":
         return build_tokenizer("NullTokenizer", vocab_size=data.vocab_size).vocab_size, \
             f"NullTokenizer --vocab-size {data.vocab_size} (+1 for EOD)"
-    if data.builtin_corpus:
-        from megalite.data.prep.builtin_corpus import VOCAB_SIZE, corpus_folder, load_manifest
-
-        manifest = load_manifest(corpus_folder())
-        if manifest is not None:
-            return manifest["vocab_size"], "the built-in corpus's tokenizer"
-        return VOCAB_SIZE, "the built-in corpus's tokenizer (not built yet: its target size)"
     if data.tokenizer_model and os.path.exists(data.tokenizer_model):
         tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
         return tokenizer.vocab_size, f"--tokenizer-model {data.tokenizer_model}"
-    return run.model.real_vocab_size, (f"the {run.model_name} preset (--tokenizer-model {data.tokenizer_model} "
-                                       f"is not on this machine)")
+    # The preset's, not the built-in corpus's: a plan of --model llama3-8b is of its 128256-token vocabulary.
+    why = "no --tokenizer-model" if not data.tokenizer_model else f"--tokenizer-model {data.tokenizer_model} is not " \
+                                                                   f"on this machine"
+    return run.model.real_vocab_size, f"the {run.model_name} preset ({why})"
 
 
 @dataclass
@@ -207,7 +202,20 @@ def format_report(report: DryRunReport) -> str:
     largest = max(cls.total_bytes for cls in report.classes)
     lines.append(f"largest total per rank: {largest / GIB:.2f} GiB, before the CUDA context, communication buffers "
                  f"and allocator slack; planned in {report.seconds:.2f} s")
+    lines += _memory_warning(report)
     return "\n".join(lines)
+
+
+def _memory_warning(report: DryRunReport) -> list[str]:
+    """A line naming the ranks that need more than --dry-run-gpu-memory, if any."""
+    limit = report.run.dry_run_gpu_memory
+    over = sorted(rank for cls in report.classes if cls.total_bytes > limit * GIB for rank in cls.ranks)
+    if not over:
+        return []
+    many = len(over) > 1
+    return [f"warning: rank{'s' * many} {format_ranks(over)} need{'' if many else 's'} more than the {limit:g} GiB "
+            f"of --dry-run-gpu-memory; add tensor or pipeline parallelism, --use-distributed-optimizer or "
+            f"recomputation, or a smaller micro-batch"]
 
 
 def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:

@@ -1,6 +1,27 @@
 """Sampling a continuation from a model: temperature, top-k and top-p (nucleus) filtering."""
 
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """How a continuation is sampled: the defaults of tools/generate.py and of pretrain_gpt.py's closing
+    sample alike (one place), so the closing sample reads as the checkpoint does under the generator.
+    Top-k and top-p cut the unlikely tail that makes a small model's samples read as noise."""
+
+    max_new_tokens: int = 64
+    temperature: float = 0.8  # 0: greedy
+    top_k: int = 40  # 0: no top-k filter
+    top_p: float = 0.95  # 1.0: no nucleus filter
+    seed: int = 1234
+
+    def describe(self) -> str:
+        return f"temperature {self.temperature:g}, top-k {self.top_k}, top-p {self.top_p:g}, seed {self.seed}"
+
+
+SAMPLING = Sampling()
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
@@ -20,8 +41,9 @@ def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> t
 
 
 @torch.no_grad()
-def generate(model, tokens: list[int], max_new_tokens: int, temperature: float = 0.8, top_k: int = 40,
-             top_p: float = 1.0, eod: int | None = None, generator: torch.Generator | None = None) -> list[int]:
+def generate(model, tokens: list[int], max_new_tokens: int = SAMPLING.max_new_tokens,
+             temperature: float = SAMPLING.temperature, top_k: int = SAMPLING.top_k, top_p: float = SAMPLING.top_p,
+             eod: int | None = None, generator: torch.Generator | None = None) -> list[int]:
     """`tokens` followed by up to `max_new_tokens` sampled ids (stops after `eod`); temperature 0 is greedy.
     The context is the last `seq_length` tokens, without a KV cache: this checks a run, it serves none."""
     was_training = model.training

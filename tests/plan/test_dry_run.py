@@ -178,3 +178,30 @@ def test_dry_run_validates_like_a_real_run():
 def test_format_ranks():
     assert format_ranks([0, 1, 2, 5, 7, 8]) == "0-2,5,7-8"
     assert format_ranks([3]) == "3"
+
+
+def test_a_preset_without_data_plans_with_its_own_vocabulary_and_warns_past_the_gpu_memory(capsys):
+    h, f, layers, vocab = 4096, 14336, 32, 128256
+    layer = (2 * h * h + 2 * h * h // 4) + 3 * h * f + 2 * h  # q, o; k, v of 8 groups of 32 heads; MLP; norms
+    params = 2 * vocab * h + layers * layer + h  # untied embedding and output, final norm
+    report = dry_run(parse_args(["--model", "llama3-8b", "--dry-run"]))
+    out = capsys.readouterr().out
+    assert params == 8_030_261_248 and f"model: {params:,} parameters" in out
+    assert "vocabulary 128256 from the llama3-8b preset (no --tokenizer-model)" in out
+    assert report.classes[0].total_bytes > 80 * 2 ** 30
+    assert out.strip().splitlines()[-1].startswith("warning: rank 0 needs more than the 80 GiB of "
+                                                   "--dry-run-gpu-memory; add tensor or pipeline parallelism")
+    report = dry_run(parse_args(["--model", "llama3-8b", "--dry-run", "--dry-run-gpu-memory", "800"]))
+    assert report.classes[0].total_bytes < 800 * 2 ** 30 and "warning" not in capsys.readouterr().out
+
+
+def test_a_dry_run_takes_a_tokenizer_without_data(capsys):
+    dry_run(parse_args(["--dry-run", "--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"]))
+    assert "vocabulary 1001 from NullTokenizer --vocab-size 1000" in capsys.readouterr().out
+    dry_run(parse_args(["--dry-run", "--model", "llama2-7b", "--tokenizer-type", "Llama2Tokenizer",
+                        "--tokenizer-model", "not/here/tokenizer.model"]))
+    assert "vocabulary 32000 from the llama2-7b preset (--tokenizer-model not/here" in capsys.readouterr().out
+    with pytest.raises(UserError, match="--tokenizer-type/--tokenizer-model given without --data-path"):
+        parse_args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])  # a real run still needs data
+    with pytest.raises(UserError, match="--dry-run-gpu-memory 80 needs --dry-run"):
+        parse_args(["--dry-run-gpu-memory", "80"])

@@ -106,6 +106,33 @@ def test_mfu_unknown_for_an_unknown_device(tmp_path):
     assert read_lines(tmp_path / "run" / "metrics.jsonl")[0]["mfu"] is None
 
 
+def test_a_cpu_peak_is_measured_again_at_the_first_log_lines_and_the_best_kept(monkeypatch):
+    import megalite.run.logger as logger_module
+
+    flops = flops_per_iteration(llama_config(), 4, 16)  # one iteration's, at 1 s an iteration: the FLOP/s
+    measured = iter([flops / 2, flops * 4, flops * 3])  # start-up (cores busy), then the two log lines
+    calls = []
+    monkeypatch.setattr(logger_module, "peak_flops",
+                        lambda device, dtype: calls.append(dtype) or (next(measured), "measured in the test"))
+    lines = []
+    logger = make_logger(lines=lines, peak=None, log_interval=1)
+    mfus = [logger.log_iteration(i, 4 * i, 1.0, 1e-3, 3.0)["mfu"] for i in range(1, 5)]
+    assert len(calls) == 3  # start-up and the first 2 log lines (PEAK_REMEASURES), then no more
+    assert mfus == [pytest.approx(0.25)] * 4  # the best of the three: 4x the achieved rate
+    assert sum("CPU peak re-measured" in line for line in lines) == 1
+    assert "MFU: 25.0%" in lines[-1]
+
+
+def test_mfu_never_reads_above_100_percent():
+    flops = flops_per_iteration(llama_config(), 4, 16)
+    lines = []
+    logger = make_logger(lines=lines, peak=(flops / 2, "a peak too low"), log_interval=1)
+    records = [logger.log_iteration(i, 4 * i, seconds, 1e-3, 3.0) for i, seconds in ((1, 1.0), (2, 4.0))]
+    assert [r["mfu"] for r in records] == [pytest.approx(1.0), pytest.approx(0.25)]
+    assert "MFU: 100.0%" in lines[2] and "peak raised to this interval's" in lines[1]
+    assert logger.peak == pytest.approx(flops)
+
+
 def test_skipped_and_nan_iterations(tmp_path):
     lines = []
     with make_logger(tmp_path, lines=lines, log_interval=3) as logger:
