@@ -164,6 +164,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     parallel = dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=parallel.virtual_stages(
         model.num_layers))
     data_given = _given(DataConfig, args)
+    if "merge_file" in data_given and "tokenizer_type" not in data_given:  # only GPT-2's BPE has merges
+        data_given["tokenizer_type"] = "GPT2BPETokenizer"
     builtin = not (data_given.get("mock_data") or any(
         key in data_given for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path")))
     data = DataConfig(**data_given, builtin_corpus=builtin).validate()

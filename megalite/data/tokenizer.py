@@ -159,11 +159,15 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
                                 f"{'gpt2-vocab.json' if flag == '--vocab-file' else 'gpt2-merges.txt'}), but "
                                 f"{path or 'none'} is not a file; pass the local file")
         try:
-            from transformers import GPT2TokenizerFast
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+            from transformers import PreTrainedTokenizerFast
         except ImportError as err:
             raise UserError("--tokenizer-type GPT2BPETokenizer needs transformers; pip install transformers") from err
         self.vocab_file, self.merge_file = vocab_file, merge_file
-        self._tokenizer = GPT2TokenizerFast(vocab_file=vocab_file, merges_file=merge_file)
+        bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's byte-level split
+        bpe.decoder = decoders.ByteLevel()
+        self._tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
         self.vocab_size = len(self._tokenizer)
         self.eod = self.eos = self._tokenizer.convert_tokens_to_ids("<|endoftext|>")
 
