@@ -136,5 +136,6 @@ def _gpt_split(indexed, name, document_range, num_samples, split_name, config):
     begin, end = document_range
     if end <= begin:
         raise UserError(f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); raise its "
-                        f"share in --split or ask for no {split_name} samples")
+                        f"share in --split, give it 0 to have no {split_name} split, or pass --eval-iters 0 "
+                        f"(no validation or test samples)")
     return GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), num_samples, split_name, config)
