@@ -1,13 +1,17 @@
 """The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
-parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS`. The vocabulary is the
-preset's (or NullTokenizer's) until the Trainer knows the tokenizer (`RunConfig.with_tokenizer_vocab`)."""
+parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite
+accepts without effect or refuses (config/megatron.py). The vocabulary is the preset's (or --vocab-size's)
+until the Trainer knows the tokenizer (`RunConfig.with_tokenizer_vocab`)."""
 
 import argparse
 import dataclasses
+import difflib
 import math
+import os
 
 from megalite.config import (MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
                              RunConfig, TrainConfig, model_config_from_preset, num_parameters)
+from megalite.config.megatron import COMPAT_FLAGS, accepted_flags, refusal_of_unknown
 from megalite.config.options import Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
@@ -30,8 +34,6 @@ NON_FIELD_FLAGS = [
                                                                                 "heads")),
     (MODEL_GROUP, ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
                                                                                 "selective (the attention core)")),
-    ("training", ("--train-samples",), dict(type=int, help="instead of --train-iters: samples / global batch "
-                                                           "(default: none)")),
     ("training", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction of "
                                                                    "the decay iterations (default: none)")),
     ("training", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs and "
@@ -47,11 +49,21 @@ NON_FIELD_FLAGS = [
 ]
 
 
+COMPAT_GROUP = "Megatron-LM flags accepted without effect (megalite's fixed behaviour is said) or refused"
+
+
+class Parser(argparse.ArgumentParser):
+    """argparse with Megatron's strictness (no abbreviated flags) and megalite's errors: one sentence."""
+
+    def error(self, message: str):
+        raise UserError(f"{message}; see python pretrain_gpt.py --help")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The pretrain_gpt.py parser: one flag per option field (default None: not given), then the
-    non-field flags. --help shows each flag's default."""
-    parser = argparse.ArgumentParser(prog="pretrain_gpt.py",
-                                     description="Pretrain a GPT / LLaMA model with Megatron-LM's flags.")
+    non-field flags and Megatron's compatibility flags. --help shows each flag's default."""
+    parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False,
+                    description="Pretrain a GPT / LLaMA model with Megatron-LM's flags.")
     groups = {title: parser.add_argument_group(title) for _, title in GROUPS}
     for title, flags, kwargs in NON_FIELD_FLAGS:
         if title is not None and title not in groups:
@@ -61,7 +73,29 @@ def build_parser() -> argparse.ArgumentParser:
         preset = MODEL_PRESETS["tiny"] if cls is ModelConfig else None
         for field, spec in option_fields(cls):
             _add_option(groups[title], cls, field, spec, preset)
+    compat = parser.add_argument_group(COMPAT_GROUP)
+    for flag in COMPAT_FLAGS:
+        if flag.takes_value:
+            compat.add_argument(flag.flag, dest=flag.dest, metavar="VALUE", help=f"{flag.why} (default: none)")
+        else:
+            compat.add_argument(flag.flag, dest=flag.dest, action="store_true", help=flag.why)
     return parser
+
+
+def unknown_flag_error(extras: list[str], parser: argparse.ArgumentParser) -> UserError:
+    """One sentence for the first argument the parser did not take: a refused Megatron family, or the
+    closest known flag."""
+    flags = [arg for arg in extras if arg.startswith("-")]
+    if not flags:
+        return UserError(f"unexpected argument {extras[0]!r}; every value follows its flag (--flag VALUE), "
+                         f"see python pretrain_gpt.py --help")
+    flag = flags[0].split("=", 1)[0]
+    refusal = refusal_of_unknown(flag)
+    if refusal is not None:
+        return UserError(refusal)
+    near = difflib.get_close_matches(flag, list(parser._option_string_actions), n=1, cutoff=0.6)
+    hint = f"did you mean {near[0]}?" if near else "python pretrain_gpt.py --help lists the flags"
+    return UserError(f"unknown flag {flag}; {hint}")
 
 
 def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict | None) -> None:
@@ -96,8 +130,12 @@ def _given(cls, args: argparse.Namespace) -> dict:
 
 
 def parse_args(argv, world_size: int = 1) -> RunConfig:
-    """Parse and validate; `--list-models` prints the presets and exits."""
-    args = build_parser().parse_args(argv)
+    """Parse and validate; `--list-models` prints the presets and exits. The Megatron-LM flags accepted
+    without effect, and what megalite changed to honour a Megatron script, are printed once (rank 0)."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    if extras:
+        raise unknown_flag_error(extras, parser)
     if args.list_models:
         print(list_models())
         raise SystemExit(0)
@@ -113,7 +151,14 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     if args.dry_run_gpu_memory is not None and not (args.dry_run and args.dry_run_gpu_memory > 0):
         raise UserError(f"--dry-run-gpu-memory {args.dry_run_gpu_memory:g} needs --dry-run and a positive size in "
                         f"GiB (e.g. 80); fix it or drop the flag")
-    return run_config_from_args(args, world_size)
+    notes = accepted_flags(args)
+    if args.sequence_parallel and (args.tensor_model_parallel_size or 1) == 1:
+        args.sequence_parallel = None  # Megatron's rule: sequence parallelism needs TP ranks to split over
+        notes.append("--sequence-parallel (off at --tensor-model-parallel-size 1)")
+    run = run_config_from_args(args, world_size)
+    if notes and os.environ.get("RANK", "0") == "0":
+        print(f"accepted without effect (see --help): {', '.join(notes)}", flush=True)
+    return run
 
 
 def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
@@ -124,6 +169,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     parallel = dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=parallel.virtual_stages(
         model.num_layers))
     data_given = _given(DataConfig, args)
+    if "merge_file" in data_given and "tokenizer_type" not in data_given:  # only GPT-2's BPE has merges
+        data_given["tokenizer_type"] = "GPT2BPETokenizer"
     builtin = not (data_given.get("mock_data") or any(
         key in data_given for key in ("data_path", "train_data_path", "valid_data_path", "test_data_path")))
     # A dry run reads no data: a tokenizer alone says what vocabulary to plan for.
@@ -144,19 +191,21 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
     if args.model not in MODEL_PRESETS:
         model_config_from_preset(args.model)  # raises the unknown-preset message
     overrides = _given(ModelConfig, args)
-    if args.num_query_groups is not None and not args.group_query_attention:
-        raise UserError("--num-query-groups needs --group-query-attention; add it "
-                        "(or drop --num-query-groups for multi-head attention)")
-    if args.group_query_attention and args.num_query_groups is None:
+    preset = MODEL_PRESETS[args.model]
+    # --num-query-groups alone says what it means (Megatron also wants --group-query-attention); the
+    # preset's groups stand for --group-query-attention alone, and a new head count without groups is
+    # multi-head attention, as in Megatron.
+    if args.group_query_attention and args.num_query_groups is None and preset.get("num_query_groups") is None:
         raise UserError("--group-query-attention needs --num-query-groups N (key/value heads)")
+    if args.num_attention_heads is not None and args.num_query_groups is None and not args.group_query_attention:
+        overrides["num_query_groups"] = None
     if args.recompute_activations and args.recompute_granularity == "full":
         raise UserError("--recompute-activations means selective recomputation; drop it or "
                         "--recompute-granularity full")
     if args.recompute_activations:
         overrides["recompute_granularity"] = "selective"
-    if args.vocab_size is not None and args.tokenizer_type == "NullTokenizer":
-        overrides["vocab_size"] = args.vocab_size + 1  # NullTokenizer adds EOD as id V
-    preset = MODEL_PRESETS[args.model]
+    if args.vocab_size is not None:  # NullTokenizer adds EOD as id V; another tokenizer must fit in it
+        overrides["vocab_size"] = args.vocab_size + (args.tokenizer_type == "NullTokenizer")
     rope = overrides.get("position_embedding_type", preset.get("position_embedding_type")) == "rope"
     seq_length = args.seq_length or preset.get("seq_length") or 0
     if rope and args.max_position_embeddings is not None:
@@ -170,14 +219,7 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
 
 def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) -> TrainConfig:
     given = _given(TrainConfig, args)
-    if args.train_samples is not None:
-        if args.train_iters is not None:
-            raise UserError("--train-iters and --train-samples both given; pick one")
-        batch = given.get("global_batch_size", TrainConfig.global_batch_size)
-        if batch >= 1 and (args.train_samples < 1 or args.train_samples % batch):  # batch < 1: validate says
-            raise UserError(f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
-                            f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
-        given["train_iters"] = args.train_samples // max(batch, 1)
+    _check_schedule_unit(args)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
@@ -190,9 +232,26 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     if args.exit_signal_handler is None:  # on by default, where there is a --save to save to
         given["exit_signal_handler"] = checkpoint.save is not None
     train = TrainConfig(**given, bf16_default=bf16_default)
-    if args.lr_warmup_fraction is not None:  # a fraction of the decay iterations TrainConfig derived
+    if args.lr_warmup_fraction is not None:  # a fraction of the decay length TrainConfig derived
         train = dataclasses.replace(train, lr_warmup_iters=math.floor(args.lr_warmup_fraction * train.lr_decay_iters))
+        if train.train_samples is not None:
+            train = dataclasses.replace(train, lr_warmup_samples=math.floor(args.lr_warmup_fraction
+                                                                            * train.lr_decay_samples))
     return train.validate()
+
+
+def _check_schedule_unit(args) -> None:
+    """Megatron's rule: a run given in samples sets its LR schedule in samples, one given in iterations
+    in iterations."""
+    if args.train_samples is not None and args.train_iters is not None:
+        raise UserError("--train-iters and --train-samples both given; pick one")
+    unit, other = ("samples", "iters") if args.train_samples is not None else ("iters", "samples")
+    for name in ("lr_warmup", "lr_decay", "lr_wsd_decay"):
+        if getattr(args, f"{name}_{other}") is not None:
+            flag = f"--{name.replace('_', '-')}"
+            raise UserError(f"{flag}-{other} given with --train-{'samples' if unit == 'samples' else 'iters'}; "
+                            f"the schedule counts {'samples' if unit == 'samples' else 'iterations'}, so pass "
+                            f"{flag}-{unit} instead")
 
 
 def list_models() -> str:

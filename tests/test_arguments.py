@@ -62,8 +62,7 @@ REJECTED = [
     (["--model", "gpt5"], 1, ["--model 'gpt5'", "--list-models"]),
     (["--num-layers", "0"], 1, ["--num-layers", "positive"]),
     (["--hidden-size", "100", "--num-attention-heads", "3"], 1, ["--hidden-size 100", "--num-attention-heads 3"]),
-    (["--num-query-groups", "2"], 1, ["--num-query-groups", "--group-query-attention"]),
-    (["--group-query-attention"], 1, ["--group-query-attention", "--num-query-groups"]),
+    (["--model", "llama2-7b", "--group-query-attention"], 1, ["--group-query-attention", "--num-query-groups"]),
     (["--group-query-attention", "--num-query-groups", "3"], 1, ["--num-query-groups 3", "divide"]),
     (["--model", "gpt2-124m", "--seq-length", "2048"], 1, ["--seq-length 2048", "--max-position-embeddings"]),
     (["--hidden-dropout", "1.5"], 1, ["--hidden-dropout", "[0, 1)"]),
@@ -71,7 +70,20 @@ REJECTED = [
     (["--micro-batch-size", "3", "--global-batch-size", "8"], 1, ["--global-batch-size 8", "--micro-batch-size 3"]),
     (["--micro-batch-size", "0"], 1, ["--micro-batch-size must be at least 1"]),
     (["--train-iters", "10", "--train-samples", "160"], 1, ["--train-iters", "--train-samples", "pick one"]),
-    (["--train-samples", "100", "--global-batch-size", "16"], 1, ["--train-samples 100", "multiple"]),
+    (["--train-samples", "8", "--global-batch-size", "16"], 1, ["--train-samples 8", "less than one"]),
+    (["--train-samples", "64", "--lr-decay-iters", "2", *MOCK], 1, ["--lr-decay-iters", "--lr-decay-samples"]),
+    (["--lr-warmup-samples", "64", *MOCK], 1, ["--lr-warmup-samples", "--lr-warmup-iters"]),
+    (["--train-samples", "64", "--lr-warmup-samples", "65", *MOCK], 1, ["--lr-warmup-samples 65",
+                                                                       "--lr-decay-samples 64"]),
+    (["--rotary-percent", "0.5"], 1, ["--rotary-percent 0.5", "1.0"]),
+    (["--vocab-file", "v.json", *MOCK], 1, ["--vocab-file", "GPT2BPETokenizer"]),
+    (["--context-parallel-size", "2"], 1, ["--context-parallel-size 2", "context parallelism"]),
+    (["--ckpt-format", "torch"], 1, ["--ckpt-format torch", "layout-free"]),
+    (["--train-iter", "5"], 1, ["unknown flag --train-iter", "did you mean --train-iters?"]),
+    (["--seq-len", "5"], 1, ["unknown flag --seq-len", "--seq-length"]),
+    (["--fp8-format", "hybrid"], 1, ["--fp8-format", "FP8"]),
+    (["--num-experts", "8"], 1, ["--num-experts", "mixture-of-experts"]),
+    (["--lr", "fast"], 1, ["--lr", "invalid float value"]),
     (["--train-iters", "0"], 1, ["--train-iters must be at least 1"]),
     (["--bf16", "--fp16"], 1, ["--bf16", "--fp16"]),
     (["--initial-loss-scale", "1024"], 1, ["--initial-loss-scale", "--fp16"]),
@@ -93,7 +105,6 @@ REJECTED = [
     (["--data-path", "x"], 1, ["--tokenizer-type is required"]),
     (["--tokenizer-type", "NullTokenizer"], 1, ["--tokenizer-type", "built-in corpus"]),
     (["--num-workers", "-1"], 1, ["--num-workers"]),
-    (["--vocab-size", "100"], 1, ["--vocab-size", "NullTokenizer"]),
     (["--save-interval", "10", *MOCK], 1, ["--save-interval", "--save"]),
     (["--save", "out", "--save-interval", "0", *MOCK], 1, ["--save-interval must be at least 1"]),
     (["--exit-signal-handler", *MOCK], 1, ["--exit-signal-handler", "--save"]),
@@ -126,7 +137,6 @@ REJECTED = [
     (["--decoder-first-pipeline-num-layers", "1"], 1, ["--pipeline-model-parallel-size 2 or more"]),
     (["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
       "--decoder-first-pipeline-num-layers", "1"], 2, ["without virtual stages"]),
-    (["--sequence-parallel"], 1, ["--sequence-parallel", "--tensor-model-parallel-size 2 or more"]),
     (["--num-layers-per-virtual-pipeline-stage", "1"], 1, ["virtual pipeline stages",
                                                            "--pipeline-model-parallel-size 2 or more"]),
     (["--num-virtual-stages-per-pipeline-rank", "2"], 1, ["--pipeline-model-parallel-size 2 or more"]),
@@ -175,7 +185,8 @@ FIELD_NAMES = {field.name for cls, _ in GROUPS for field, _ in option_fields(cls
 
 def test_every_option_field_has_exactly_one_flag_and_every_flag_a_field_or_a_listed_place():
     """Drift guard: each config field is an option or declared derived; each option field owns its
-    flag(s) and nothing else does; every other flag is one of arguments.NON_FIELD_FLAGS."""
+    flag(s) and nothing else does; every other flag is one of arguments.NON_FIELD_FLAGS or of
+    config/megatron.py's COMPAT_FLAGS."""
     import argparse
     import dataclasses
 
@@ -187,7 +198,10 @@ def test_every_option_field_has_exactly_one_flag_and_every_flag_a_field_or_a_lis
     flags_by_dest = {}
     for action in actions:
         flags_by_dest.setdefault(action.dest, []).extend(action.option_strings)
+    from megalite.config.megatron import COMPAT_FLAGS
+
     expected, non_field = {}, {flag for _, flags, _ in NON_FIELD_FLAGS for flag in flags}
+    non_field |= {compat.flag for compat in COMPAT_FLAGS}
     for cls, _ in GROUPS:
         for field in dataclasses.fields(cls):
             kinds = {"option", "derived"} & set(field.metadata)
@@ -234,3 +248,32 @@ def test_arguments_does_not_import_training():
 
     code = "import sys, megalite.arguments; sys.exit('megalite.run.training' in sys.modules)"
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0
+
+
+# -- leniency where the intent is clear ------------------------------------------------------------
+
+def test_num_query_groups_alone_means_grouped_query_attention():
+    assert parse_args(["--num-query-groups", "2"]).model.query_groups == 2  # tiny already is GQA
+    assert parse_args(["--num-query-groups", "1"]).model.query_groups == 1
+    assert parse_args(["--group-query-attention"]).model.query_groups == 2  # the preset's groups
+    run = parse_args(["--model", "llama2-7b", "--num-query-groups", "8", *MOCK])
+    assert (run.model.num_attention_heads, run.model.query_groups) == (32, 8)
+    # A head count without groups is multi-head attention, as in Megatron (no --group-query-attention).
+    assert parse_args(["--num-attention-heads", "8"]).model.query_groups == 8
+
+
+def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
+    run = parse_args(["--sequence-parallel", "--use-mcore-models", *MOCK])
+    assert not run.parallel.sequence_parallel
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "--use-mcore-models" in out and "--sequence-parallel" in out
+
+
+def test_no_abbreviations_and_parser_errors_are_one_sentence():
+    from megalite.arguments import build_parser
+
+    assert not build_parser().allow_abbrev
+    for argv in (["--train-iter", "5"], ["--tokenizer-type", "TikTokenizer"], ["--lr"], ["stray"]):
+        with pytest.raises(UserError) as err:
+            parse_args(argv)
+        assert "\n" not in str(err.value) and "unrecognized arguments" not in str(err.value)

@@ -7,7 +7,7 @@ from megalite.config.options import derived, option
 from megalite.errors import UserError
 
 SENTENCEPIECE_TYPES = ("SentencePieceTokenizer", "GPTSentencePieceTokenizer", "Llama2Tokenizer")
-TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "NullTokenizer")
+TOKENIZER_TYPES = SENTENCEPIECE_TYPES + ("HuggingFaceTokenizer", "GPT2BPETokenizer", "NullTokenizer")
 
 
 @dataclass(frozen=True)
@@ -23,10 +23,16 @@ class DataConfig:
     tokenizer_type: str | None = option(None, "the tokenizer", choices=TOKENIZER_TYPES,
                                         default_text="the built-in corpus's")
     tokenizer_model: str | None = option(None, "the tokenizer's model file or folder")
-    vocab_size: int | None = option(None, "NullTokenizer's vocabulary")
+    vocab_file: str | None = option(None, "GPT2BPETokenizer: GPT-2's vocabulary file (gpt2-vocab.json)")
+    merge_file: str | None = option(None, "GPT2BPETokenizer: GPT-2's merges file (gpt2-merges.txt)")
+    vocab_size: int | None = option(None, "NullTokenizer: its vocabulary (+1 for EOD); any other tokenizer: the "
+                                          "vocabulary the model is built for, at least the tokenizer's",
+                                    default_text="the tokenizer's")
     eod_mask_loss: bool = option(False, "no loss on end-of-document tokens")
     reset_position_ids: bool = option(False, "positions restart after each end-of-document token")
     num_workers: int = option(0, "data loader worker processes")
+    mmap_bin_files: bool = option(True, "memory-map the .bin token files; off: read each sample from the file",
+                                  off_flag="--no-mmap-bin-files")
     builtin_corpus: bool = derived(False, "no data flag given: the default run's corpus, built under data/build/")
 
     def validate(self) -> "DataConfig":
@@ -37,15 +43,17 @@ class DataConfig:
         if self.data_path and per_split:
             raise UserError("--data-path and --train/valid/test-data-path both given; use --data-path "
                             "with --split, or the per-split paths")
-        if self.builtin_corpus and (self.tokenizer_type or self.tokenizer_model):
+        if self.builtin_corpus and (self.tokenizer_type or self.tokenizer_model or self.vocab_file or self.merge_file):
             raise UserError("--tokenizer-type/--tokenizer-model given without --data-path; the built-in "
                             "corpus has its own tokenizer, so pass --data-path too (or drop them)")
         if not self.builtin_corpus and self.tokenizer_type is None:
             raise UserError("--tokenizer-type is required with --data-path or --mock-data "
                             "(e.g. --tokenizer-type NullTokenizer --vocab-size 1000 with --mock-data)")
-        if self.vocab_size is not None and self.tokenizer_type != "NullTokenizer":
-            raise UserError("--vocab-size only applies to --tokenizer-type NullTokenizer; drop it (the "
-                            "tokenizer sets the vocabulary, padded per --make-vocab-size-divisible-by)")
+        if self.vocab_size is not None and self.vocab_size < 1:
+            raise UserError(f"--vocab-size must be at least 1, got {self.vocab_size}")
+        if (self.vocab_file or self.merge_file) and self.tokenizer_type != "GPT2BPETokenizer":
+            raise UserError("--vocab-file/--merge-file are GPT-2's BPE files; add --tokenizer-type "
+                            "GPT2BPETokenizer (or drop them)")
         if self.num_workers < 0:
             raise UserError(f"--num-workers must be 0 or more, got {self.num_workers}")
         return self

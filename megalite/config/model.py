@@ -33,10 +33,13 @@ class ModelConfig:
                                                        "table's size)", default_text="--seq-length")
     position_embedding_type: str = option("learned_absolute", "position encoding", choices=POSITION_EMBEDDING_TYPES)
     rotary_base: float = option(10000.0, "rope's base period")
+    rotary_percent: float = option(1.0, "the fraction of each head's channels rope rotates (megalite: all, 1.0)")
     use_rope_scaling: bool = option(False, "Llama 3.1's rope frequency scaling (low 1, high 4, context 8192)")
     rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
     normalization: str = option("LayerNorm", "normalization layer", choices=NORMALIZATIONS)
     norm_epsilon: float = option(1e-5, "epsilon of the normalization layers")
+    apply_layernorm_1p: bool = option(False, "norm weights stored as w - 1 (initialised to 0) and applied as 1 + w "
+                                             "(Megatron's zero-centred gamma)")
     swiglu: bool = option(False, "SwiGLU MLP (LLaMA) instead of GELU")
     openai_gelu: bool = option(False, "tanh-approximated GELU (GPT-2's `gelu_new`) instead of exact erf")
     untie_embeddings_and_output_weights: bool = option(False, "an output layer of its own, not the embedding's")
@@ -112,6 +115,9 @@ class ModelConfig:
                                 f"change --kv-channels or --hidden-size / --num-attention-heads")
             if self.rotary_base <= 0:
                 raise UserError(f"--rotary-base must be positive, got {self.rotary_base}")
+        if self.rotary_percent != 1.0:
+            raise UserError(f"--rotary-percent {self.rotary_percent} asks for partial rotary embeddings, which "
+                            f"megalite does not have (it rotates every channel of a head); pass 1.0 or drop it")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
             raise UserError("--use-rope-scaling needs --position-embedding-type rope; "
                             "drop --use-rope-scaling or switch to rope")
@@ -139,11 +145,17 @@ def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,
     return math.ceil(vocab_size / multiple) * multiple
 
 
-def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int,
-                         tensor_model_parallel_size: int = 1) -> ModelConfig:
+def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int, tensor_model_parallel_size: int = 1,
+                         capacity: int | None = None) -> ModelConfig:
     """A validated copy of `model` holding the tokenizer's vocabulary, padded per
-    --make-vocab-size-divisible-by x TP (the one place the padded size is computed)."""
-    padded = pad_vocab_size(tokenizer_vocab_size, model.make_vocab_size_divisible_by, tensor_model_parallel_size)
+    --make-vocab-size-divisible-by x TP (the one place the padded size is computed). `capacity`
+    (--vocab-size beside a real tokenizer) is the vocabulary the model is built for, padded the same way;
+    it must cover the tokenizer's."""
+    if capacity is not None and capacity < tokenizer_vocab_size:
+        raise UserError(f"the tokenizer has {tokenizer_vocab_size} tokens, more than --vocab-size {capacity}; "
+                        f"raise --vocab-size to at least {tokenizer_vocab_size} (or drop it)")
+    padded = pad_vocab_size(capacity or tokenizer_vocab_size, model.make_vocab_size_divisible_by,
+                            tensor_model_parallel_size)
     return replace(model, vocab_size=padded, tokenizer_vocab_size=tokenizer_vocab_size).validate()
 
 

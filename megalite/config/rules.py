@@ -9,15 +9,25 @@ from megalite.errors import UserError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
-# Each LR schedule setting and the flag that sets it, for error messages.
+# Each LR schedule setting and the flag that sets it, for error messages; a schedule counted in samples
+# (--train-samples) is set by the -samples flags instead (`schedule_flags`).
 LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
                      "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
                      "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters"}
+LR_SCHEDULE_UNITS = ("iterations", "samples")
+
+
+def schedule_flags(unit: str = "iterations") -> dict[str, str]:
+    """LR_SCHEDULE_FLAGS for a schedule counted in `unit` (iterations or samples)."""
+    if unit == "iterations":
+        return LR_SCHEDULE_FLAGS
+    return {key: flag.replace("-iters", "-samples") for key, flag in LR_SCHEDULE_FLAGS.items()}
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                            wsd_decay_iters) -> None:
-    """Raise a UserError naming the flag for the first invalid setting."""
+                            wsd_decay_iters, unit: str = "iterations") -> None:
+    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s."""
+    flags = schedule_flags(unit)
     if decay_style not in DECAY_STYLES:
         raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
     if wsd_decay_style not in WSD_DECAY_STYLES:
@@ -26,19 +36,19 @@ def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, 
     for key, value in (("lr", lr), ("min_lr", min_lr), ("warmup_iters", warmup_iters),
                        ("decay_iters", decay_iters), ("wsd_decay_iters", wsd_decay_iters)):
         if value is not None and not value >= 0:  # `not >=` also rejects nan
-            raise UserError(f"{LR_SCHEDULE_FLAGS[key]} is {value} but must not be negative; pass a value >= 0")
+            raise UserError(f"{flags[key]} is {value} but must not be negative; pass a value >= 0")
     if min_lr > lr:
         raise UserError(f"--min-lr {min_lr} is larger than --lr {lr}; pass a --min-lr of at most {lr}")
     if warmup_iters > decay_iters:
-        raise UserError(f"--lr-warmup-iters {warmup_iters} is larger than --lr-decay-iters {decay_iters}; "
-                        f"warm up for at most {decay_iters} iterations or decay over more")
+        raise UserError(f"{flags['warmup_iters']} {warmup_iters} is larger than {flags['decay_iters']} "
+                        f"{decay_iters}; warm up for at most {decay_iters} {unit} or decay over more")
     if decay_style == "WSD":
         if wsd_decay_iters is None:
-            raise UserError("--lr-decay-style WSD needs --lr-wsd-decay-iters, the length of the final "
-                            "anneal; pass it")
+            raise UserError(f"--lr-decay-style WSD needs {flags['wsd_decay_iters']}, the length of the final "
+                            f"anneal; pass it")
         if wsd_decay_iters > decay_iters:
-            raise UserError(f"--lr-wsd-decay-iters {wsd_decay_iters} is larger than --lr-decay-iters "
-                            f"{decay_iters}; anneal over at most {decay_iters} iterations")
+            raise UserError(f"{flags['wsd_decay_iters']} {wsd_decay_iters} is larger than {flags['decay_iters']} "
+                            f"{decay_iters}; anneal over at most {decay_iters} {unit}")
 
 
 def check_loss_scale_settings(initial_scale: float, min_scale: float, growth_interval: int, hysteresis: int) -> None:

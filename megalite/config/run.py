@@ -107,9 +107,11 @@ class RunConfig:
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
     def with_tokenizer_vocab(self, tokenizer_vocab_size: int) -> "RunConfig":
-        """A copy whose model holds the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP."""
+        """A copy whose model holds the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP;
+        beside a real tokenizer, --vocab-size is the vocabulary the model is built for (at least the tokenizer's)."""
+        capacity = None if self.data.tokenizer_type == "NullTokenizer" else self.data.vocab_size
         return replace(self, model=with_tokenizer_vocab(self.model, tokenizer_vocab_size,
-                                                        self.parallel.tensor_model_parallel_size))
+                                                        self.parallel.tensor_model_parallel_size, capacity))
 
     def validate(self) -> "RunConfig":
         """The checks that span groups (each group has validated itself); return self."""

@@ -1,6 +1,6 @@
 """TrainConfig: batch, length of training, optimizer, LR schedule, precision and stopping rules."""
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from megalite.config.options import derived, option
 from megalite.config.rules import DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings
@@ -15,6 +15,8 @@ class TrainConfig:
     micro_batch_size: int = option(8, "samples per micro-batch on each data-parallel rank")
     global_batch_size: int = option(16, "samples per iteration, over all data-parallel ranks")
     train_iters: int = option(200, "iterations to train (or give --train-samples)")
+    train_samples: int | None = option(None, "instead of --train-iters: samples to train (iterations = samples "
+                                             "// global batch, as in Megatron); the LR schedule then counts samples")
     lr: float = option(1e-3, "peak learning rate")
     min_lr: float = option(1e-4, "learning rate at the end of the decay")
     lr_decay_style: str = option("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
@@ -23,6 +25,11 @@ class TrainConfig:
     lr_warmup_iters: int | None = option(None, "linear warmup iterations (or give --lr-warmup-fraction)",
                                          default_text="10% of the decay iterations")
     lr_decay_iters: int | None = option(None, "iterations the decay spans", default_text="--train-iters")
+    lr_warmup_samples: int | None = option(None, "with --train-samples: linear warmup samples",
+                                           default_text="10% of the decay samples")
+    lr_decay_samples: int | None = option(None, "with --train-samples: samples the decay spans",
+                                          default_text="--train-samples")
+    lr_wsd_decay_samples: int | None = option(None, "with --train-samples, WSD: samples of the final anneal")
     override_opt_param_scheduler: bool = option(
         False, "on --load, keep this run's LR schedule flags",
         flag=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
@@ -61,10 +68,39 @@ class TrainConfig:
 
     def __post_init__(self):
         # Still construction: the schedule's lengths default to the run's (10% warmup).
+        if self.train_samples is not None and self.global_batch_size >= 1:  # below 1: validate says
+            object.__setattr__(self, "train_iters", self.train_samples // self.global_batch_size)
+            if self.lr_decay_samples is None:
+                object.__setattr__(self, "lr_decay_samples", self.train_samples)
+            if self.lr_warmup_samples is None:
+                object.__setattr__(self, "lr_warmup_samples", self.lr_decay_samples // 10)
         if self.lr_decay_iters is None:
             object.__setattr__(self, "lr_decay_iters", self.train_iters)
         if self.lr_warmup_iters is None and isinstance(self.lr_decay_iters, int):
             object.__setattr__(self, "lr_warmup_iters", self.lr_decay_iters // 10)
+
+    @property
+    def lr_schedule_unit(self) -> str:
+        """What the LR schedule counts: samples with --train-samples (Megatron's rule), else iterations."""
+        return "iterations" if self.train_samples is None else "samples"
+
+    def lr_schedule_settings(self) -> dict:
+        """The LRSchedule's keyword arguments (megalite/run/lr_schedule.py), in the schedule's unit."""
+        samples = self.lr_schedule_unit == "samples"
+        return dict(lr=self.lr, min_lr=self.min_lr, decay_style=self.lr_decay_style,
+                    wsd_decay_style=self.lr_wsd_decay_style, unit=self.lr_schedule_unit,
+                    warmup_iters=self.lr_warmup_samples if samples else self.lr_warmup_iters,
+                    decay_iters=self.lr_decay_samples if samples else self.lr_decay_iters,
+                    wsd_decay_iters=self.lr_wsd_decay_samples if samples else self.lr_wsd_decay_iters)
+
+    def with_lr_schedule(self, settings: dict) -> "TrainConfig":
+        """A copy holding an LRSchedule's `settings` (its state_dict): lr_schedule_settings' inverse."""
+        suffix = "samples" if settings.get("unit") == "samples" else "iters"
+        return replace(self, lr=settings["lr"], min_lr=settings["min_lr"], lr_decay_style=settings["decay_style"],
+                       lr_wsd_decay_style=settings["wsd_decay_style"],
+                       **{f"lr_warmup_{suffix}": settings["warmup_iters"],
+                          f"lr_decay_{suffix}": settings["decay_iters"],
+                          f"lr_wsd_decay_{suffix}": settings["wsd_decay_iters"]})
 
     @property
     def params_dtype(self):
@@ -75,10 +111,14 @@ class TrainConfig:
     def validate(self) -> "TrainConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
         for flag, value in [("--micro-batch-size", self.micro_batch_size),
-                            ("--global-batch-size", self.global_batch_size), ("--train-iters", self.train_iters),
-                            ("--exit-interval", self.exit_interval)]:
+                            ("--global-batch-size", self.global_batch_size), ("--exit-interval", self.exit_interval)]:
             if value is not None and value < 1:
                 raise UserError(f"{flag} must be at least 1, got {value}")
+        if self.train_samples is not None and self.train_samples < self.global_batch_size:
+            raise UserError(f"--train-samples {self.train_samples} is less than one --global-batch-size "
+                            f"{self.global_batch_size}; train for at least {self.global_batch_size} samples")
+        if self.train_iters < 1:
+            raise UserError(f"--train-iters must be at least 1, got {self.train_iters}")
         if self.bf16 and self.fp16:
             raise UserError("--bf16 and --fp16 both given; pick one")
         if self.initial_loss_scale != DEFAULT_INITIAL_LOSS_SCALE and not self.fp16:
@@ -90,8 +130,7 @@ class TrainConfig:
         if self.fp16:
             check_loss_scale_settings(self.initial_loss_scale, self.min_loss_scale, self.loss_scale_window,
                                       self.hysteresis)
-        check_schedule_settings(self.lr, self.min_lr, self.lr_warmup_iters, self.lr_decay_iters,
-                                self.lr_decay_style, self.lr_wsd_decay_style, self.lr_wsd_decay_iters)
+        check_schedule_settings(**self.lr_schedule_settings())
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise UserError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both "
                             "given; pick one")

@@ -20,6 +20,9 @@ _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_p
 
 def hf_architecture(config: ModelConfig) -> str:
     """LLAMA or GPT2, the HF class that computes exactly what `config` computes; UserError otherwise."""
+    if config.apply_layernorm_1p:
+        raise UserError("this model stores its norm weights as w - 1 (--apply-layernorm-1p), which the converter "
+                        "does not translate yet; train without --apply-layernorm-1p to export to Hugging Face")
     llama = dict(position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                 add_bias_linear=True)

@@ -44,10 +44,10 @@ def _is_number(text: str) -> bool:
         return False
 
 
-def open_token_file(prefix: str, flag: str = "--data-path") -> IndexedDataset:
-    """Open a `.bin/.idx` pair; a missing prefix names near matches."""
+def open_token_file(prefix: str, flag: str = "--data-path", mmap: bool = True) -> IndexedDataset:
+    """Open a `.bin/.idx` pair (memory-mapped unless `mmap` is False); a missing prefix names near matches."""
     if exists(prefix):
-        return IndexedDataset(prefix)
+        return IndexedDataset(prefix, mmap)
     for suffix in (".bin", ".idx"):
         if prefix.endswith(suffix) and exists(prefix[: -len(suffix)]):
             raise UserError(f"{flag} {prefix} names a file; pass the prefix without '{suffix}'")
@@ -64,11 +64,12 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
                        num_samples=(None, None, None), cache_dir: str | None = None, *, eod: int | None = None,
                        pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
                        train_data_path=None, valid_data_path=None, test_data_path=None,
-                       mock_vocab_size: int | None = None):
+                       mock_vocab_size: int | None = None, mmap_bin_files: bool = True):
     """Return (train, valid, test) datasets; a split with no data or no samples is None.
 
     data_path: a blend (see module doc) cut by `split`; or None with the per-split paths;
-    or ignored when `mock_vocab_size` is set (synthetic documents, eod = `eod`).
+    or ignored when `mock_vocab_size` is set (synthetic documents, eod = `eod`). `mmap_bin_files` False
+    reads the token files instead of mapping them (--no-mmap-bin-files).
     num_samples: samples each split must provide (None: one epoch). Items are dicts of
     `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length].
     """
@@ -87,20 +88,22 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
             raise UserError("--data-path and --train-data-path/--valid-data-path/--test-data-path were both "
                             "given; use one or the other")
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
-        return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config) if per_split[i] else None
+        return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config, mmap_bin_files)
+                     if per_split[i] else None
                      for i in range(3))
     if not data_path:
         raise UserError("no training data: pass --data-path (or --mock-data for synthetic tokens)")
-    return tuple(_blend_split(data_path, "--data-path", split, num_samples[i], i, config) for i in range(3))
+    return tuple(_blend_split(data_path, "--data-path", split, num_samples[i], i, config, mmap_bin_files)
+                 for i in range(3))
 
 
-def _blend_split(data_path, flag, split, num_samples, split_index, config):
+def _blend_split(data_path, flag, split, num_samples, split_index, config, mmap: bool = True):
     """Split number `split_index` of a blend (split None: whole files)."""
     if num_samples == 0:
         return None
     split_name = SPLIT_NAMES[split_index]
     prefixes, weights = parse_data_path(data_path, flag)
-    files = [open_token_file(p, flag) for p in prefixes]
+    files = [open_token_file(p, flag, mmap) for p in prefixes]
     ranges = [split_document_ranges(split, len(f))[split_index] if split else (0, len(f)) for f in files]
     if all(r is None for r in ranges):
         return None
@@ -133,5 +136,6 @@ def _gpt_split(indexed, name, document_range, num_samples, split_name, config):
     begin, end = document_range
     if end <= begin:
         raise UserError(f"the {split_name} split of {name} gets no documents ({len(indexed)} in all); raise its "
-                        f"share in --split or ask for no {split_name} samples")
+                        f"share in --split, give it 0 to have no {split_name} split, or pass --eval-iters 0 "
+                        f"(no validation or test samples)")
     return GPTDataset(indexed, np.arange(begin, end, dtype=np.int32), num_samples, split_name, config)

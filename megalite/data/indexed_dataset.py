@@ -38,12 +38,15 @@ def exists(prefix: str) -> bool:
 
 class IndexedDataset:
     """Read-only, memory-mapped view of a `.bin/.idx` pair; `ds[i]` is sequence i, shape [length].
+    `mmap=False` (--no-mmap-bin-files) reads each request from the .bin file instead of mapping it, for
+    file systems where mapping is slow or not allowed.
 
     Opening validates the header and every size, naming the file and the problem.
     """
 
-    def __init__(self, path_prefix: str):
+    def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = path_prefix
+        self.mmap = mmap
         idx_file, bin_file = path_prefix + ".idx", path_prefix + ".bin"
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
@@ -94,7 +97,8 @@ class IndexedDataset:
             raise UserError(f"{self.path_prefix}.idx has sequence offsets that do not follow its lengths; "
                             f"the file is corrupt, {_REBUILD}")
         # An empty file cannot be memory-mapped; an empty array serves the same purpose.
-        self._bin_map = np.memmap(bin_file, mode="r", dtype=self.dtype) if size else np.empty(0, self.dtype)
+        self._bin_map = np.memmap(bin_file, mode="r", dtype=self.dtype) if size and self.mmap \
+            else np.empty(0, self.dtype)
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
@@ -103,10 +107,14 @@ class IndexedDataset:
         return self.get(i)
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
-        """Tokens `[offset, offset + length)` of sequence i, as a view. Shape: [length]."""
+        """Tokens `[offset, offset + length)` of sequence i, as a view (a fresh array without mmap). Shape: [length]."""
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
         if length is None:
             length = int(self.sequence_lengths[i]) - offset
+        if not self.mmap:
+            with open(self.path_prefix + ".bin", "rb") as f:
+                f.seek(start * self.dtype.itemsize)
+                return np.fromfile(f, self.dtype, length)
         return self._bin_map[start : start + length]
 
     @property

@@ -1,4 +1,4 @@
-"""Tokenizers (SentencePiece, Hugging Face, Megatron's NullTokenizer) and SentencePiece training.
+"""Tokenizers (SentencePiece, Hugging Face, Megatron's GPT-2 BPE and NullTokenizer) and SentencePiece training.
 
 Each offers `vocab_size`, the special ids `bos`, `eos`, `eod`, `pad`, `unk` (None where
 absent), `tokenize`, `tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path)
@@ -147,11 +147,42 @@ class HuggingFaceTokenizer(Tokenizer):
         return self._tokenizer.decode(np.asarray(ids, dtype=np.int64).tolist())
 
 
-def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None,
-                    vocab_size: int | None = None) -> Tokenizer:
-    """The tokenizer named by Megatron's `--tokenizer-type`, `--tokenizer-model`, `--vocab-size`."""
+class GPT2BPETokenizer(HuggingFaceTokenizer):
+    """Megatron's GPT2BPETokenizer: GPT-2's byte-level BPE from local `--vocab-file` (gpt2-vocab.json) and
+    `--merge-file` (gpt2-merges.txt), through transformers; eod is `<|endoftext|>`, and no special token is
+    added to a text (as in Megatron)."""
+
+    def __init__(self, vocab_file: str | None, merge_file: str | None):
+        for flag, path in [("--vocab-file", vocab_file), ("--merge-file", merge_file)]:
+            if path is None or not os.path.isfile(path):
+                raise UserError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's "
+                                f"{'gpt2-vocab.json' if flag == '--vocab-file' else 'gpt2-merges.txt'}), but "
+                                f"{path or 'none'} is not a file; pass the local file")
+        try:
+            from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+            from transformers import PreTrainedTokenizerFast
+        except ImportError as err:
+            raise UserError("--tokenizer-type GPT2BPETokenizer needs transformers; pip install transformers") from err
+        self.vocab_file, self.merge_file = vocab_file, merge_file
+        bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's byte-level split
+        bpe.decoder = decoders.ByteLevel()
+        self._tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
+        self.vocab_size = len(self._tokenizer)
+        self.eod = self.eos = self._tokenizer.convert_tokens_to_ids("<|endoftext|>")
+
+    def __reduce__(self):
+        return GPT2BPETokenizer, (self.vocab_file, self.merge_file)
+
+
+def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, vocab_size: int | None = None,
+                    vocab_file: str | None = None, merge_file: str | None = None) -> Tokenizer:
+    """The tokenizer named by Megatron's `--tokenizer-type`, `--tokenizer-model`, `--vocab-size`,
+    `--vocab-file` and `--merge-file`."""
     if tokenizer_type not in TOKENIZER_TYPES:
         raise UserError(f"--tokenizer-type {tokenizer_type} is unknown; use one of {', '.join(TOKENIZER_TYPES)}")
+    if tokenizer_type == "GPT2BPETokenizer":
+        return GPT2BPETokenizer(vocab_file, merge_file)
     if tokenizer_type == "NullTokenizer":
         if vocab_size is None or vocab_size < 1:
             raise UserError("--tokenizer-type NullTokenizer needs --vocab-size V (ids 0..V-1; V is the "

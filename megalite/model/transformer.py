@@ -40,24 +40,27 @@ def _norm_parameter(hidden_size: int) -> nn.Parameter:
 
 class Norm(nn.Module):
     """`config.normalization`: LayerNorm (weight and bias) or RMSNorm (weight only; computed in fp32
-    and returned in x's dtype, as LLaMA does), replicated on every TP rank."""
+    and returned in x's dtype, as LLaMA does), replicated on every TP rank. With --apply-layernorm-1p the
+    weight is stored as w - 1 and applied as 1 + w (Megatron's zero-centred gamma)."""
 
     def __init__(self, config: ModelConfig):
         super().__init__()
         self.eps = config.norm_epsilon
+        self.one_plus = config.apply_layernorm_1p
         self.weight = _norm_parameter(config.hidden_size)
         self.bias = _norm_parameter(config.hidden_size) if config.normalization == "LayerNorm" else None
 
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
-            self.weight.fill_(1.0)
+            self.weight.fill_(0.0 if self.one_plus else 1.0)
             if self.bias is not None:
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # Triton or PyTorch per --kernels
+        weight = self.weight + 1 if self.one_plus else self.weight
         if self.bias is None:
-            return rms_norm(x, self.weight, self.eps)
-        return layer_norm(x, self.weight, self.bias, self.eps)
+            return rms_norm(x, weight, self.eps)
+        return layer_norm(x, weight, self.bias, self.eps)
 
 
 class Attention(nn.Module):

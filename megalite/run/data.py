@@ -31,4 +31,4 @@ def build_datasets(run: RunConfig, tokenizer):
         eod=tokenizer.eod, pad=tokenizer.pad, eod_mask_loss=data.eod_mask_loss,
         reset_position_ids=data.reset_position_ids, train_data_path=data.train_data_path,
         valid_data_path=data.valid_data_path, test_data_path=data.test_data_path,
-        mock_vocab_size=tokenizer.vocab_size - 1 if data.mock_data else None)
+        mock_vocab_size=tokenizer.vocab_size - 1 if data.mock_data else None, mmap_bin_files=data.mmap_bin_files)

@@ -1,7 +1,12 @@
-"""The learning-rate schedule: Megatron's OptimizerParamScheduler, counted in iterations.
+"""The learning-rate schedule: Megatron's OptimizerParamScheduler, counted in iterations, or in samples
+when the run is given in samples (--train-samples with --lr-warmup-samples / --lr-decay-samples).
 
-`lr_at(iteration)` is a pure function of the 0-based iteration and the settings, so resuming needs only the
-checkpoint's iteration and settings (`state_dict`). Two deliberate departures from Megatron: warmup is
+`lr_at(iteration, consumed_samples, batch)` is a pure function of the run's position and the settings, so
+resuming needs only the checkpoint's position and settings (`state_dict`). Counted in samples, a step of
+`batch` samples from `consumed_samples` stands where an iteration stands in the iteration count (a step
+of 1 from `iteration`), so the two agree whenever the sample lengths are the iteration lengths x batch.
+
+Two deliberate departures from Megatron: warmup is
 `lr * (iteration + 1) / warmup_iters`, so the first step already moves and the last warmup step reaches
 `lr`; inverse-square-root decays as `lr * sqrt(w / t)` in steps taken t = iteration + 1, which meets the
 warmup at t = w, so `lr` is not repeated. WSD holds `lr` until decay_iters - wsd_decay_iters, then anneals.
@@ -10,8 +15,7 @@ Every style but constant reaches `min_lr` at decay_iters and stays there.
 
 import math
 
-from megalite.config.rules import LR_SCHEDULE_FLAGS as FLAGS
-from megalite.config.rules import check_schedule_settings
+from megalite.config.rules import LR_SCHEDULE_UNITS, check_schedule_settings, schedule_flags
 from megalite.errors import UserError
 
 # The fraction of (lr - min_lr) left at decay ratio r in [0, 1]: 1 at 0, 0 at 1.
@@ -24,44 +28,50 @@ COEFFICIENTS = {
 
 
 class LRSchedule:
-    """The learning rate of every iteration, and its settings for a checkpoint."""
+    """The learning rate of every iteration, and its settings for a checkpoint. The lengths (`*_iters`)
+    count `unit`s: iterations, or samples."""
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  decay_style: str = "cosine", wsd_decay_style: str = "exponential",
-                 wsd_decay_iters: int | None = None):
+                 wsd_decay_iters: int | None = None, unit: str = "iterations"):
+        if unit not in LR_SCHEDULE_UNITS:
+            raise ValueError(f"unit must be one of {LR_SCHEDULE_UNITS}, got {unit!r}")
         check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                                wsd_decay_iters)  # a UserError naming the flag
+                                wsd_decay_iters, unit)  # a UserError naming the flag
+        self.unit = unit
         self.lr, self.min_lr = float(lr), float(min_lr)
         self.warmup_iters, self.decay_iters = int(warmup_iters), int(decay_iters)
         self.decay_style, self.wsd_decay_style = decay_style, wsd_decay_style
         self.wsd_decay_iters = None if wsd_decay_iters is None else int(wsd_decay_iters)
 
-    def lr_at(self, iteration: int) -> float:
-        """Learning rate of the optimizer step at 0-based `iteration` (>= 0)."""
-        if iteration < self.warmup_iters:
-            return self.lr * (iteration + 1) / self.warmup_iters
+    def lr_at(self, iteration: int, consumed_samples: int = 0, batch: int = 1) -> float:
+        """Learning rate of the optimizer step at 0-based `iteration` (>= 0), which trains `batch` samples
+        after `consumed_samples` (read when the schedule counts samples)."""
+        position, step = (consumed_samples, batch) if self.unit == "samples" else (iteration, 1)
+        if position < self.warmup_iters:
+            return self.lr * min(1.0, (position + step) / self.warmup_iters)
         if self.decay_style == "constant":
             return self.lr
-        if iteration > self.decay_iters:
+        if position > self.decay_iters:
             return self.min_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, 1) / (iteration + 1)))
+            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, step) / (position + step)))
         if self.decay_style == "WSD":
             anneal_start = self.decay_iters - self.wsd_decay_iters
-            if iteration <= anneal_start:
+            if position <= anneal_start:
                 return self.lr
-            style, ratio = self.wsd_decay_style, (iteration - anneal_start) / self.wsd_decay_iters
+            style, ratio = self.wsd_decay_style, (position - anneal_start) / self.wsd_decay_iters
         else:
             decay_span = self.decay_iters - self.warmup_iters
             # A zero-length decay (warmup_iters == decay_iters) is already over at its first step.
-            style, ratio = self.decay_style, (iteration - self.warmup_iters) / decay_span if decay_span > 0 else 1.0
+            style, ratio = self.decay_style, (position - self.warmup_iters) / decay_span if decay_span > 0 else 1.0
         return self.min_lr + COEFFICIENTS[style](ratio) * (self.lr - self.min_lr)
 
     def state_dict(self) -> dict:
         """The settings, JSON-able; the iteration is the checkpoint's own."""
         return dict(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.warmup_iters,
                     decay_iters=self.decay_iters, decay_style=self.decay_style,
-                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters)
+                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters, unit=self.unit)
 
     def load_state_dict(self, state: dict, override: bool = False, use_checkpoint: bool = False) -> None:
         """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does: where they differ,
@@ -72,6 +82,7 @@ class LRSchedule:
                             "contradict each other; pass at most one of them")
         if override:
             return
+        state = {"unit": "iterations", **state}  # checkpoints from before the sample count are in iterations
         mine = self.state_dict()
         uses_wsd = "WSD" in (self.decay_style, state.get("decay_style"))
         differing = [key for key, value in mine.items()  # a setting absent from `state` differs too
@@ -82,8 +93,22 @@ class LRSchedule:
             # Adopted through the constructor, so they are validated like this run's own.
             self.__init__(**{**mine, **{key: state[key] for key in differing if key in state}})
             return
-        described = ", ".join(f"{FLAGS[key]} is {repr(state[key]) if key in state else 'absent'} in the checkpoint "
-                              f"but {mine[key]!r} in this run" for key in differing)
-        raise UserError(f"the learning-rate schedule differs from the checkpoint's ({described}); pass "
-                        f"--override-opt_param-scheduler to keep this run's values or "
-                        f"--use-checkpoint-opt_param-scheduler to take the checkpoint's")
+        raise UserError(schedule_mismatch(state, mine, differing))
+
+
+def schedule_mismatch(checkpoint: dict, mine: dict, differing: list[str]) -> str:
+    """The sentence for a resume whose LR settings differ: each difference, the flags that keep the
+    checkpoint's schedule (the usual case: a larger --train-iters moved the default warmup and decay), and
+    the two switches."""
+    if "unit" in differing:
+        return (f"the checkpoint's learning-rate schedule counts {checkpoint['unit']} but this run's counts "
+                f"{mine['unit']} (--train-samples counts samples); pass --use-checkpoint-opt_param-scheduler to "
+                f"take the checkpoint's or --override-opt_param-scheduler to start this run's")
+    flags = schedule_flags(mine["unit"])
+    described = ", ".join(f"{flags[key]} is {repr(checkpoint[key]) if key in checkpoint else 'absent'} in the "
+                          f"checkpoint but {mine[key]!r} in this run" for key in differing)
+    keep = " ".join(f"{flags[key]} {checkpoint[key]}" for key in differing if checkpoint.get(key) is not None)
+    return (f"the learning-rate schedule differs from the checkpoint's ({described}); to train on with the "
+            f"checkpoint's schedule (e.g. after raising --train-iters) pass {keep + ' or ' if keep else ''}"
+            f"--use-checkpoint-opt_param-scheduler, or pass --override-opt_param-scheduler to switch to this "
+            f"run's values")

@@ -73,9 +73,7 @@ def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrec
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
-    train = run.train
-    return LRSchedule(train.lr, train.min_lr, train.lr_warmup_iters, train.lr_decay_iters,
-                      train.lr_decay_style, train.lr_wsd_decay_style, train.lr_wsd_decay_iters)
+    return LRSchedule(**run.train.lr_schedule_settings())
 
 
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
@@ -123,7 +121,9 @@ class Trainer:
         model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         set_kernels(train.kernels)
         run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
-        self.tokenizer = build_tokenizer(run.data.tokenizer_type, run.data.tokenizer_model, run.data.vocab_size)
+        data = run.data
+        self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, data.vocab_file,
+                                         data.merge_file)
         self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
         self.device = self.parallel.device
         parallel = run.parallel
@@ -191,11 +191,8 @@ class Trainer:
         self.evaluation_pending = resumed.evaluation_pending
         # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
         # the run saves and reports says what it runs on (build_lr_schedule's inverse).
-        schedule = self.schedule
-        self.run = self.checkpointer.run = dataclasses.replace(self.run, train=dataclasses.replace(
-            self.run.train, lr=schedule.lr, min_lr=schedule.min_lr, lr_warmup_iters=schedule.warmup_iters,
-            lr_decay_iters=schedule.decay_iters, lr_decay_style=schedule.decay_style,
-            lr_wsd_decay_style=schedule.wsd_decay_style, lr_wsd_decay_iters=schedule.wsd_decay_iters))
+        self.run = self.checkpointer.run = dataclasses.replace(
+            self.run, train=self.run.train.with_lr_schedule(self.schedule.state_dict()))
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
@@ -204,7 +201,8 @@ class Trainer:
 
     def train_step(self) -> tuple[float, float, bool, float]:
         """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
-        lr = self.schedule.lr_at(self.state.iteration)
+        lr = self.schedule.lr_at(self.state.iteration, self.state.consumed_train_samples,
+                                 self.run.train.global_batch_size)
         self.optimizer.zero_grad()
         self.optimizer.ddp.start_iteration(self.num_microbatches)
         batch = next_global_batch(self.train_iterator, self.num_microbatches)

@@ -118,7 +118,7 @@ def test_hugging_face_tokenizer_missing_folder_is_a_user_error(tmp_path):
 
 def test_build_tokenizer_errors_name_the_flag(tmp_path):
     with pytest.raises(UserError, match="unknown; use one of .*GPTSentencePieceTokenizer.*NullTokenizer"):
-        build_tokenizer("GPT2BPETokenizer", "x")
+        build_tokenizer("TikTokenizer", "x")
     with pytest.raises(UserError, match="needs --vocab-size"):
         build_tokenizer("NullTokenizer")
     with pytest.raises(UserError, match="needs --tokenizer-model"):
