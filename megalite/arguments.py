@@ -9,7 +9,7 @@ import math
 from megalite.config import (MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
                              RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.options import Option, flags_of, option_fields, value_type
-from megalite.config.rules import check_rope_context
+from megalite.config.rules import check_rampup, check_rope_context, iterations_for_samples
 from megalite.errors import UserError
 from megalite.parallel_state import bf16_is_default
 from megalite.run.tracking import with_wandb_defaults
@@ -165,10 +165,15 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
         if args.train_iters is not None:
             raise UserError("--train-iters and --train-samples both given; pick one")
         batch = given.get("global_batch_size", TrainConfig.global_batch_size)
-        if batch >= 1 and (args.train_samples < 1 or args.train_samples % batch):  # batch < 1: validate says
+        rampup = given.get("rampup_batch_size")
+        if rampup is not None:  # Megatron's count: the ramp's iterations, then whole global batches
+            check_rampup(rampup, batch)
+            given["train_iters"] = iterations_for_samples(args.train_samples, batch, rampup)
+        elif batch >= 1 and (args.train_samples < 1 or args.train_samples % batch):  # batch < 1: validate says
             raise UserError(f"--train-samples {args.train_samples} is not a positive multiple of --global-batch-size "
                             f"{batch}; use e.g. {max(1, args.train_samples // batch) * batch}")
-        given["train_iters"] = args.train_samples // max(batch, 1)
+        else:
+            given["train_iters"] = args.train_samples // max(batch, 1)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
