@@ -5,7 +5,9 @@ checkpoint's iteration and settings (`state_dict`). Two deliberate departures fr
 `lr * (iteration + 1) / warmup_iters`, so the first step already moves and the last warmup step reaches
 `lr`; inverse-square-root decays as `lr * sqrt(w / t)` in steps taken t = iteration + 1, which meets the
 warmup at t = w, so `lr` is not repeated. WSD holds `lr` until decay_iters - wsd_decay_iters, then anneals.
-Every style but constant reaches `min_lr` at decay_iters and stays there.
+Every style but constant reaches `min_lr` at decay_iters and stays there. With `decoupled_lr` (Megatron's
+--decoupled-lr) the word embeddings and the output layer follow a second schedule of the same shape from
+`decoupled_lr` to `decoupled_min_lr` (default `min_lr`): `decoupled_lr_at`.
 """
 
 import math
@@ -28,40 +30,55 @@ class LRSchedule:
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  decay_style: str = "cosine", wsd_decay_style: str = "exponential",
-                 wsd_decay_iters: int | None = None):
+                 wsd_decay_iters: int | None = None, decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None):
         check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                                wsd_decay_iters)  # a UserError naming the flag
+                                wsd_decay_iters, decoupled_lr, decoupled_min_lr)  # a UserError naming the flag
         self.lr, self.min_lr = float(lr), float(min_lr)
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_lr is None else float(
+            min_lr if decoupled_min_lr is None else decoupled_min_lr)
         self.warmup_iters, self.decay_iters = int(warmup_iters), int(decay_iters)
         self.decay_style, self.wsd_decay_style = decay_style, wsd_decay_style
         self.wsd_decay_iters = None if wsd_decay_iters is None else int(wsd_decay_iters)
 
     def lr_at(self, iteration: int) -> float:
         """Learning rate of the optimizer step at 0-based `iteration` (>= 0)."""
+        return self._lr_between(iteration, self.lr, self.min_lr)
+
+    def decoupled_lr_at(self, iteration: int) -> float | None:
+        """The word embeddings' and output layer's learning rate at `iteration`; None without --decoupled-lr."""
+        if self.decoupled_lr is None:
+            return None
+        return self._lr_between(iteration, self.decoupled_lr, self.decoupled_min_lr)
+
+    def _lr_between(self, iteration: int, lr: float, min_lr: float) -> float:
+        """The schedule's value at `iteration` for peak `lr` and floor `min_lr`."""
         if iteration < self.warmup_iters:
-            return self.lr * (iteration + 1) / self.warmup_iters
+            return lr * (iteration + 1) / self.warmup_iters
         if self.decay_style == "constant":
-            return self.lr
+            return lr
         if iteration > self.decay_iters:
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, 1) / (iteration + 1)))
+            return max(min_lr, lr * math.sqrt(max(self.warmup_iters, 1) / (iteration + 1)))
         if self.decay_style == "WSD":
             anneal_start = self.decay_iters - self.wsd_decay_iters
             if iteration <= anneal_start:
-                return self.lr
+                return lr
             style, ratio = self.wsd_decay_style, (iteration - anneal_start) / self.wsd_decay_iters
         else:
             decay_span = self.decay_iters - self.warmup_iters
             # A zero-length decay (warmup_iters == decay_iters) is already over at its first step.
             style, ratio = self.decay_style, (iteration - self.warmup_iters) / decay_span if decay_span > 0 else 1.0
-        return self.min_lr + COEFFICIENTS[style](ratio) * (self.lr - self.min_lr)
+        return min_lr + COEFFICIENTS[style](ratio) * (lr - min_lr)
 
     def state_dict(self) -> dict:
         """The settings, JSON-able; the iteration is the checkpoint's own."""
         return dict(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.warmup_iters,
                     decay_iters=self.decay_iters, decay_style=self.decay_style,
-                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters)
+                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters,
+                    decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
 
     def load_state_dict(self, state: dict, override: bool = False, use_checkpoint: bool = False) -> None:
         """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does: where they differ,
@@ -73,6 +90,7 @@ class LRSchedule:
         if override:
             return
         mine = self.state_dict()
+        state = {"decoupled_lr": None, "decoupled_min_lr": None, **state}  # checkpoints from before the flags
         uses_wsd = "WSD" in (self.decay_style, state.get("decay_style"))
         differing = [key for key, value in mine.items()  # a setting absent from `state` differs too
                      if (uses_wsd or not key.startswith("wsd_")) and (key not in state or state[key] != value)]
