@@ -13,7 +13,8 @@ WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 # (--train-samples) is set by the -samples flags instead (`schedule_flags`).
 LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
                      "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
-                     "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters"}
+                     "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters",
+                     "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
 LR_SCHEDULE_UNITS = ("iterations", "samples")
 
 
@@ -25,8 +26,11 @@ def schedule_flags(unit: str = "iterations") -> dict[str, str]:
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                            wsd_decay_iters, unit: str = "iterations") -> None:
-    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s."""
+                            wsd_decay_iters, unit: str = "iterations", decoupled_lr=None,
+                            decoupled_min_lr=None) -> None:
+    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s. The
+    decoupled LR (embeddings and output layer) decays from `decoupled_lr` to `decoupled_min_lr`, or to
+    `min_lr` when that is None."""
     flags = schedule_flags(unit)
     if decay_style not in DECAY_STYLES:
         raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
@@ -34,11 +38,20 @@ def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, 
         raise UserError(f"--lr-wsd-decay-style {wsd_decay_style!r} is unknown; "
                         f"use one of {', '.join(WSD_DECAY_STYLES)}")
     for key, value in (("lr", lr), ("min_lr", min_lr), ("warmup_iters", warmup_iters),
-                       ("decay_iters", decay_iters), ("wsd_decay_iters", wsd_decay_iters)):
+                       ("decay_iters", decay_iters), ("wsd_decay_iters", wsd_decay_iters),
+                       ("decoupled_lr", decoupled_lr), ("decoupled_min_lr", decoupled_min_lr)):
         if value is not None and not value >= 0:  # `not >=` also rejects nan
             raise UserError(f"{flags[key]} is {value} but must not be negative; pass a value >= 0")
     if min_lr > lr:
         raise UserError(f"--min-lr {min_lr} is larger than --lr {lr}; pass a --min-lr of at most {lr}")
+    if decoupled_min_lr is not None and decoupled_lr is None:
+        raise UserError("--decoupled-min-lr needs --decoupled-lr, the peak it decays from; add it or drop "
+                        "--decoupled-min-lr")
+    if decoupled_lr is not None and (min_lr if decoupled_min_lr is None else decoupled_min_lr) > decoupled_lr:
+        floor = "--min-lr" if decoupled_min_lr is None else "--decoupled-min-lr"
+        raise UserError(f"{floor} {min_lr if decoupled_min_lr is None else decoupled_min_lr} (the embeddings' and "
+                        f"output layer's final learning rate) is larger than --decoupled-lr {decoupled_lr}; pass a "
+                        f"--decoupled-min-lr of at most {decoupled_lr}")
     if warmup_iters > decay_iters:
         raise UserError(f"{flags['warmup_iters']} {warmup_iters} is larger than {flags['decay_iters']} "
                         f"{decay_iters}; warm up for at most {decay_iters} {unit} or decay over more")
@@ -69,6 +82,68 @@ def check_batch_sizes(global_batch_size: int, micro_batch_size: int, data_parall
                         f"{micro_batch_size} x data-parallel size {data_parallel_size} = {per_step}; "
                         f"use a global batch size such as {max(1, global_batch_size // per_step) * per_step}")
     return global_batch_size // per_step
+
+
+def check_rampup(rampup: list[int], global_batch_size: int) -> None:
+    """UserError when --rampup-batch-size START INCREMENT RAMPUP_SAMPLES cannot ramp up to the global batch."""
+    if len(rampup) != 3:
+        raise UserError(f"--rampup-batch-size takes three numbers, START INCREMENT RAMPUP_SAMPLES (e.g. 16 16 "
+                        f"5859375), but got {len(rampup)}; pass all three")
+    start, increment, samples = rampup
+    if start < 1 or increment < 1 or samples < 0:
+        raise UserError(f"--rampup-batch-size {start} {increment} {samples} needs START and INCREMENT of at least "
+                        f"1 and RAMPUP_SAMPLES of at least 0; pass such values")
+    if start > global_batch_size or (global_batch_size - start) % increment:
+        raise UserError(f"--rampup-batch-size START {start} plus a whole number of INCREMENT {increment} steps "
+                        f"must reach --global-batch-size {global_batch_size}; pick a START of at most "
+                        f"{global_batch_size} whose distance to it is a multiple of INCREMENT")
+
+
+def rampup_batch_sizes(global_batch_size: int, rampup: list[int] | None) -> list[int]:
+    """Every global batch size the ramp-up can use, smallest first (just the global batch without one)."""
+    if rampup is None:
+        return [global_batch_size]
+    return list(range(rampup[0], global_batch_size + 1, rampup[1]))
+
+
+def check_rampup_layout(global_batch_size: int, rampup: list[int], micro_batch_size: int, data_parallel_size: int,
+                        pp: int, vp: int) -> None:
+    """UserError when a global batch of the ramp-up does not split into micro-batches, or into a count the
+    interleaved pipeline schedule can run."""
+    per_step = micro_batch_size * data_parallel_size
+    for size in rampup_batch_sizes(global_batch_size, rampup):
+        if size % per_step:
+            raise UserError(f"--rampup-batch-size {' '.join(map(str, rampup))} reaches a global batch of {size}, "
+                            f"which is not a multiple of --micro-batch-size {micro_batch_size} x data-parallel "
+                            f"size {data_parallel_size} = {per_step}; use a START and INCREMENT that are multiples "
+                            f"of {per_step}")
+        check_microbatches(size // per_step, pp, vp)
+
+
+def global_batch_at(consumed_samples: int, global_batch_size: int, rampup: list[int] | None = None) -> int:
+    """The global batch of the iteration that starts after `consumed_samples` samples: Megatron's
+    RampupBatchsizeNumMicroBatchesCalculator. The ramp START INCREMENT RAMPUP_SAMPLES takes
+    (global_batch_size - START) / INCREMENT equal steps of RAMPUP_SAMPLES / steps samples each."""
+    if rampup is None:
+        return global_batch_size
+    start, increment, samples = rampup
+    increments = (global_batch_size - start) // increment
+    if consumed_samples > samples or increments == 0 or samples == 0:
+        return global_batch_size
+    return min(global_batch_size, start + int(consumed_samples / (samples / increments)) * increment)
+
+
+def iterations_for_samples(train_samples: int, global_batch_size: int, rampup: list[int] | None = None) -> int:
+    """The iterations --train-samples means, as Megatron's update_train_iters counts them: the ramp's
+    iterations while at most RAMPUP_SAMPLES are consumed, then whole global batches (a partial last one
+    is dropped)."""
+    if rampup is None:
+        return train_samples // global_batch_size
+    iterations = consumed = 0
+    while consumed <= rampup[2] and consumed <= train_samples:
+        consumed += global_batch_at(consumed, global_batch_size, rampup)
+        iterations += 1
+    return iterations + max(0, train_samples - consumed) // global_batch_size
 
 
 def check_microbatches(num_microbatches: int, pp: int, vp: int) -> None:

@@ -8,8 +8,8 @@ from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option
 from megalite.config.parallel import ParallelConfig
-from megalite.config.rules import (check_batch_sizes, check_microbatches, check_tensor_parallel_split,
-                                   virtual_stage_layers)
+from megalite.config.rules import (check_batch_sizes, check_microbatches, check_rampup_layout,
+                                   check_tensor_parallel_split, global_batch_at, virtual_stage_layers)
 from megalite.config.train import TrainConfig
 from megalite.errors import UserError
 
@@ -106,6 +106,16 @@ class RunConfig:
         """Micro-batches per data-parallel rank per iteration: G / (micro-batch x DP)."""
         return self.train.global_batch_size // (self.train.micro_batch_size * self.parallel.data_parallel_size)
 
+    def global_batch_at(self, consumed_samples: int) -> int:
+        """The global batch of the training iteration that starts after `consumed_samples` samples:
+        --global-batch-size, or under --rampup-batch-size the ramp's size at that point."""
+        return global_batch_at(consumed_samples, self.train.global_batch_size, self.train.rampup_batch_size)
+
+    def num_microbatches_at(self, consumed_samples: int) -> int:
+        """Micro-batches per data-parallel rank of the training iteration after `consumed_samples` samples."""
+        per_step = self.train.micro_batch_size * self.parallel.data_parallel_size
+        return self.global_batch_at(consumed_samples) // per_step
+
     def with_tokenizer_vocab(self, tokenizer_vocab_size: int) -> "RunConfig":
         """A copy whose model holds the tokenizer's vocabulary, padded per --make-vocab-size-divisible-by x TP;
         beside a real tokenizer, --vocab-size is the vocabulary the model is built for (at least the tokenizer's)."""
@@ -140,6 +150,10 @@ class RunConfig:
         check_batch_sizes(train.global_batch_size, train.micro_batch_size, parallel.data_parallel_size)
         check_microbatches(self.num_microbatches, parallel.pipeline_model_parallel_size,
                            parallel.virtual_pipeline_model_parallel_size)
+        if train.rampup_batch_size is not None:
+            check_rampup_layout(train.global_batch_size, train.rampup_batch_size, train.micro_batch_size,
+                                parallel.data_parallel_size, parallel.pipeline_model_parallel_size,
+                                parallel.virtual_pipeline_model_parallel_size)
         if train.exit_signal_handler and self.checkpoint.save is None:
             raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
         return self

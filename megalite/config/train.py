@@ -3,7 +3,8 @@
 from dataclasses import dataclass, replace
 
 from megalite.config.options import derived, option
-from megalite.config.rules import DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_schedule_settings
+from megalite.config.rules import (DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_rampup,
+                                   check_schedule_settings, iterations_for_samples)
 from megalite.errors import UserError
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
@@ -65,11 +66,24 @@ class TrainConfig:
               "such steps", off_flag="--no-check-for-nan-in-loss-and-grad")
     loss_spike_threshold: float = option(1.5, "warn when an iteration's loss exceeds this multiple of the "
                                               "median of the previous 20; 0 turns it off")
+    rampup_batch_size: list[int] | None = option(
+        None, "START INCREMENT RAMPUP_SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
+              "steps over the first RAMPUP_SAMPLES consumed samples up to --global-batch-size (Megatron's ramp-up)")
+    calculate_per_token_loss: bool = option(
+        False, "Megatron's per-token loss: sum over the global batch's tokens, divided once by their count; "
+               "megalite's loss always is, so this changes nothing (docs/training.md)")
+    decoupled_lr: float | None = option(None, "peak learning rate of the word embeddings and the output layer, "
+                                              "on the same schedule", default_text="--lr")
+    decoupled_min_lr: float | None = option(None, "with --decoupled-lr: the embeddings' and output layer's "
+                                                  "learning rate at the end of the decay", default_text="--min-lr")
 
     def __post_init__(self):
         # Still construction: the schedule's lengths default to the run's (10% warmup).
         if self.train_samples is not None and self.global_batch_size >= 1:  # below 1: validate says
-            object.__setattr__(self, "train_iters", self.train_samples // self.global_batch_size)
+            if self.rampup_batch_size is not None:
+                check_rampup(self.rampup_batch_size, self.global_batch_size)
+            object.__setattr__(self, "train_iters", iterations_for_samples(self.train_samples, self.global_batch_size,
+                                                                           self.rampup_batch_size))
             if self.lr_decay_samples is None:
                 object.__setattr__(self, "lr_decay_samples", self.train_samples)
             if self.lr_warmup_samples is None:
@@ -91,13 +105,15 @@ class TrainConfig:
                     wsd_decay_style=self.lr_wsd_decay_style, unit=self.lr_schedule_unit,
                     warmup_iters=self.lr_warmup_samples if samples else self.lr_warmup_iters,
                     decay_iters=self.lr_decay_samples if samples else self.lr_decay_iters,
-                    wsd_decay_iters=self.lr_wsd_decay_samples if samples else self.lr_wsd_decay_iters)
+                    wsd_decay_iters=self.lr_wsd_decay_samples if samples else self.lr_wsd_decay_iters,
+                    decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
 
     def with_lr_schedule(self, settings: dict) -> "TrainConfig":
         """A copy holding an LRSchedule's `settings` (its state_dict): lr_schedule_settings' inverse."""
         suffix = "samples" if settings.get("unit") == "samples" else "iters"
         return replace(self, lr=settings["lr"], min_lr=settings["min_lr"], lr_decay_style=settings["decay_style"],
-                       lr_wsd_decay_style=settings["wsd_decay_style"],
+                       lr_wsd_decay_style=settings["wsd_decay_style"], decoupled_lr=settings.get("decoupled_lr"),
+                       decoupled_min_lr=settings.get("decoupled_min_lr"),
                        **{f"lr_warmup_{suffix}": settings["warmup_iters"],
                           f"lr_decay_{suffix}": settings["decay_iters"],
                           f"lr_wsd_decay_{suffix}": settings["wsd_decay_iters"]})
@@ -131,6 +147,8 @@ class TrainConfig:
             check_loss_scale_settings(self.initial_loss_scale, self.min_loss_scale, self.loss_scale_window,
                                       self.hysteresis)
         check_schedule_settings(**self.lr_schedule_settings())
+        if self.rampup_batch_size is not None:
+            check_rampup(self.rampup_batch_size, self.global_batch_size)
         if self.override_opt_param_scheduler and self.use_checkpoint_opt_param_scheduler:
             raise UserError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both "
                             "given; pick one")

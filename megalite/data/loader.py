@@ -4,48 +4,62 @@ Global batch k holds samples `[c0 + k*G, c0 + (k+1)*G)`, where G is the global b
 and c0 the samples consumed before this run started (resume). Data-parallel rank r takes
 the slice `[r*G/dp, (r+1)*G/dp)` of each and cuts it into micro-batches in order, so the DP
 slices concatenated are the DP=1 batch, and a resumed run continues exactly where it stopped.
+Under --rampup-batch-size G is the ramp's size at the samples consumed so far (`global_batch_at`),
+so batch k starts where batch k-1 ended: every sample once, in order, on any layout and after a resume.
 """
 
 import itertools
 
 import torch
 
-from megalite.config.rules import check_batch_sizes
+from megalite.config.rules import check_batch_sizes, check_rampup, check_rampup_layout, global_batch_at
 from megalite.errors import UserError
 
 
 class MicroBatchSampler(torch.utils.data.Sampler):
-    """Yields this DP rank's micro-batches (lists of sample indices) while whole global batches remain."""
+    """Yields this DP rank's micro-batches (lists of sample indices) while whole global batches remain.
+    rampup: --rampup-batch-size's START INCREMENT RAMPUP_SAMPLES, or None for a constant global batch."""
 
     def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int,
-                 micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1):
-        self.num_microbatches = check_batch_sizes(global_batch_size, micro_batch_size, data_parallel_size)
+                 micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1,
+                 rampup: list[int] | None = None):
+        check_batch_sizes(global_batch_size, micro_batch_size, data_parallel_size)
+        if rampup is not None:
+            check_rampup(rampup, global_batch_size)
+            check_rampup_layout(global_batch_size, rampup, micro_batch_size, data_parallel_size, 1, 1)
         if not 0 <= consumed_samples <= total_samples:
             raise UserError(f"the run has consumed {consumed_samples} samples but the dataset has {total_samples}; "
                             "train on more samples or check the checkpoint given to --load")
         self.total_samples = total_samples
         self.consumed_samples = consumed_samples
-        self.global_batch_size = global_batch_size
+        self.global_batch_size, self.rampup = global_batch_size, rampup
         self.micro_batch_size = micro_batch_size
-        self.rank_offset = data_parallel_rank * (global_batch_size // data_parallel_size)
+        self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
+
+    def global_batches(self):
+        """(first sample, size) of each whole global batch left, in order."""
+        start = self.consumed_samples
+        while start + (size := global_batch_at(start, self.global_batch_size, self.rampup)) <= self.total_samples:
+            yield start, size
+            start += size
 
     def __len__(self) -> int:
-        return (self.total_samples - self.consumed_samples) // self.global_batch_size * self.num_microbatches
+        per_step = self.micro_batch_size * self.data_parallel_size
+        return sum(size // per_step for _, size in self.global_batches())
 
     def __iter__(self):
-        for batch_start in range(self.consumed_samples, self.total_samples - self.global_batch_size + 1,
-                                 self.global_batch_size):
-            for m in range(self.num_microbatches):
-                first = batch_start + self.rank_offset + m * self.micro_batch_size
+        for batch_start, size in self.global_batches():
+            rank_start = batch_start + self.data_parallel_rank * (size // self.data_parallel_size)
+            for first in range(rank_start, rank_start + size // self.data_parallel_size, self.micro_batch_size):
                 yield list(range(first, first + self.micro_batch_size))
 
 
 def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                      num_workers: int = 0) -> torch.utils.data.DataLoader:
+                      num_workers: int = 0, rampup: list[int] | None = None) -> torch.utils.data.DataLoader:
     """A DataLoader of micro-batches: dicts of `tokens`, `labels`, `loss_mask`, `position_ids`, each [micro, seq]."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, global_batch_size,
-                                micro_batch_size, data_parallel_rank, data_parallel_size)
+                                micro_batch_size, data_parallel_rank, data_parallel_size, rampup)
     # An own generator: DataLoader draws its worker base seed when an iterator starts, and
     # drawing it from the global RNG would shift dropout after a resume.
     return torch.utils.data.DataLoader(

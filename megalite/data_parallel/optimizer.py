@@ -16,6 +16,9 @@ from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_gather_single
 
 STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
+# The parameters --decoupled-lr applies to, as Megatron's is_embedding_or_output_parameter: the word
+# embeddings (a tied last stage's copy too, as it is the output layer's weight) and the output layer.
+DECOUPLED_PARAM_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 
 
 class NonFiniteGradError(RuntimeError):
@@ -78,7 +81,8 @@ class MixedPrecisionOptimizer:
     weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: 0 disables clipping.
     loss_scaler: dynamic loss scaling (fp16); None means a scale of 1 and no skipping.
     Per iteration: `zero_grad()`, `ddp.start_iteration(...)`, `scale_loss(loss).backward()` per
-    micro-batch, `ddp.finish_grad_sync()`, `step(lr)`.
+    micro-batch, `ddp.finish_grad_sync()`, `step(lr)` (or `step(lr, decoupled_lr)`: the word embeddings and
+    the output layer at their own rate, DECOUPLED_PARAM_SUFFIXES).
     """
 
     distributed = False
@@ -101,12 +105,15 @@ class MixedPrecisionOptimizer:
             raise ValueError("the model has no trainable parameters to optimise")
         self.grad_buffer = ddp.buffer
         self._build_main_params()
-        decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim >= 2]
-        no_decay = [main for main, param in zip(self.main_params, self.model_params) if param.ndim < 2]
-        groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        # One AdamW group per (weight decay, decoupled LR) pair: decay on matrices, the decoupled rate on
+        # the embeddings and output layer.
+        grouped: dict[tuple[bool, bool], list[torch.Tensor]] = {}
+        for main, param, name in zip(self.main_params, self.model_params, self.names):
+            grouped.setdefault((param.ndim >= 2, name.endswith(DECOUPLED_PARAM_SUFFIXES)), []).append(main)
+        groups = [{"params": mains, "weight_decay": weight_decay if decay else 0.0, "decoupled": decoupled}
+                  for (decay, decoupled), mains in grouped.items()]
         # fused: one kernel pass per tensor (CPU and CUDA), faster than foreach (docs/benchmarks.md).
-        self.adam = torch.optim.AdamW([group for group in groups if group["params"]], lr=lr, betas=betas,
-                                      eps=eps, fused=True)
+        self.adam = torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def _build_main_params(self) -> None:
         """Aligned lists in grad-buffer order: model params, names, fp32 main params, their grads."""
@@ -129,9 +136,10 @@ class MixedPrecisionOptimizer:
         self.ddp.zero_grad()
 
     @torch.no_grad()
-    def step(self, lr: float) -> StepResult:
-        """Unscale, check, clip, AdamW at `lr`, refresh the model params. With a loss scaler inf/nan grads
-        skip the step; without one a non-finite grad norm raises NonFiniteGradError on every rank."""
+    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+        """Unscale, check, clip, AdamW at `lr` (the word embeddings and output layer at `decoupled_lr` when
+        given), refresh the model params. With a loss scaler inf/nan grads skip the step; without one a
+        non-finite grad norm raises NonFiniteGradError on every rank."""
         found_inf = self._unscale_and_check_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -143,7 +151,7 @@ class MixedPrecisionOptimizer:
                                      f"update was not applied; the run diverged or met bad data: resume from an "
                                      f"earlier checkpoint, perhaps with a lower --lr")
         self._clip_grads(grad_norm)
-        self._adam_step(lr)
+        self._adam_step(lr, decoupled_lr)
         self._copy_main_params_to_model_params()
         return StepResult(True, grad_norm)
 
@@ -182,9 +190,9 @@ class MixedPrecisionOptimizer:
         if self.clip_grad > 0 and clip_coefficient < 1.0:
             self.grad_buffer.step_grads().mul_(clip_coefficient)
 
-    def _adam_step(self, lr: float) -> None:
+    def _adam_step(self, lr: float, decoupled_lr: float | None) -> None:
         for group in self.adam.param_groups:
-            group["lr"] = lr
+            group["lr"] = decoupled_lr if group["decoupled"] and decoupled_lr is not None else lr
         # Grads are lent only for the step: on an fp32 model the main params are the model
         # params, whose `.grad` must be None again before the next backward.
         for main, grad in zip(self.main_params, self.main_grads):

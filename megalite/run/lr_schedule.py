@@ -10,7 +10,9 @@ Two deliberate departures from Megatron: warmup is
 `lr * (iteration + 1) / warmup_iters`, so the first step already moves and the last warmup step reaches
 `lr`; inverse-square-root decays as `lr * sqrt(w / t)` in steps taken t = iteration + 1, which meets the
 warmup at t = w, so `lr` is not repeated. WSD holds `lr` until decay_iters - wsd_decay_iters, then anneals.
-Every style but constant reaches `min_lr` at decay_iters and stays there.
+Every style but constant reaches `min_lr` at decay_iters and stays there. With `decoupled_lr` (Megatron's
+--decoupled-lr) the word embeddings and the output layer follow a second schedule of the same shape from
+`decoupled_lr` to `decoupled_min_lr` (default `min_lr`): `decoupled_lr_at`.
 """
 
 import math
@@ -33,13 +35,17 @@ class LRSchedule:
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  decay_style: str = "cosine", wsd_decay_style: str = "exponential",
-                 wsd_decay_iters: int | None = None, unit: str = "iterations"):
+                 wsd_decay_iters: int | None = None, unit: str = "iterations", decoupled_lr: float | None = None,
+                 decoupled_min_lr: float | None = None):
         if unit not in LR_SCHEDULE_UNITS:
             raise ValueError(f"unit must be one of {LR_SCHEDULE_UNITS}, got {unit!r}")
         check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                                wsd_decay_iters, unit)  # a UserError naming the flag
+                                wsd_decay_iters, unit, decoupled_lr, decoupled_min_lr)  # a UserError naming the flag
         self.unit = unit
         self.lr, self.min_lr = float(lr), float(min_lr)
+        self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
+        self.decoupled_min_lr = None if decoupled_lr is None else float(
+            min_lr if decoupled_min_lr is None else decoupled_min_lr)
         self.warmup_iters, self.decay_iters = int(warmup_iters), int(decay_iters)
         self.decay_style, self.wsd_decay_style = decay_style, wsd_decay_style
         self.wsd_decay_iters = None if wsd_decay_iters is None else int(wsd_decay_iters)
@@ -47,31 +53,42 @@ class LRSchedule:
     def lr_at(self, iteration: int, consumed_samples: int = 0, batch: int = 1) -> float:
         """Learning rate of the optimizer step at 0-based `iteration` (>= 0), which trains `batch` samples
         after `consumed_samples` (read when the schedule counts samples)."""
+        return self._lr_between(iteration, consumed_samples, batch, self.lr, self.min_lr)
+
+    def decoupled_lr_at(self, iteration: int, consumed_samples: int = 0, batch: int = 1) -> float | None:
+        """The word embeddings' and output layer's learning rate at that step; None without --decoupled-lr."""
+        if self.decoupled_lr is None:
+            return None
+        return self._lr_between(iteration, consumed_samples, batch, self.decoupled_lr, self.decoupled_min_lr)
+
+    def _lr_between(self, iteration: int, consumed_samples: int, batch: int, lr: float, min_lr: float) -> float:
+        """The schedule's value at that step for peak `lr` and floor `min_lr`."""
         position, step = (consumed_samples, batch) if self.unit == "samples" else (iteration, 1)
         if position < self.warmup_iters:
-            return self.lr * min(1.0, (position + step) / self.warmup_iters)
+            return lr * min(1.0, (position + step) / self.warmup_iters)
         if self.decay_style == "constant":
-            return self.lr
+            return lr
         if position > self.decay_iters:
-            return self.min_lr
+            return min_lr
         if self.decay_style == "inverse-square-root":
-            return max(self.min_lr, self.lr * math.sqrt(max(self.warmup_iters, step) / (position + step)))
+            return max(min_lr, lr * math.sqrt(max(self.warmup_iters, step) / (position + step)))
         if self.decay_style == "WSD":
             anneal_start = self.decay_iters - self.wsd_decay_iters
             if position <= anneal_start:
-                return self.lr
+                return lr
             style, ratio = self.wsd_decay_style, (position - anneal_start) / self.wsd_decay_iters
         else:
             decay_span = self.decay_iters - self.warmup_iters
             # A zero-length decay (warmup_iters == decay_iters) is already over at its first step.
             style, ratio = self.decay_style, (position - self.warmup_iters) / decay_span if decay_span > 0 else 1.0
-        return self.min_lr + COEFFICIENTS[style](ratio) * (self.lr - self.min_lr)
+        return min_lr + COEFFICIENTS[style](ratio) * (lr - min_lr)
 
     def state_dict(self) -> dict:
         """The settings, JSON-able; the iteration is the checkpoint's own."""
         return dict(lr=self.lr, min_lr=self.min_lr, warmup_iters=self.warmup_iters,
                     decay_iters=self.decay_iters, decay_style=self.decay_style,
-                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters, unit=self.unit)
+                    wsd_decay_style=self.wsd_decay_style, wsd_decay_iters=self.wsd_decay_iters, unit=self.unit,
+                    decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
 
     def load_state_dict(self, state: dict, override: bool = False, use_checkpoint: bool = False) -> None:
         """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does: where they differ,
@@ -82,7 +99,8 @@ class LRSchedule:
                             "contradict each other; pass at most one of them")
         if override:
             return
-        state = {"unit": "iterations", **state}  # checkpoints from before the sample count are in iterations
+        # Checkpoints from before the sample count are in iterations, and from before the decoupled LR without it.
+        state = {"unit": "iterations", "decoupled_lr": None, "decoupled_min_lr": None, **state}
         mine = self.state_dict()
         uses_wsd = "WSD" in (self.decay_style, state.get("decay_style"))
         differing = [key for key, value in mine.items()  # a setting absent from `state` differs too

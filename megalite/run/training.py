@@ -149,7 +149,8 @@ class Trainer:
         self.num_microbatches = run.num_microbatches
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
         check_token_dtypes((self.train_ds, self.valid_ds, self.test_ds), self.tokenizer.vocab_size)
-        self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples)
+        self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples,
+                                             train.rampup_batch_size)
         self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
         metrics_file = run.logging.metrics_file
         if metrics_file is None and run.checkpoint.save:
@@ -164,16 +165,30 @@ class Trainer:
             # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
             # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
             self.log = self.checkpointer.log = self.logger.print
+        self._log_batch_and_loss(run.train)
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
 
-    def _iterator(self, dataset, consumed_samples: int):
+    def _log_batch_and_loss(self, train) -> None:
+        """Say once what --rampup-batch-size and --calculate-per-token-loss do in this run."""
+        if train.rampup_batch_size is not None:
+            start, increment, samples = train.rampup_batch_size
+            self.log(f"batch-size ramp-up: the global batch starts at {start} and grows by {increment} over the "
+                     f"first {samples} samples to {train.global_batch_size}")
+        if train.calculate_per_token_loss:
+            self.log("--calculate-per-token-loss: megalite's loss always is Megatron's per-token loss (summed over "
+                     "the global batch's tokens, divided once by their count), so the flag changes nothing")
+
+    def _iterator(self, dataset, consumed_samples: int, rampup: list[int] | None = None):
+        """Micro-batches of `dataset` from `consumed_samples` on; `rampup` for training only (evaluation
+        uses whole global batches throughout, as Megatron's)."""
         if dataset is None:
             return None
         train, data = self.run.train, self.run.data
         loader = build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
-                                   self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers)
+                                   self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers,
+                                   rampup=rampup)
         if data.mock_data:
             source = "the mock data"
         elif data.data_path:
@@ -200,12 +215,15 @@ class Trainer:
             self.tracker.log_checkpoint(self.state.iteration)
 
     def train_step(self) -> tuple[float, float, bool, float]:
-        """One iteration: returns (lm loss, grad norm, whether the step was applied, lr)."""
-        lr = self.schedule.lr_at(self.state.iteration, self.state.consumed_train_samples,
-                                 self.run.train.global_batch_size)
+        """One iteration: returns (lm loss, grad norm, whether the step was applied, lr). Its global batch is
+        `run.global_batch_at(consumed samples)`: --global-batch-size, or the ramp-up's size."""
+        consumed = self.state.consumed_train_samples
+        num_microbatches = self.run.num_microbatches_at(consumed)
+        position = (self.state.iteration, consumed, self.run.global_batch_at(consumed))
+        lr = self.schedule.lr_at(*position)
         self.optimizer.zero_grad()
-        self.optimizer.ddp.start_iteration(self.num_microbatches)
-        batch = next_global_batch(self.train_iterator, self.num_microbatches)
+        self.optimizer.ddp.start_iteration(num_microbatches)
+        batch = next_global_batch(self.train_iterator, num_microbatches)
         loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
         self.optimizer.ddp.finish_grad_sync()
@@ -214,7 +232,7 @@ class Trainer:
         if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:
             raise UserError(divergence_message(f"the lm loss is {loss}", iteration, self.checkpointer.last_checkpoint))
         try:
-            updated, grad_norm = self.optimizer.step(lr)
+            updated, grad_norm = self.optimizer.step(lr, self.schedule.decoupled_lr_at(*position))
         except NonFiniteGradError:
             if check:
                 raise UserError(divergence_message("the gradient norm is not finite", iteration,
@@ -282,13 +300,14 @@ class Trainer:
                          f"nothing to train; raise --train-iters to go on, or --save to a new folder to start afresh")
             while reason is None:
                 step_start = time.perf_counter()
+                global_batch = run.global_batch_at(state.consumed_train_samples)
                 loss, grad_norm, updated, lr = self.train_step()
                 state.iteration += 1
-                state.consumed_train_samples += run.train.global_batch_size
+                state.consumed_train_samples += global_batch
                 state.losses.append(loss)
                 self.logger.log_iteration(state.iteration, state.consumed_train_samples,
-                                          time.perf_counter() - step_start, lr, loss,
-                                          self.optimizer.loss_scale, grad_norm, skipped=not updated)
+                                          time.perf_counter() - step_start, lr, loss, self.optimizer.loss_scale,
+                                          grad_norm, skipped=not updated, global_batch_size=global_batch)
                 skipped.check(updated, self.optimizer.loss_scaler, state.iteration,
                               self.checkpointer.last_checkpoint)
                 warning = spikes.check(state.iteration, loss)

@@ -5,6 +5,7 @@ import torch
 
 from megalite.data import build_data_loader, build_gpt_datasets
 from megalite.data.loader import MicroBatchSampler, next_global_batch
+from megalite.config.rules import global_batch_at, iterations_for_samples
 from megalite.errors import UserError
 
 GLOBAL, MICRO = 8, 2
@@ -61,3 +62,54 @@ def test_batch_size_errors_name_the_flags():
         MicroBatchSampler(100, 0, 12, 2, 0, 4)
     with pytest.raises(UserError, match="consumed 500 samples"):
         MicroBatchSampler(100, 500, 8, 2)
+
+
+# --rampup-batch-size 4 4 24 up to 16: 3 increments of 24 / 3 = 8 samples each (Megatron's
+# RampupBatchsizeNumMicroBatchesCalculator): consumed 0, 4 -> 4; 8 -> 8; 16 -> 12; 28 > 24 -> 16.
+RAMPUP, RAMPUP_GLOBAL = [4, 4, 24], 16
+
+
+def ramp_batches(dataset, consumed, dp_rank=0, dp_size=1, micro=1):
+    """The sample ids of each global batch left, as this DP rank sees them, from `consumed` on."""
+    sampler = MicroBatchSampler(len(dataset), consumed, RAMPUP_GLOBAL, micro, dp_rank, dp_size, RAMPUP)
+    micro_batches, result = iter(sampler), []
+    for start, size in sampler.global_batches():
+        result.append(sum((next(micro_batches) for _ in range(size // (micro * dp_size))), []))
+    assert next(micro_batches, None) is None
+    return result
+
+
+def test_rampup_follows_megatron_s_schedule_and_takes_every_sample_once_in_order():
+    dataset = range(100)
+    batches = ramp_batches(dataset, 0)
+    assert [len(batch) for batch in batches] == [4, 4, 8, 12] + [16] * 4  # 100 - 28 = 72 = 4 x 16 + 8 left over
+    assert sum(batches, []) == list(range(92))
+    assert [global_batch_at(c, RAMPUP_GLOBAL, RAMPUP) for c in (0, 4, 7, 8, 15, 16, 24, 25)] == \
+        [4, 4, 4, 8, 8, 12, 16, 16]
+    # Megatron's count of iterations for --train-samples: the ramp's while at most 24 are consumed, then whole batches.
+    assert iterations_for_samples(100, RAMPUP_GLOBAL, RAMPUP) == 4 + (100 - 28) // 16
+    assert iterations_for_samples(96, RAMPUP_GLOBAL, None) == 6
+
+
+@pytest.mark.parametrize("dp_size, micro", [(2, 1), (2, 2), (4, 1)])
+def test_rampup_dp_slices_concatenate_to_the_one_process_batch(dp_size, micro):
+    dataset = range(100)
+    reference = ramp_batches(dataset, 0)
+    per_rank = [ramp_batches(dataset, 0, rank, dp_size, micro) for rank in range(dp_size)]
+    assert [sum((ranks[k] for ranks in per_rank), []) for k in range(len(reference))] == reference
+
+
+def test_rampup_resumes_mid_ramp_where_it_stopped():
+    dataset = range(100)
+    assert ramp_batches(dataset, 8) == ramp_batches(dataset, 0)[2:]
+    assert ramp_batches(dataset, 16)[0] == list(range(16, 28))
+
+
+def test_rampup_errors_name_the_flag():
+    with pytest.raises(UserError, match="--rampup-batch-size 4 4 24 reaches a global batch of 4, which is not a "
+                                        "multiple of --micro-batch-size 1 x data-parallel size 8"):
+        MicroBatchSampler(100, 0, 16, 1, 0, 8, RAMPUP)
+    with pytest.raises(UserError, match="takes three numbers"):
+        MicroBatchSampler(100, 0, 16, 1, 0, 1, [4, 4])
+    with pytest.raises(UserError, match="must reach --global-batch-size 16"):
+        MicroBatchSampler(100, 0, 16, 1, 0, 1, [6, 4, 24])
