@@ -48,6 +48,10 @@ def dry_run_vocabulary(run: RunConfig) -> tuple[int, str]:
     if data.tokenizer_type == "NullTokenizer":
         return build_tokenizer("NullTokenizer", vocab_size=data.vocab_size).vocab_size, \
             f"NullTokenizer --vocab-size {data.vocab_size} (+1 for EOD)"
+    if data.tokenizer_type == "GPT2BPETokenizer" and all(path and os.path.exists(path)
+                                                         for path in (data.vocab_file, data.merge_file)):
+        tokenizer = build_tokenizer(data.tokenizer_type, vocab_file=data.vocab_file, merge_file=data.merge_file)
+        return tokenizer.vocab_size, f"--vocab-file {data.vocab_file}"
     if data.tokenizer_model and os.path.exists(data.tokenizer_model):
         tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model)
         return tokenizer.vocab_size, f"--tokenizer-model {data.tokenizer_model}"
