@@ -168,9 +168,9 @@ def format_report(report: DryRunReport) -> str:
     run, layout, train, model = report.run, report.run.parallel, report.run.train, report.run.model
     tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
     vp = layout.virtual_pipeline_model_parallel_size
-    zero = {"optim": "ZeRO-1", "optim_grads": "ZeRO-2", "optim_grads_params": "ZeRO-3"}.get(layout.sharding)
-    options = [name for name, on in (("sequence parallel", layout.sequence_parallel),
-                                     (f"{zero} ({layout.sharding})", zero is not None)) if on]
+    sharding = {"optim": "distributed optimizer", "optim_grads": "ZeRO-2 (optim_grads)",
+                "optim_grads_params": "ZeRO-3 (optim_grads_params)"}.get(layout.sharding)
+    options = [name for name, on in (("sequence parallel", layout.sequence_parallel), (sharding, sharding)) if on]
     dtype = DTYPE_NAMES[train.params_dtype]
     schedule = "no pipelining" if pp == 1 else "1F1B" if vp == 1 else f"interleaved 1F1B, {vp} chunks per rank"
     padded_params = num_parameters(model)
