@@ -52,16 +52,11 @@ COMPAT_FLAGS = [
     CompatFlag("--overlap-param-gather", "parameters are all-gathered after the optimizer step, without overlap "
                                          "(ZeRO-3 gathers each unit before use); the results are the same"),
     CompatFlag("--grad-reduce-in-bf16", "megalite reduces gradients in fp32 (more precise, twice the bytes)"),
-    CompatFlag("--manual-gc", "not implemented: Python's automatic garbage collection stays on"),
-    CompatFlag("--manual-gc-interval", "not implemented (see --manual-gc)", takes_value=True),
-    CompatFlag("--empty-unused-memory-level", "not implemented: PyTorch's allocator keeps its cache",
-               takes_value=True, allowed=("0", "1", "2")),
-    CompatFlag("--log-throughput", "every log line already shows tokens/s, TFLOP/s per device and MFU"),
-    CompatFlag("--profile", "not implemented: no profiler trace is written"),
-    CompatFlag("--use-pytorch-profiler", "not implemented (see --profile)"),
-    CompatFlag("--profile-step-start", "not implemented (see --profile)", takes_value=True),
-    CompatFlag("--profile-step-end", "not implemented (see --profile)", takes_value=True),
-    CompatFlag("--profile-ranks", "not implemented (see --profile)", takes_value=True),
+    CompatFlag("--log-throughput", "every log line already shows Megatron's throughput per GPU as 'TFLOP/s per "
+                                   "device' (model FLOPs per second per device, docs/flops.md), beside tokens/s "
+                                   "and MFU"),
+    CompatFlag("--use-pytorch-profiler", "--profile always writes a PyTorch profiler trace (megalite has no "
+                                         "nsys capture range)"),
     CompatFlag("--context-parallel-size", "megalite has no context parallelism; 1 is accepted",
                takes_value=True, allowed=("1",),
                refused="--context-parallel-size {value} asks for context parallelism, which megalite does not "

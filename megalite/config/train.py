@@ -76,6 +76,24 @@ class TrainConfig:
                                               "on the same schedule", default_text="--lr")
     decoupled_min_lr: float | None = option(None, "with --decoupled-lr: the embeddings' and output layer's "
                                                   "learning rate at the end of the decay", default_text="--min-lr")
+    manual_gc: bool = option(False, "turn Python's automatic garbage collector off while training and collect at "
+                                    "fixed points instead: the start, every --manual-gc-interval iterations and "
+                                    "around each evaluation (the pauses fall at the same iteration on every rank)")
+    manual_gc_interval: int = option(0, "with --manual-gc: collect every this many iterations; 0: only at the start "
+                                        "and around evaluations")
+    manual_gc_eval: bool = option(True, "with --manual-gc: no collection around evaluations", inverted=True,
+                                  flag="--no-manual-gc-eval", default_text="collect around them")
+    empty_unused_memory_level: int = option(
+        0, "return the CUDA allocator's unused cached memory (torch.cuda.empty_cache) after each forward-backward "
+           "and evaluation batch (1), and after each optimizer step too (2); fewer fragmentation OOMs, slower "
+           "steps; nothing to return on a CPU", choices=(0, 1, 2))
+    profile: bool = option(False, "write a PyTorch profiler trace (Chrome trace JSON, one ProfilerStep#N per "
+                                  "iteration) of iterations --profile-step-start + 1 to --profile-step-end into "
+                                  "profile/rank-R.json under --tensorboard-dir, else --save, else here")
+    profile_step_start: int = option(10, "with --profile: the trace starts after this iteration")
+    profile_step_end: int = option(12, "with --profile: the trace ends after this iteration")
+    profile_ranks: list[int] | None = option(None, "with --profile: the global ranks that write a trace",
+                                             default_text="all ranks")
 
     def __post_init__(self):
         # Still construction: the schedule's lengths default to the run's (10% warmup).
@@ -162,6 +180,24 @@ class TrainConfig:
         if self.loss_spike_threshold != 0 and not self.loss_spike_threshold > 1:
             raise UserError(f"--loss-spike-threshold must be above 1 (a multiple of the recent median loss) or 0 "
                             f"to turn the warning off, got {self.loss_spike_threshold}")
+        self._check_housekeeping()
         if self.kernels not in KERNEL_MODES:  # whether this machine can run them: kernels.set_kernels
             raise UserError(f"--kernels {self.kernels} is not one of {', '.join(KERNEL_MODES)}")
         return self
+
+    def _check_housekeeping(self) -> None:
+        """The --manual-gc and --profile settings: sane values, and no setting without its switch."""
+        if self.manual_gc_interval < 0:
+            raise UserError(f"--manual-gc-interval must be 0 (collect only around evaluations) or more, got "
+                            f"{self.manual_gc_interval}")
+        if not self.manual_gc and (self.manual_gc_interval or not self.manual_gc_eval):
+            flag = "--manual-gc-interval" if self.manual_gc_interval else "--no-manual-gc-eval"
+            raise UserError(f"{flag} only matters with --manual-gc (Python's own collector runs otherwise); add "
+                            f"--manual-gc or drop {flag}")
+        if not 0 <= self.profile_step_start < self.profile_step_end:
+            raise UserError(f"--profile-step-start {self.profile_step_start} and --profile-step-end "
+                            f"{self.profile_step_end} must satisfy 0 <= start < end (the trace covers the "
+                            f"iterations after start up to end)")
+        if self.profile_ranks is not None and (not self.profile or min(self.profile_ranks) < 0):
+            raise UserError("--profile-ranks needs --profile and ranks of 0 or more; fix the ranks or add "
+                            "--profile")

@@ -28,6 +28,7 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
 from megalite.errors import UserError
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.kernels import set_kernels
+from megalite.run.housekeeping import ManualGC, StepProfiler, empty_unused_memory, profile_folder
 from megalite.run.logger import TrainingLogger
 from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
@@ -114,6 +115,7 @@ class Trainer:
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
+        self.gc = ManualGC(False)  # train() holds --manual-gc's collector while the loop runs
         # Python, numpy and torch RNGs alike on every TP rank (dropout outside TP regions must match), offset
         # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
         random.seed(train.seed + 100 * self.parallel.pp_rank)
@@ -166,6 +168,7 @@ class Trainer:
             # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
             self.log = self.checkpointer.log = self.logger.print
         self._log_batch_and_loss(run.train)
+        self.profiler = self._build_profiler(run)
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
@@ -179,6 +182,19 @@ class Trainer:
         if train.calculate_per_token_loss:
             self.log("--calculate-per-token-loss: megalite's loss always is Megatron's per-token loss (summed over "
                      "the global batch's tokens, divided once by their count), so the flag changes nothing")
+
+    def _build_profiler(self, run: RunConfig) -> StepProfiler:
+        """--profile's profiler for this rank, said once at start-up with where the traces go."""
+        folder = profile_folder(run.logging.tensorboard_dir, run.checkpoint.save)
+        profiler = StepProfiler(run.train, self.parallel.rank, self.parallel.world_size, folder, self.device)
+        train = run.train
+        if train.profile:
+            ranks = "all ranks" if train.profile_ranks is None else f"ranks {' '.join(map(str, train.profile_ranks))}"
+            late = (f" (this run starts after iteration {self.state.iteration}, so it writes none)"
+                    if self.state.iteration > train.profile_step_start else "")
+            self.log(f"--profile: a PyTorch profiler trace of iterations {train.profile_step_start + 1}-"
+                     f"{train.profile_step_end} on {ranks} goes to {os.path.join(folder, 'rank-<rank>.json')}{late}")
+        return profiler
 
     def _iterator(self, dataset, consumed_samples: int, rampup: list[int] | None = None):
         """Micro-batches of `dataset` from `consumed_samples` on; `rampup` for training only (evaluation
@@ -225,6 +241,7 @@ class Trainer:
         self.optimizer.ddp.start_iteration(num_microbatches)
         batch = next_global_batch(self.train_iterator, num_microbatches)
         loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
+        empty_unused_memory(self.run.train.empty_unused_memory_level, 1)  # Megatron's two points, by level
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
         self.optimizer.ddp.finish_grad_sync()
         # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
@@ -238,6 +255,7 @@ class Trainer:
                 raise UserError(divergence_message("the gradient norm is not finite", iteration,
                                                    self.checkpointer.last_checkpoint)) from None
             updated, grad_norm = False, math.nan  # --no-check-for-nan-in-loss-and-grad: skip the step
+        empty_unused_memory(self.run.train.empty_unused_memory_level, 2)
         return loss, grad_norm, updated, lr
 
     def agreed_stop(self, start_time: float | None = None) -> tuple[int, bool]:
@@ -266,6 +284,7 @@ class Trainer:
             return True
         losses = []
         self.model.eval()
+        self.gc.before_evaluation()
         try:
             with torch.no_grad():
                 for _ in range(train.eval_iters):
@@ -273,16 +292,21 @@ class Trainer:
                         return False
                     batch = next_global_batch(iterator, self.num_microbatches)
                     losses.append(forward_backward(self.model, batch, parallel=self.parallel, comm=self.comm))
+                    empty_unused_memory(train.empty_unused_memory_level, 1)
         finally:
             self.model.train()
+            self.gc.after_evaluation()
         if split == "valid":
             self.state.consumed_valid_samples += train.eval_iters * train.global_batch_size
         self.logger.log_evaluation(self.state.iteration, split, sum(losses) / len(losses))
         return True
 
     def train(self) -> TrainState:
-        # self.signals: the run's signal owner (pretrain's, or one installed for this call).
-        with owned_signals(self.run.train.exit_signal_handler) as self.signals:
+        # self.signals: the run's signal owner (pretrain's, or one installed for this call); self.gc: --manual-gc's
+        # collector, off while the loop runs.
+        train = self.run.train
+        with (owned_signals(train.exit_signal_handler) as self.signals,
+              ManualGC(train.manual_gc, train.manual_gc_interval, train.manual_gc_eval) as self.gc):
             return self._train()
 
     def _train(self) -> TrainState:
@@ -299,6 +323,7 @@ class Trainer:
                 self.log(f"the checkpoint is at iteration {state.iteration} of --train-iters {run.train.train_iters}: "
                          f"nothing to train; raise --train-iters to go on, or --save to a new folder to start afresh")
             while reason is None:
+                self.profiler.at_iteration(state.iteration)
                 step_start = time.perf_counter()
                 global_batch = run.global_batch_at(state.consumed_train_samples)
                 loss, grad_norm, updated, lr = self.train_step()
@@ -319,7 +344,9 @@ class Trainer:
                 if self.checkpointer.due(state.iteration):
                     self.save()
                     saved_at = state.iteration
+                self.gc.after_iteration(state.iteration)
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
+            self.profiler.close()  # a run that ends before --profile-step-end: the iterations it had
             if reason == "finished":  # validation (unless the last iteration had it), then test; a signal stops them
                 validated = run.train.eval_interval and state.iteration % run.train.eval_interval == 0
                 if validated or self.evaluate_split("valid", self.valid_iterator):
@@ -338,6 +365,7 @@ class Trainer:
                 raise self.peers.failure(error, state.iteration + 1, self.checkpointer.last_checkpoint) from error
             raise
         finally:
+            self.profiler.close()
             self.tracker.finish(exit_code, {"exit_reason": failure or state.exit_reason,
                                             "final_iteration": state.iteration})
             self.logger.close()
