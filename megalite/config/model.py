@@ -12,6 +12,11 @@ NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 
 
+def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
+    """The channels of a head that rope rotates: int(head_dim x rotary_percent), as Megatron counts them."""
+    return int(head_dim * rotary_percent)
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     """One GPT / LLaMA architecture; None fields are derived as Megatron derives them. On the command
@@ -33,7 +38,8 @@ class ModelConfig:
                                                        "table's size)", default_text="--seq-length")
     position_embedding_type: str = option("learned_absolute", "position encoding", choices=POSITION_EMBEDDING_TYPES)
     rotary_base: float = option(10000.0, "rope's base period")
-    rotary_percent: float = option(1.0, "the fraction of each head's channels rope rotates (megalite: all, 1.0)")
+    rotary_percent: float = option(1.0, "rope rotates the first int(head size x this) channels of each head and "
+                                        "passes the rest through (0 < P <= 1)")
     use_rope_scaling: bool = option(False, "Llama 3.1's rope frequency scaling (low 1, high 4, context 8192)")
     rope_scaling_factor: float = option(8.0, "with --use-rope-scaling: the scaling factor")
     normalization: str = option("LayerNorm", "normalization layer", choices=NORMALIZATIONS)
@@ -69,6 +75,11 @@ class ModelConfig:
     def head_dim(self) -> int:
         """Channels per attention head (`--kv-channels`)."""
         return self.kv_channels or self.hidden_size // self.num_attention_heads
+
+    @property
+    def rotary_dim(self) -> int:
+        """Channels per head that rope rotates (`--rotary-percent` of the head size)."""
+        return rotary_dim(self.head_dim, self.rotary_percent)
 
     @property
     def query_groups(self) -> int:
@@ -115,9 +126,12 @@ class ModelConfig:
                                 f"change --kv-channels or --hidden-size / --num-attention-heads")
             if self.rotary_base <= 0:
                 raise UserError(f"--rotary-base must be positive, got {self.rotary_base}")
-        if self.rotary_percent != 1.0:
-            raise UserError(f"--rotary-percent {self.rotary_percent} asks for partial rotary embeddings, which "
-                            f"megalite does not have (it rotates every channel of a head); pass 1.0 or drop it")
+        if not 0.0 < self.rotary_percent <= 1.0:
+            raise UserError(f"--rotary-percent must be in (0, 1], got {self.rotary_percent}; 1.0 rotates whole heads")
+        if self.position_embedding_type == "rope" and (self.rotary_dim < 2 or self.rotary_dim % 2):
+            raise UserError(f"--rotary-percent {self.rotary_percent} rotates {self.rotary_dim} of a head's "
+                            f"{self.head_dim} channels, but rope rotates channel pairs; pick a percent that gives "
+                            f"an even count of at least 2")
         if self.use_rope_scaling and self.position_embedding_type != "rope":
             raise UserError("--use-rope-scaling needs --position-embedding-type rope; "
                             "drop --use-rope-scaling or switch to rope")

@@ -32,6 +32,8 @@ class ParallelConfig:
     use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
                                             "its FSDP; --data-parallel-sharding-strategy picks the stage")
     overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last backward")
+    grad_reduce_in_bf16: bool = option(False, "reduce gradients over data-parallel ranks in bf16 (half the bytes, "
+                                              "rounded sums); micro-batch accumulation stays fp32")
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
     distributed_backend: str | None = option(None, "collective backend", choices=("nccl", "gloo"),
                                              default_text="nccl with CUDA, else gloo")

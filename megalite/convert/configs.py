@@ -27,6 +27,10 @@ def hf_architecture(config: ModelConfig) -> str:
     gpt2 = dict(position_embedding_type="learned_absolute", normalization="LayerNorm", swiglu=False,
                 add_bias_linear=True)
     if all(getattr(config, key) == value for key, value in llama.items()):
+        if config.rotary_percent != 1.0:
+            raise UserError(f"this model rotates {config.rotary_dim} of each head's {config.head_dim} channels "
+                            f"(--rotary-percent {config.rotary_percent:g}), but transformers' LlamaForCausalLM "
+                            f"rotates whole heads; train with --rotary-percent 1.0 to export to Hugging Face")
         return LLAMA
     if all(getattr(config, key) == value for key, value in gpt2.items()):
         if config.query_groups != config.num_attention_heads or config.head_dim * config.num_attention_heads \
@@ -172,8 +176,11 @@ def _rope(hf: dict) -> tuple[float, dict | None]:
     if rope_type not in _ROPE_TYPES:
         raise UserError(f"config.json field {field!r} has rope type {rope_type!r}, which megalite does not "
                         f"implement; supported: {', '.join(_ROPE_TYPES)} (Llama 3.1)")
-    if scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0)) != 1.0:
-        raise UserError("config.json field 'partial_rotary_factor' is not 1; megalite rotates whole heads")
+    factor = scaling.get("partial_rotary_factor", hf.get("partial_rotary_factor", 1.0))
+    if factor != 1.0:
+        raise UserError(f"config.json field 'partial_rotary_factor' is {factor}, but LlamaForCausalLM applies rope "
+                        f"to whole heads, so the file does not describe a model it computes; only a factor of 1 "
+                        f"(or none) imports")
     if rope_type == "default":
         return theta, None
     for key, value in _LLAMA3_ROPE.items():

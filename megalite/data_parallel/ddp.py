@@ -13,6 +13,11 @@ optim_grads (ZeRO-2) has no whole buffer: a bucket's full grads exist from its f
 the iteration until its reduce-scatter, always started from the last backward, with one in
 flight; (3) then sums the own shard's SP parts over TP (TP peers own the same ranges);
 optim_grads_params (ZeRO-3) adds one bucket per unit and sharded parameters (param_shards.py).
+
+With `grad_reduce_in_bf16` (Megatron's --grad-reduce-in-bf16) step (2) sends half the bytes: each
+bucket is cast to a bf16 copy, the copy is all-reduced or reduce-scattered, and the result is cast back
+into the fp32 buffer or shard once the collective completes. Accumulation over micro-batches stays fp32;
+only the sum over DP ranks is rounded (to bf16's 8 bits of mantissa).
 """
 
 import torch
@@ -36,10 +41,11 @@ class DataParallelGrads:
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
-                 strategy: str = "no_shard", overlap: bool = False):
+                 strategy: str = "no_shard", overlap: bool = False, grad_reduce_in_bf16: bool = False):
         if strategy not in SHARDING_STRATEGIES:
             raise ValueError(f"unknown sharding strategy {strategy!r}; pick one of {', '.join(SHARDING_STRATEGIES)}")
         self.model, self.parallel, self.strategy = model, parallel, strategy
+        self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
         self.shard = strategy != "no_shard"
         self.sharded_grads = strategy in ("optim_grads", "optim_grads_params")
         self.overlap = (overlap and parallel.dp_size > 1) or self.sharded_grads
@@ -138,20 +144,52 @@ class DataParallelGrads:
             self._wait_launched()
         bucket: Bucket = self.buffer.buckets[index]
         data = self.buffer.bucket_grads(bucket)
-        shard, group = self.buffer.shard_view(bucket), self.parallel.dp_group
+        shard = self.buffer.shard_view(bucket)
         if self.sharded_grads and self.parallel.dp_size == 1:
             shard.copy_(data)
             work = None
-        elif self.sharded_grads:  # the shard is a tensor of its own: no copy needed
-            work = reduce_scatter_single(shard, data, group=group, async_op=async_op)
-        elif self.shard:
-            # The output is a view of the input's storage; collectives must not alias, so reduce a copy.
-            work = reduce_scatter_single(shard, data.clone(), group=group, async_op=async_op)
         else:
-            work = dist.all_reduce(data, group=group, async_op=async_op)
+            work = self._reduce(data, shard, async_op)
         if self.sharded_grads and work is None:
             free(bucket.grad)
         self._launched[index] = work
+
+    def _reduce(self, data: torch.Tensor, shard: torch.Tensor, async_op: bool):
+        """Sum a bucket's grads `data` over DP: in place (no_shard) or into its `shard`; in bf16 with
+        grad_reduce_in_bf16. The async work (an object with wait()), or None when already done."""
+        group, low = self.parallel.dp_group, self.reduce_dtype
+        source = data.to(low) if low else data
+        target = shard if self.shard else data
+        if not self.shard:
+            output = source
+            work = dist.all_reduce(source, group=group, async_op=async_op)
+        else:
+            output = torch.empty(shard.shape, dtype=low, device=shard.device) if low else shard
+            if not low and not self.sharded_grads:
+                # The output is a view of the input's storage; collectives must not alias, so reduce a copy.
+                source = data.clone()
+            work = reduce_scatter_single(output, source, group=group, async_op=async_op)
+        if low is None:
+            return work
+        reduction = _CastBack(work, source, output, target)
+        if work is None:
+            reduction.wait()
+            return None
+        return reduction
+
+
+class _CastBack:
+    """A bf16 reduction in flight: holds its input and output (an async collective needs both alive until
+    it completes) and, on wait(), copies the reduced bf16 result into the fp32 `target`."""
+
+    def __init__(self, work, source: torch.Tensor, output: torch.Tensor, target: torch.Tensor):
+        self.work, self.source, self.output, self.target = work, source, output, target
+
+    def wait(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        self.target.copy_(self.output)
+        self.work = self.source = self.output = None
 
 
 def buffer_groups(chunks: list[nn.Module], strategy: str) -> list[list[nn.Parameter]]:

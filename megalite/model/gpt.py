@@ -80,7 +80,8 @@ class GPTModel(nn.Module):
         self.rotary = None
         if config.position_embedding_type == "rope":
             self.rotary = RotaryEmbedding(config.head_dim, config.rotary_base,
-                                          config.rope_scaling_factor if config.use_rope_scaling else None)
+                                          config.rope_scaling_factor if config.use_rope_scaling else None,
+                                          config.rotary_percent)
 
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel) for i in layer_ids})
 

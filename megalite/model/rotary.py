@@ -2,12 +2,17 @@
 
 Hugging Face's rotate-half convention (channel i pairs with i + d/2), so converted checkpoints
 need no permutation; inv_freq[j] = base^(-2j/d), with Llama 3.1's scaling given `scaling_factor`.
+With `rotary_percent` P < 1 (Megatron's --rotary-percent) only the first d = int(head_dim x P) channels
+of a head rotate, with their own frequencies (d in the formula); the tables are d wide and the rotation
+passes the other channels through.
 """
 
 import math
 
 import torch
 from torch import nn
+
+from megalite.config.model import rotary_dim
 
 
 def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_factor: float = 1.0,
@@ -23,13 +28,16 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables `[s, b, 1, d]` (fp32) for positions `position_ids` `[b, s]` when given
-    (--reset-position-ids), else `offset + arange(s)`, cached per device for the longest length seen."""
+    """cos/sin tables `[s, b, 1, d]` (fp32, d = rotary_dim(head_dim, rotary_percent)) for positions
+    `position_ids` `[b, s]` when given (--reset-position-ids), else `offset + arange(s)`, cached per
+    device for the longest length seen."""
 
-    def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None):
+    def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None,
+                 rotary_percent: float = 1.0):
         super().__init__()
+        dim = rotary_dim(head_dim, rotary_percent)
         # An explicit CPU device: the model may be built under a meta-device context.
-        exponents = torch.arange(0, head_dim, 2, dtype=torch.float32, device="cpu") / head_dim
+        exponents = torch.arange(0, dim, 2, dtype=torch.float32, device="cpu") / dim
         inv_freq = 1.0 / (base ** exponents)
         if scaling_factor is not None:
             inv_freq = llama3_scaled_inv_freq(inv_freq, scaling_factor)

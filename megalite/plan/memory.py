@@ -128,7 +128,7 @@ class ActivationModel:
         micro-batch's position ids and shared by its layers; full recomputation keeps them too."""
         if self.config.position_embedding_type != "rope":
             return 0
-        return 2 * 4 * self.tokens * self.config.head_dim
+        return 2 * 4 * self.tokens * self.config.rotary_dim
 
 
 def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool, last: bool,

@@ -64,7 +64,7 @@ def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrec
     train, layout = run.train, run.parallel
     kind = DistributedOptimizer if layout.sharding != "no_shard" else MixedPrecisionOptimizer
     ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, strategy=layout.sharding,
-                            overlap=layout.overlap_grad_reduce)
+                            overlap=layout.overlap_grad_reduce, grad_reduce_in_bf16=layout.grad_reduce_in_bf16)
     scaler = None
     if train.fp16:
         scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,

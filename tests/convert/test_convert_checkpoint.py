@@ -288,6 +288,9 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
     ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2 has biases on q/k/v only"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "'MixtralForCausalLM', which megalite"),
     ({"quantization_config": {"bits": 4}}, "field 'quantization_config' is set"),
+    ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+     "field 'partial_rotary_factor' is 0.5"),
+    ({"partial_rotary_factor": 0.25}, "field 'partial_rotary_factor' is 0.25"),
 ])
 def test_unsupported_hf_configs_are_refused_naming_the_field(change, message):
     with pytest.raises(UserError, match=message.replace("(", r"\(").replace(")", r"\)")):
@@ -358,3 +361,15 @@ def test_sentencepiece_models_with_default_normalisation_convert_exactly(tmp_pat
                  "ü ✓ 中", "<tool> import json"]:
         assert converted.encode(text).ids == processor.encode(text), text
         assert converted.decode(processor.encode(text)) == processor.decode(processor.encode(text))
+
+
+def test_a_partial_rotary_model_is_refused_by_the_export():
+    """HF's LlamaForCausalLM rotates whole heads: a --rotary-percent 0.5 model has no HF counterpart."""
+    from megalite.convert.configs import hf_architecture
+
+    llama = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                 position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    assert hf_architecture(ModelConfig(**llama)) == "LlamaForCausalLM"
+    with pytest.raises(UserError, match=r"rotates 4 of each head's 8 channels \(--rotary-percent 0.5\).*"
+                                        r"--rotary-percent 1.0 to export"):
+        hf_architecture(ModelConfig(**llama, rotary_percent=0.5))

@@ -35,3 +35,27 @@ def test_sharding_comm_bench_counts_zero3_at_one_and_a_half_times_plain_dp(capsy
               if line.split()[:1] and line.split()[0] in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
     assert ratios == {"no_shard": 1.0, "optim": 1.0, "optim_grads": 1.0, "optim_grads_params": 1.5}
     assert "PASS: ZeRO-3 moves 1.500x plain DP's bytes" in out
+
+
+def columns(out: str) -> dict:
+    """strategy -> (all-reduce, all-gather, reduce-scatter) MB of the bench's table."""
+    return {row[0]: tuple(float(x) for x in row[1:4]) for row in (line.split() for line in out.splitlines())
+            if row[:1] and row[0] in ("no_shard", "optim", "optim_grads", "optim_grads_params")}
+
+
+def test_sharding_comm_bench_counts_grads_reduced_in_bf16_at_half_the_bytes(capsys):
+    """--grad-reduce-in-bf16 halves every grad reduction (all-reduce, reduce-scatter); the fp32 param
+    all-gathers stay as they are."""
+    from tools.bench.sharding_comm import main as comm_main
+
+    assert comm_main(["--dp", "2", "--small"]) == 0
+    fp32 = columns(capsys.readouterr().out)
+    assert comm_main(["--dp", "2", "--small", "--grad-reduce-in-bf16"]) == 0
+    out = capsys.readouterr().out
+    bf16 = columns(out)
+    assert "fp32 grads reduced in bf16" in out
+    for strategy, (all_reduce, all_gather, reduce_scatter) in fp32.items():
+        assert bf16[strategy][0] == pytest.approx(all_reduce / 2, abs=0.002)
+        assert bf16[strategy][1] == all_gather
+        assert bf16[strategy][2] == pytest.approx(reduce_scatter / 2, abs=0.002)
+    assert fp32["no_shard"][0] > 0 and fp32["optim"][2] > 0

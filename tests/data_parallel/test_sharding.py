@@ -28,8 +28,9 @@ from tools.bench.memory import PeakSampler, random_micro_batch
 from tools.check_layouts import COMMON, MODELS
 
 
-def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute):
+def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_reduce_in_bf16=False):
     """(loss, owned grads as [(name, offsets, array)], peak gathered units, bytes left unreleased).
+    With grad_reduce_in_bf16 every strategy overlaps its reductions with the backward (async works).
 
     Arrays rather than tensors: many small tensors sent back through the result queue would
     each need a shared-memory handle that outlives the rank's process."""
@@ -37,7 +38,8 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute):
     model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
     for chunk in model:
         apply_options(chunk, recompute_granularity=recompute)
-    ddp = DataParallelGrads(model, parallel, strategy=strategy, bucket_size=2000)
+    ddp = DataParallelGrads(model, parallel, strategy=strategy, bucket_size=2000, overlap=grad_reduce_in_bf16,
+                            grad_reduce_in_bf16=grad_reduce_in_bf16)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
     optimizer = kind(ddp, lr=1e-3)
     peak = [0]
@@ -119,6 +121,28 @@ def test_each_strategy_gives_the_one_process_grads(layout, strategy, single, one
     if strategy == "optim_grads_params":
         # The running unit and the prefetched one, plus a tied embedding held for the head.
         assert max(peak for _, _, peak, _ in results) <= 2 + tied
+
+
+@pytest.mark.parametrize("strategy", ["no_shard", "optim", "optim_grads", "optim_grads_params"])
+def test_grads_reduced_in_bf16_match_the_fp32_sum_within_bf16_rounding(strategy, single, one_thread):
+    """--grad-reduce-in-bf16 at DP 2: every grad is a bf16 value (the sum really ran in bf16), within bf16's
+    rounding of the one-process fp32 grad, and not equal to it (the fp32 reduction matches to 1e-5)."""
+    loss, grads = single[False]
+    results = run_world(2, sharded_world, 1, 1, 1, strategy, False, None, True)
+    assembled = {name: torch.full_like(grad, float("nan")) for name, grad in grads.items()}
+    for rank_loss, pieces, _, left in results:
+        assert rank_loss == pytest.approx(loss, rel=1e-6) and left == 0
+        for name, offsets, tensor in pieces:
+            assembled[name][tuple(slice(o, o + n) for o, n in zip(offsets, tensor.shape))] = torch.from_numpy(tensor)
+    differs = False
+    for name, grad in grads.items():
+        ours = assembled[name]
+        assert torch.equal(ours, ours.bfloat16().float()), f"{strategy}: {name} was not reduced in bf16"
+        # Each rank's part rounded to bf16 (2^-9 relative), then their sum: within 2^-7 of the largest grad.
+        torch.testing.assert_close(ours, grad, rtol=2 ** -7, atol=2 ** -7 * float(grad.abs().max()),
+                                   msg=f"{strategy}: {name}")
+        differs |= not torch.allclose(ours, grad, rtol=1e-5, atol=1e-7)
+    assert differs
 
 
 def test_zero3_with_full_recomputation_gives_the_one_process_grads(single, one_thread):

@@ -29,14 +29,16 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("positions", ["offset", "per-sample"])
-def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype, one_thread, device):
-    s, b, heads, groups, d = 5, 3, 6, 2, 10  # grouped-query: 6 query heads, 2 key heads; d/2 odd
+@pytest.mark.parametrize("d, percent", [(10, 1.0), (12, 0.5)], ids=["whole", "half"])
+def test_triton_rotary_matches_float64_within_twice_torch_error(d, percent, positions, dtype, one_thread, device):
+    """Whole heads (d/2 odd), and --rotary-percent 0.5: 6 of 12 channels rotate (3 pairs), 6 pass through."""
+    s, b, heads, groups = 5, 3, 6, 2  # grouped-query: 6 query heads, 2 key heads
     generator = torch.Generator().manual_seed(7)
     q = torch.randn(s, b, heads, d, generator=generator, dtype=torch.float64)
     k = torch.randn(s, b, groups, d, generator=generator, dtype=torch.float64)
     grads = (torch.randn(q.shape, generator=generator, dtype=torch.float64),
              torch.randn(k.shape, generator=generator, dtype=torch.float64))
-    rotary = RotaryEmbedding(d, base=500.0)
+    rotary = RotaryEmbedding(d, base=500.0, rotary_percent=percent)
     if positions == "offset":
         cos, sin = rotary(s, offset=11)  # [s, 1, 1, d]
     else:
@@ -48,3 +50,6 @@ def test_triton_rotary_matches_float64_within_twice_torch_error(positions, dtype
     triton_path = run(_Rotary.apply, q, k, cos, sin, grads, dtype)
     for name, expected, ours, theirs in zip(("q", "k", "dq", "dk"), reference, triton_path, torch_path):
         assert relative_error(ours, expected) <= 2 * max(relative_error(theirs, expected), FLOOR[dtype]), name
+    if percent < 1:  # the channels past the rotated ones, and their grads, pass through bit for bit
+        for ours, theirs in zip(triton_path, torch_path):
+            assert torch.equal(ours[..., 6:], theirs[..., 6:])
