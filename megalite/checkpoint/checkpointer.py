@@ -106,6 +106,7 @@ class Checkpointer:
         if ckpt.save is None:
             return None
         start = time.perf_counter()
+        optimizer.finish_param_sync()  # --overlap-param-gather: the weights saved must be the whole ones
         extra = {"lr_schedule": schedule.state_dict(), "model_name": self.run.model_name,
                  "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending}
         path = save_checkpoint(ckpt.save, state.iteration, model, optimizer,

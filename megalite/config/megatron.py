@@ -49,8 +49,6 @@ COMPAT_FLAGS = [
                                 "layout loads", takes_value=True, allowed=("torch_dist", "fsdp_dtensor", "zarr"),
                refused="--ckpt-format {value} (per-rank files) is not a megalite format: megalite writes one "
                        "layout-free format that any layout loads, so drop the flag (or pass torch_dist)"),
-    CompatFlag("--overlap-param-gather", "parameters are all-gathered after the optimizer step, without overlap "
-                                         "(ZeRO-3 gathers each unit before use); the results are the same"),
     CompatFlag("--log-throughput", "every log line already shows Megatron's throughput per GPU as 'TFLOP/s per "
                                    "device' (model FLOPs per second per device, docs/flops.md), beside tokens/s "
                                    "and MFU"),

@@ -32,6 +32,9 @@ class ParallelConfig:
     use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
                                             "its FSDP; --data-parallel-sharding-strategy picks the stage")
     overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last backward")
+    overlap_param_gather: bool = option(False, "sharded optimizer: all-gather the updated parameters asynchronously "
+                                               "after the step; the next forward waits for each bucket just before "
+                                               "its first use (ZeRO-3 always gathers ahead of use)")
     grad_reduce_in_bf16: bool = option(False, "reduce gradients over data-parallel ranks in bf16 (half the bytes, "
                                               "rounded sums); micro-batch accumulation stays fp32")
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
@@ -54,6 +57,9 @@ class ParallelConfig:
 
     def validate(self) -> "ParallelConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
+        if self.overlap_param_gather and self.sharding == "no_shard":
+            raise UserError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather, so it "
+                            "needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy); add one")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
         for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
                            ("--ddp-bucket-size", self.ddp_bucket_size),

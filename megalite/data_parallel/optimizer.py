@@ -207,6 +207,9 @@ class MixedPrecisionOptimizer:
             if main is not param:
                 param.copy_(main)
 
+    def finish_param_sync(self, buckets=None) -> None:
+        """Nothing to wait for: only the distributed optimizer gathers parameters."""
+
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copy the model params into the main params, after weights were loaded without optimizer state."""
@@ -272,6 +275,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     gathers nothing: the next forward does (param_shards.py)."""
 
     distributed = True
+    _deferred = None  # --overlap-param-gather: id(bucket) -> (work, gathered values, input, bucket)
 
     def _build_main_params(self) -> None:
         """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
@@ -309,11 +313,13 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 values.copy_(main)
         if self.dp_size == 1 or self.ddp.param_shards is not None:
             return
+        self.finish_param_sync()  # a gather still in flight would land on top of these values
         for bucket in self.grad_buffer.buckets:
             self._all_gather_bucket(bucket)
 
     def _all_gather_bucket(self, bucket) -> None:
-        """Every DP rank's shard of `bucket`'s params, gathered into the params of all ranks."""
+        """Every DP rank's shard of `bucket`'s params, gathered into the params of all ranks (with
+        --overlap-param-gather started here and finished by `finish_param_sync`)."""
         buffer, first = self.grad_buffer, bucket.params[0]
         full = torch.zeros(bucket.end - bucket.start, dtype=first.dtype, device=first.device)
         for param in bucket.params:
@@ -321,10 +327,34 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
             full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))
         shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
         mine = full[shard_start - bucket.start:shard_end - bucket.start].clone()
-        all_gather_single(full, mine, group=self.ddp.parallel.dp_group)
+        work = all_gather_single(full, mine, group=self.ddp.parallel.dp_group, async_op=self._deferred is not None)
+        if self._deferred is None:
+            self._scatter(bucket, full)
+        else:
+            self._deferred[id(bucket)] = (work, full, mine, bucket)
+
+    def _scatter(self, bucket, full: torch.Tensor) -> None:
         for param in bucket.params:
-            start, numel = buffer.offsets[param]
+            start, numel = self.grad_buffer.offsets[param]
             param.detach().view(-1).copy_(full[start - bucket.start:start - bucket.start + numel])
+
+    def overlap_param_gather(self) -> None:
+        """--overlap-param-gather: from now on the step only starts each bucket's all-gather; a forward
+        pre-hook on each module waits for the buckets of its own parameters just before they are used."""
+        self._deferred = {}
+        for module in self.ddp.model.modules():
+            buckets = {id(self.grad_buffer.bucket_of[param]) for param in module.parameters(recurse=False)
+                       if param in self.grad_buffer.bucket_of}
+            if buckets:
+                module.register_forward_pre_hook(lambda *_, buckets=buckets: self.finish_param_sync(buckets))
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Wait for the parameter all-gathers still in flight (of the buckets with ids in `buckets`; all by
+        default) and write them into the parameters: before anything reads the weights outside a forward."""
+        for key in [key for key in self._deferred or () if buckets is None or key in buckets]:
+            work, full, _, bucket = self._deferred.pop(key)
+            work.wait()
+            self._scatter(bucket, full)
 
     def _adam_states(self) -> list[dict]:
         """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,

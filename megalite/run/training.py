@@ -69,8 +69,11 @@ def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrec
     if train.fp16:
         scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
                                    growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
-    return kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
+    optimizer = kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                     eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
+    if layout.overlap_param_gather and ddp.param_shards is None:  # ZeRO-3 gathers ahead of use anyway
+        optimizer.overlap_param_gather()
+    return optimizer
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -307,7 +310,10 @@ class Trainer:
         train = self.run.train
         with (owned_signals(train.exit_signal_handler) as self.signals,
               ManualGC(train.manual_gc, train.manual_gc_interval, train.manual_gc_eval) as self.gc):
-            return self._train()
+            try:
+                return self._train()
+            finally:
+                self.optimizer.finish_param_sync()  # whoever reads the weights next gets the whole ones
 
     def _train(self) -> TrainState:
         run, state = self.run, self.state

@@ -15,6 +15,7 @@ from megalite.checkpoint import flat_range_pieces, tensor_parallel_pieces
 from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from megalite.data_parallel.param_shards import ParamShards
+from megalite.errors import UserError
 from megalite.model.options import apply_options
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline_parallel.comm import PipelineComm
@@ -212,3 +213,46 @@ def test_zero3_trains_a_model_whose_unsharded_state_exceeds_the_budget(one_threa
     assert peak <= budget and len(losses) == 8 and losses[-1] < losses[0] - 0.5
     _, unsharded_peak = run_world(4, budget_world, "no_shard", budget, 1)[0]
     assert unsharded_peak > budget
+
+
+def param_gather_world(rank, world_size, overlap):
+    """Three steps of the distributed optimizer; (losses, buckets still gathering and the share of weights
+    changed right after the first step, a checksum of the final weights)."""
+    parallel = build_parallel_state()
+    model = build_model_chunks(config(False), seed=11, parallel=parallel)
+    ddp = DataParallelGrads(model, parallel, strategy="optim", bucket_size=2000)
+    optimizer = DistributedOptimizer(ddp, lr=1e-2)
+    if overlap:
+        optimizer.overlap_param_gather()
+    mine = global_batch()[parallel.dp_rank::parallel.dp_size]
+    losses, pending, changed = [], 0, 0.0
+    for step in range(3):
+        optimizer.zero_grad()
+        ddp.start_iteration(len(mine))
+        losses.append(forward_backward(model, mine, optimizer, parallel))
+        ddp.finish_grad_sync()
+        before = [param.detach().clone() for param in model.parameters()]
+        optimizer.step(1e-2)
+        if step == 0:
+            pending = len(optimizer._deferred or {})
+            changed = sum(int((param.detach() != old).sum()) for param, old in zip(model.parameters(), before))
+            changed /= sum(param.numel() for param in before)
+    optimizer.finish_param_sync()
+    return losses, pending, changed, float(sum(param.double().sum() for param in model.parameters()))
+
+
+def test_overlapped_param_gather_waits_in_the_forward_and_changes_nothing(one_thread):
+    """--overlap-param-gather: the step only starts the all-gathers (the weights outside this rank's shard
+    keep their old values until the forward that uses them waits), and training is bitwise the same."""
+    plain = run_world(2, param_gather_world, False)
+    overlapped = run_world(2, param_gather_world, True)
+    for (losses, _, changed, weights), (losses_overlapped, pending, changed_overlapped, weights_overlapped) in \
+            zip(plain, overlapped):
+        assert losses_overlapped == losses and weights_overlapped == weights
+        assert pending > 1 and changed_overlapped < 0.6 < 0.9 < changed  # own half only, then all of them
+
+
+def test_overlap_param_gather_needs_a_sharded_optimizer():
+    with pytest.raises(UserError, match="--overlap-param-gather overlaps the distributed optimizer's"):
+        parse_args(["--overlap-param-gather"])
+    assert parse_args(["--overlap-param-gather", "--use-distributed-optimizer"]).parallel.overlap_param_gather
