@@ -10,6 +10,7 @@ without it has None groups. torch reads `group=None` as the WHOLE world, so a No
 trivial group would turn a forgotten size check into a world-wide collective.
 """
 
+import gc
 import os
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -201,6 +202,9 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
 def destroy(state: ParallelState) -> None:
     """Tear down the process groups if `initialize` created them; otherwise do nothing."""
     if state.owns_process_group and dist.is_initialized():
+        # Unreachable cycles (a model's hooks and its optimizer) can hold the groups: freed now, not at
+        # interpreter exit, where a gloo group torn down late aborts the process.
+        gc.collect()
         dist.destroy_process_group()
         state.owns_process_group = False
 

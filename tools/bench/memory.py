@@ -36,6 +36,7 @@ ZeRO-3 at DP=8 at most 0.15 of no_shard; the script exits 1 if either fails.
 """
 
 import argparse
+import gc
 import json
 import os
 import subprocess
@@ -185,6 +186,7 @@ def gather_to_file(output: str, figures_of) -> None:
     parallel = initialize(ParallelConfig(world_size=world_size_from_env(), distributed_backend="gloo"))
     gathered = [None] * parallel.world_size
     dist.all_gather_object(gathered, figures_of(parallel))
+    gc.collect()  # the measured models' hook cycles hold the groups: free them before the groups go
     if parallel.rank == 0:
         with open(output, "w", encoding="utf-8") as file:
             json.dump(gathered, file)
