@@ -106,15 +106,8 @@ class DataParallelGrads:
 
     def _sequence_parallel_shard_grads(self) -> list[torch.Tensor]:
         """The parts of this rank's grad shards that belong to sequence-parallel parameters."""
-        views = []
-        for bucket in self.buffer.buckets:
-            shard = self.buffer.shard_view(bucket)
-            low = bucket.start + self.parallel.dp_rank * shard.numel()
-            for param in bucket.params:
-                start, numel = self.buffer.offsets[param]
-                if getattr(param, "sequence_parallel", False) and start < low + shard.numel() and low < start + numel:
-                    views.append(shard[max(start, low) - low:min(start + numel, low + shard.numel()) - low])
-        return views
+        return [self.buffer.shard_view(bucket)[slice(*in_shard)] for bucket, param, _, in_shard in self.buffer.owned()
+                if getattr(param, "sequence_parallel", False)]
 
     def _grad_ready(self, param) -> None:
         if self.param_shards is not None:

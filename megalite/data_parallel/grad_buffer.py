@@ -97,9 +97,20 @@ class GradBuffer:
         if not self.sharded:
             return self.data[bucket.start:bucket.end]
         if bucket.grad.untyped_storage().size() == 0:
-            bucket.grad.untyped_storage().resize_(bucket.grad.numel() * bucket.grad.element_size())
-            bucket.grad.zero_()
+            allocate(bucket.grad).zero_()
         return bucket.grad
+
+    def owned(self, rank: int | None = None):
+        """Yield (bucket, param, local, in_shard) for each parameter's part inside shard `rank` (default: this
+        rank's) of its bucket, one contiguous range per parameter at most: `local` its (start, end) in the
+        parameter's flat values, `in_shard` the same elements' (start, end) in the bucket's shard."""
+        for bucket in self.buckets:
+            shard_start, shard_end = bucket.shard(self.shard_rank if rank is None else rank, self.shard_count)
+            for param in bucket.params:
+                start, numel = self.offsets[param]
+                low, high = max(start, shard_start), min(start + numel, shard_end)
+                if low < high:
+                    yield bucket, param, (low - start, high - start), (low - shard_start, high - shard_start)
 
     def shard_view(self, bucket: Bucket) -> torch.Tensor:
         """This rank's shard of `bucket`'s grads, 1-D: where its reduce-scatter leaves them."""
@@ -148,6 +159,12 @@ def _unique_in_backward_order(params: list[nn.Parameter], seen: set[int]) -> lis
         seen.add(id(param))
         unique.append(param)
     return unique[::-1]
+
+
+def allocate(tensor: torch.Tensor) -> torch.Tensor:
+    """Give a `free`d tensor (and its views) memory again, uninitialised; returns it."""
+    tensor.untyped_storage().resize_(tensor.numel() * tensor.element_size())
+    return tensor
 
 
 def free(tensor: torch.Tensor) -> None:

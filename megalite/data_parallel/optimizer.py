@@ -281,19 +281,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
         self.model_params, self.names, self.main_params, self.main_grads, self.ranges = [], [], [], [], []
         buffer = self.grad_buffer
-        for bucket in buffer.buckets:
-            shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
-            for param in bucket.params:
-                start, numel = buffer.offsets[param]
-                low, high = max(start, shard_start), min(start + numel, shard_end)
-                if low >= high:
-                    continue
-                local = (low - start, high - start)
-                self.model_params.append(param)
-                self.names.append(self.name_of[id(param)])
-                self.main_params.append(_main_param(self._values(param, *local)))
-                self.main_grads.append(buffer.shard_view(bucket)[low - shard_start:high - shard_start])
-                self.ranges.append(local)
+        for bucket, param, local, in_shard in buffer.owned():
+            self.model_params.append(param)
+            self.names.append(self.name_of[id(param)])
+            self.main_params.append(_main_param(self._values(param, *local)))
+            self.main_grads.append(buffer.shard_view(bucket)[slice(*in_shard)])
+            self.ranges.append(local)
 
     def _values(self, param, start: int, end: int) -> torch.Tensor:
         """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view)."""

@@ -22,12 +22,12 @@ unit was gathered for it.
 """
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 from torch import nn
 
-from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, free
+from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, allocate, free
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.comm import all_gather_single
 
@@ -44,7 +44,6 @@ class Unit:
     work: object = None  # a pending asynchronous all-gather
     gathered: bool = False
     grads_seen: int = 0
-    names: list[str] = field(default_factory=list)
 
 
 def unit_params(chunk: nn.Module) -> list[tuple[list[nn.Parameter], list[nn.Module], nn.Module]]:
@@ -83,7 +82,6 @@ class ParamShards:
                                   dtype=param.dtype, device=param.device)
         self.units: list[Unit] = []
         self.unit_of: dict[int, Unit] = {}
-        self._handles = []
         for chunk in chunks:
             self._shard_chunk(chunk)
 
@@ -95,9 +93,9 @@ class ParamShards:
             unit = self._shard_bucket(bucket)
             units.append(unit)
             for module in entries:
-                self._handles.append(module.register_forward_pre_hook(lambda *_, unit=unit: self._before_forward(unit)))
-            self._handles.append(exit_module.register_forward_hook(
-                lambda _module, _args, output, unit=unit: self._after_forward(unit, output)))
+                module.register_forward_pre_hook(lambda *_, unit=unit: self._before_forward(unit))
+            exit_module.register_forward_hook(
+                lambda _module, _args, output, unit=unit: self._after_forward(unit, output))
         for unit, following in zip(units, units[1:]):
             unit.forward_next = following
         # Released after the chunk's forward, the head (and a tied embedding) is the first unit
@@ -136,7 +134,7 @@ class ParamShards:
     def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.work is not None:
             return
-        unit.full.untyped_storage().resize_(unit.full.numel() * unit.full.element_size())
+        allocate(unit.full)
         if self.parallel.dp_size == 1:
             unit.full.copy_(unit.shard)
             unit.gathered = True
@@ -207,27 +205,10 @@ class ParamShards:
     def owned_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
         """This rank's stored values of `param`'s local flat elements `[start, end)` (inside its shard)."""
         unit = self.unit_of[id(param)]
-        bucket = unit.bucket
-        size = (bucket.end - bucket.start) // self.buffer.shard_count
-        offset = self.buffer.offsets[param][0] + start - (bucket.start + self.buffer.shard_rank * size)
+        shard_start = unit.bucket.shard(self.buffer.shard_rank, self.buffer.shard_count)[0]
+        offset = self.buffer.offsets[param][0] + start - shard_start
         return unit.shard[offset:offset + end - start]
 
     def owned_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
         """Each parameter with elements in this rank's shards -> its local flat range `[start, end)`."""
-        ranges = {}
-        for unit in self.units:
-            bucket = unit.bucket
-            size = (bucket.end - bucket.start) // self.buffer.shard_count
-            low_shard = bucket.start + self.buffer.shard_rank * size
-            for param in bucket.params:
-                start, numel = self.buffer.offsets[param]
-                low, high = max(start, low_shard), min(start + numel, low_shard + size)
-                if low < high:
-                    ranges[param] = (low - start, high - start)
-        return ranges
-
-    def remove(self) -> None:
-        """Take the hooks off (the parameters stay sharded)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        return {param: local for _, param, local, _ in self.buffer.owned()}

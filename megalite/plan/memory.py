@@ -33,18 +33,12 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     two largest, plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
     full grads of two buckets, or of every bucket while several micro-batches accumulate.
     """
-    grad_elements = elements = pieces = 0
-    bucket_sizes = []
-    for bucket in buffer.buckets:
-        bucket_sizes.append(-(-sum(param.numel() for param in bucket.params) // shards) * shards)
-        shard_start, shard_end = bucket.shard(shard, shards)
-        for param in bucket.params:
-            start, numel = buffer.offsets[param]
-            owned = min(start + numel, shard_end) - max(start, shard_start)
-            if owned > 0:
-                elements += owned
-                pieces += 1
-    grad_elements, bucket_sizes = sum(bucket_sizes), sorted(bucket_sizes)
+    if buffer.shard_count != shards:
+        raise ValueError(f"the buffer is cut into {buffer.shard_count} shards, not {shards}")
+    bucket_sizes = sorted(-(-sum(param.numel() for param in bucket.params) // shards) * shards
+                          for bucket in buffer.buckets)
+    owned = [high - low for _, _, (low, high), _ in buffer.owned(shard)]
+    grad_elements, elements, pieces = sum(bucket_sizes), sum(owned), len(owned)
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
     sharded_grads, sharded_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
     working = 0

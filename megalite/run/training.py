@@ -310,10 +310,7 @@ class Trainer:
         train = self.run.train
         with (owned_signals(train.exit_signal_handler) as self.signals,
               ManualGC(train.manual_gc, train.manual_gc_interval, train.manual_gc_eval) as self.gc):
-            try:
-                return self._train()
-            finally:
-                self.optimizer.finish_param_sync()  # whoever reads the weights next gets the whole ones
+            return self._train()
 
     def _train(self) -> TrainState:
         run, state = self.run, self.state
@@ -353,6 +350,7 @@ class Trainer:
                 self.gc.after_iteration(state.iteration)
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
             self.profiler.close()  # a run that ends before --profile-step-end: the iterations it had
+            self.optimizer.finish_param_sync()  # whoever reads the weights after the loop gets the whole ones
             if reason == "finished":  # validation (unless the last iteration had it), then test; a signal stops them
                 validated = run.train.eval_interval and state.iteration % run.train.eval_interval == 0
                 if validated or self.evaluate_split("valid", self.valid_iterator):
