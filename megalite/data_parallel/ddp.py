@@ -8,11 +8,15 @@ SP sums TP-replicated grads over TP. With `overlap`, a bucket's collective start
 backward once its grads are final; (2) launches the others (the tied embedding's among them).
 
 The sharding strategy (--data-parallel-sharding-strategy, docs/parallelism.md): no_shard
-all-reduces; optim (ZeRO-1) reduce-scatters into the own shard of the whole buffer;
-optim_grads (ZeRO-2) has no whole buffer: a bucket's full grads exist from its first grad of
-the iteration until its reduce-scatter, always started from the last backward, with one in
-flight; (3) then sums the own shard's SP parts over TP (TP peers own the same ranges);
-optim_grads_params (ZeRO-3) adds one bucket per unit and sharded parameters (param_shards.py).
+all-reduces in place; optim (ZeRO-1) reduce-scatters in place into the own shard of the whole buffer,
+once per iteration; optim_grads (ZeRO-2) has no whole buffer: each micro-batch's backward
+reduce-scatters every bucket as soon as its grads are in, adds the result to the owned shard and frees
+the bucket's full grads, with one reduction in flight, so about two buckets of full grads live at a time
+whatever the number of micro-batches (Megatron-FSDP's shape; the bucket of an embedding tied over the
+pipeline waits for step (1) and accumulates whole); (3) then sums the own shard's SP parts over TP
+(TP peers own the same ranges); optim_grads_params (ZeRO-3) adds one bucket per unit and sharded
+parameters (param_shards.py). ZeRO-1/2 hold the parameters in the buffer's layout (`hold_params`), so the
+optimizer gathers them in place too.
 
 With `grad_reduce_in_bf16` (Megatron's --grad-reduce-in-bf16) step (2) sends half the bytes: each
 bucket is cast to a bf16 copy, the copy is all-reduced or reduce-scattered, and the result is cast back
@@ -58,17 +62,22 @@ class DataParallelGrads:
         if strategy == "optim_grads_params":
             # The attribute tells checkpoints (and readers of the weights) that the model is sharded.
             self.param_shards = model.param_shards = ParamShards(chunks, self.buffer, parallel)
+        elif self.shard:
+            self.buffer.hold_params()  # the optimizer's all-gather lands in the parameters themselves
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
         # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
         self._tied = [p for p in self.buffer.params if parallel.pp_size > 1 and getattr(p, "shared_embedding", False)]
         self._deferred = {i for i, bucket in enumerate(self.buffer.buckets)
                           if any(getattr(p, "shared_embedding", False) for p in bucket.params) and self._tied}
-        self._pending: dict[int, int] = {}  # bucket index -> grads still expected this iteration
+        self._pending: dict[int, int] = {}  # bucket index -> grads still expected this round
         self._remaining: dict[int, int] = {}  # id(param) -> backwards still expected this iteration
-        self._launched: dict[int, object] = {}  # bucket index -> async work (or None when done)
+        self._launched: dict[int, object] = {}  # bucket index -> its reduction in flight (None when done)
+        self._unreduced: set[int] = set()  # sharded grads: buckets with grads added since their last reduction
         self._index = {id(bucket): i for i, bucket in enumerate(self.buffer.buckets)}
         if self.overlap or self.param_shards is not None:
             self.buffer.on_grad_ready = self._grad_ready
+        if self.sharded_grads:
+            self.buffer.before_grad = self._before_grad
 
     def zero_grad(self) -> None:
         """Zero the grad buffer, before an iteration's first backward."""
@@ -76,7 +85,7 @@ class DataParallelGrads:
 
     def start_iteration(self, backwards_per_param: int) -> None:
         """Before the first backward: each parameter will receive `backwards_per_param` grads."""
-        self._launched = {}
+        self._launched, self._unreduced = {}, set()
         if self.param_shards is not None:
             self.param_shards.release_all()
         if not self.overlap:
@@ -89,11 +98,14 @@ class DataParallelGrads:
         if self._tied and self.parallel.in_embedding_group:
             for param in self._tied:
                 dist.all_reduce(param.main_grad, group=self.parallel.embedding_group)
-        if self.parallel.dp_size > 1 or self.sharded_grads:
+        if self.sharded_grads:
+            for index in sorted(self._unreduced):  # the same buckets, in the same order, on every DP rank
+                self._launch(index, async_op=False)
+        elif self.parallel.dp_size > 1:
             for index in range(len(self.buffer.buckets)):
                 if index not in self._launched:
                     self._launch(index, async_op=False)
-            self._wait_launched()
+        self._wait_launched()
         self._launched = {}
         if self.param_shards is not None:
             self.param_shards.release_all()  # a unit whose parameters got no grad this time
@@ -109,80 +121,94 @@ class DataParallelGrads:
         return [self.buffer.shard_view(bucket)[slice(*in_shard)] for bucket, param, _, in_shard in self.buffer.owned()
                 if getattr(param, "sequence_parallel", False)]
 
+    def _before_grad(self, bucket: Bucket) -> None:
+        """Sharded grads: a bucket whose reduction is in flight takes no new grad until it is done."""
+        index = self._index[id(bucket)]
+        work = self._launched.get(index)
+        if work is not None:
+            work.wait()
+            self._launched[index] = None
+        self._unreduced.add(index)
+
     def _grad_ready(self, param) -> None:
         if self.param_shards is not None:
             self.param_shards.grad_ready(param)
         if not self.overlap:
             return
-        key = id(param)
-        self._remaining[key] -= 1
-        if self._remaining[key]:
-            return
+        if not self.sharded_grads:  # reduced after the last backward: count them
+            self._remaining[id(param)] -= 1
+            if self._remaining[id(param)]:
+                return
         index = self._index[id(self.buffer.bucket_of[param])]
         self._pending[index] -= 1
-        if self._pending[index] == 0 and index not in self._deferred:
+        if self._pending[index]:
+            return
+        if self.sharded_grads:  # reduced after each backward: the next one starts a new round
+            self._pending[index] = len(self.buffer.buckets[index].params)
+        if index not in self._deferred:
             self._launch(index, async_op=True)
 
     def _wait_launched(self) -> None:
-        """Wait for the collectives in flight; under ZeRO-2/3 free their buckets' full grads."""
+        """Wait for the reductions in flight."""
         for index, work in self._launched.items():
             if work is not None:
                 work.wait()
                 self._launched[index] = None
-                if self.sharded_grads:
-                    free(self.buffer.buckets[index].grad)
 
     def _launch(self, index: int, async_op: bool) -> None:
         if self.sharded_grads:  # one reduction overlaps the next bucket's backward: two full buckets at most
             self._wait_launched()
-        bucket: Bucket = self.buffer.buckets[index]
+            self._unreduced.discard(index)
+        self._launched[index] = self._reduce(self.buffer.buckets[index], async_op)
+
+    def _reduce(self, bucket: Bucket, async_op: bool):
+        """Start summing `bucket`'s grads over DP: in place (no_shard), into its shard of the buffer (ZeRO-1), or
+        added to its owned shard (ZeRO-2/3, whose full grads are then freed); in bf16 with grad_reduce_in_bf16.
+        The reduction in flight (an object with wait()), or None when already done."""
+        group, low = self.parallel.dp_group, self.reduce_dtype
         data = self.buffer.bucket_grads(bucket)
         shard = self.buffer.shard_view(bucket)
         if self.sharded_grads and self.parallel.dp_size == 1:
-            shard.copy_(data)
-            work = None
-        else:
-            work = self._reduce(data, shard, async_op)
-        if self.sharded_grads and work is None:
-            free(bucket.grad)
-        self._launched[index] = work
-
-    def _reduce(self, data: torch.Tensor, shard: torch.Tensor, async_op: bool):
-        """Sum a bucket's grads `data` over DP: in place (no_shard) or into its `shard`; in bf16 with
-        grad_reduce_in_bf16. The async work (an object with wait()), or None when already done."""
-        group, low = self.parallel.dp_group, self.reduce_dtype
+            shard.add_(data)
+            free(data)
+            return None
         source = data.to(low) if low else data
-        target = shard if self.shard else data
         if not self.shard:
-            output = source
             work = dist.all_reduce(source, group=group, async_op=async_op)
+            reduction = _Reduction(work, source, source, data if low else None)
         else:
-            output = torch.empty(shard.shape, dtype=low, device=shard.device) if low else shard
-            if not low and not self.sharded_grads:
-                # The output is a view of the input's storage; collectives must not alias, so reduce a copy.
-                source = data.clone()
+            # In place: the output is this rank's own slice of the input.
+            size = (bucket.end - bucket.start) // self.buffer.shard_count
+            output = source[self.buffer.shard_rank * size:(self.buffer.shard_rank + 1) * size]
             work = reduce_scatter_single(output, source, group=group, async_op=async_op)
-        if low is None:
-            return work
-        reduction = _CastBack(work, source, output, target)
+            if self.sharded_grads:
+                reduction = _Reduction(work, source, output, shard, accumulate=True, release=data)
+            else:
+                reduction = _Reduction(work, source, output, shard if low else None)
         if work is None:
             reduction.wait()
             return None
         return reduction
 
 
-class _CastBack:
-    """A bf16 reduction in flight: holds its input and output (an async collective needs both alive until
-    it completes) and, on wait(), copies the reduced bf16 result into the fp32 `target`."""
+class _Reduction:
+    """A bucket's sum over DP in flight: holds its input and output (an async collective needs both alive until
+    it completes) and, on wait(), copies the result into the fp32 `target` (or adds it, `accumulate`) unless the
+    output is the target itself, then frees `release` (ZeRO-2/3's full grads of the bucket)."""
 
-    def __init__(self, work, source: torch.Tensor, output: torch.Tensor, target: torch.Tensor):
+    def __init__(self, work, source: torch.Tensor, output: torch.Tensor, target: torch.Tensor | None,
+                 accumulate: bool = False, release: torch.Tensor | None = None):
         self.work, self.source, self.output, self.target = work, source, output, target
+        self.accumulate, self.release = accumulate, release
 
     def wait(self) -> None:
         if self.work is not None:
             self.work.wait()
-        self.target.copy_(self.output)
-        self.work = self.source = self.output = None
+        if self.target is not None:
+            self.target.add_(self.output) if self.accumulate else self.target.copy_(self.output)
+        if self.release is not None:
+            free(self.release)
+        self.work = self.source = self.output = self.target = self.release = None
 
 
 def buffer_groups(chunks: list[nn.Module], strategy: str) -> list[list[nn.Parameter]]:

@@ -6,8 +6,12 @@ cut into buckets (one collective each) of `bucket_size` elements at parameter bo
 padded to a multiple of `shard_count` so that DP rank d owns shard d of every bucket.
 
 Sharded grads (ZeRO-2/3, `sharded=True`): no whole-model buffer. Each bucket has its own full-length
-`grad` tensor, with memory from the bucket's first grad of an iteration until its reduce-scatter
-(`free`), and `shards` holds this rank's reduced shard of every bucket, one after the other.
+`grad` tensor, with memory from the bucket's first grad of a micro-batch until its reduce-scatter
+(`free`), and `shards` holds this rank's reduced shard of every bucket, one after the other, where
+each micro-batch's reduction is added.
+
+`hold_params()` lays the parameters' values out the same way in `param_data` (the model's dtype), so
+that a bucket's parameters are one contiguous tensor the distributed optimizer all-gathers into in place.
 """
 
 from dataclasses import dataclass, field
@@ -35,7 +39,7 @@ class Bucket:
 class GradBuffer:
     """The buffer of `chunks` (per model chunk, its parameters; tied ones count once); bucket_size None: one
     bucket per chunk. `data` (1-D; None when sharded), `shards` (sharded only), `params` (buffer
-    order), `offsets` (param -> (start, numel)), `buckets`, `numel` (unpadded). After each backward
+    order), `offsets` (param -> (start, numel)), `buckets`, `numel` (unpadded), `size` (padded). After each backward
     `param.main_grad` holds its grads' sum since `zero()`, `param.grad` is None, and
     `on_grad_ready(param)` runs if set (the DDP bucket hook). shard_rank: this rank's shard.
     """
@@ -60,6 +64,7 @@ class GradBuffer:
         for params in per_chunk:
             start = self._lay_out_chunk(params, start, bucket_size, shard_count)
         self.numel = sum(param.numel() for param in self.params)
+        self.size = start  # padding included
         self.shard_count, self.shard_rank, self.sharded = shard_count, shard_rank, sharded
         self.data = None if sharded else torch.zeros(start, dtype=torch.float32, device=device)
         self.shards = torch.zeros(start // shard_count, device=device) if sharded else None
@@ -68,6 +73,8 @@ class GradBuffer:
             bucket.grad = torch.empty(bucket.end - bucket.start, device=device)
             bucket.shard_offset = bucket.start // shard_count
 
+        self.param_data = None  # hold_params(): the parameters' values, laid out as the grads
+        self.before_grad = None  # called with a bucket before a grad is added into it (DDP: wait for its reduction)
         self.on_grad_ready = None
         self._hooks = []
         for param in self.params:
@@ -99,6 +106,25 @@ class GradBuffer:
         if bucket.grad.untyped_storage().size() == 0:
             allocate(bucket.grad).zero_()
         return bucket.grad
+
+    @torch.no_grad()
+    def hold_params(self) -> None:
+        """Move every parameter's values into `param_data` (1-D, the parameters' dtype, the grad buffer's
+        layout, padding zero): the parameters become views of it."""
+        dtypes = {param.dtype for param in self.params}
+        if len(dtypes) > 1:
+            raise ValueError(f"the parameters of one grad buffer must share a dtype to be held together, got {dtypes}")
+        device = self.params[0].device
+        self.param_data = torch.zeros(self.size, dtype=dtypes.pop(), device=device)
+        for param in self.params:
+            offset, numel = self.offsets[param]
+            values = self.param_data[offset:offset + numel]
+            values.copy_(param.detach().reshape(-1))
+            param.data = values.view(param.shape)
+
+    def param_bucket(self, bucket: Bucket) -> torch.Tensor:
+        """`bucket`'s parameter values, 1-D (padding included), after `hold_params()`."""
+        return self.param_data[bucket.start:bucket.end]
 
     def owned(self, rank: int | None = None):
         """Yield (bucket, param, local, in_shard) for each parameter's part inside shard `rank` (default: this
@@ -140,8 +166,11 @@ class GradBuffer:
 
     def _accumulate(self, param: nn.Parameter) -> None:
         """Add this backward's `param.grad` (a tied weight's uses summed) into the fp32 `main_grad`; free it."""
+        bucket = self.bucket_of[param]
+        if self.before_grad is not None:
+            self.before_grad(bucket)
         if self.sharded:
-            self.bucket_grads(self.bucket_of[param])  # its memory exists from the bucket's first grad on
+            self.bucket_grads(bucket)  # its memory exists from the bucket's first grad on
         param.main_grad.add_(param.grad)
         param.grad = None
         if self.on_grad_ready is not None:

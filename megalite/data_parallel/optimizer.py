@@ -12,6 +12,7 @@ import torch
 
 from megalite.config.rules import check_loss_scale_settings
 from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.param_shards import unit_params
 from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_gather_single
 
@@ -140,6 +141,7 @@ class MixedPrecisionOptimizer:
         """Unscale, check, clip, AdamW at `lr` (the word embeddings and output layer at `decoupled_lr` when
         given), refresh the model params. With a loss scaler inf/nan grads skip the step; without one a
         non-finite grad norm raises NonFiniteGradError on every rank."""
+        self.finish_param_sync()  # no step writes main params (an fp32 model's own values) under a pending gather
         found_inf = self._unscale_and_check_grads()
         if self.loss_scaler is not None:
             self.loss_scaler.update(found_inf)
@@ -213,6 +215,7 @@ class MixedPrecisionOptimizer:
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copy the model params into the main params, after weights were loaded without optimizer state."""
+        self.finish_param_sync()
         for main, param in zip(self.main_params, self._model_values()):
             if main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
                 main.copy_(param)
@@ -255,6 +258,7 @@ class MixedPrecisionOptimizer:
         model; this run's hyper-parameters stay, the scaler state loads when both sides have a scaler."""
         tensors, meta = state["tensors"], state["meta"]
         _check_tensors(tensors, dict(zip(self.names, self.main_params)))
+        self.finish_param_sync()
         steps = int(meta["step"])
         for name, main in zip(self.names, self.main_params):
             main.copy_(tensors[f"{name}.main_param"])
@@ -270,12 +274,13 @@ class MixedPrecisionOptimizer:
 class DistributedOptimizer(MixedPrecisionOptimizer):
     """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every grad-buffer bucket (one
     contiguous range of a param's flat values each), where its grads arrive by reduce-scatter;
-    after AdamW each bucket is all-gathered so every rank's model params are whole again. ZeRO-2
-    reads the grads from the buffer's shards; ZeRO-3 updates the stored parameter shards and
-    gathers nothing: the next forward does (param_shards.py)."""
+    after AdamW each bucket is all-gathered in place (the parameters are views of the buffer's
+    `param_data`), so every rank's model params are whole again. ZeRO-2 reads the grads from the
+    buffer's shards; ZeRO-3 updates the stored parameter shards and gathers nothing: the next forward
+    does (param_shards.py)."""
 
     distributed = True
-    _deferred = None  # --overlap-param-gather: id(bucket) -> (work, gathered values, input, bucket)
+    _gathers = None  # --overlap-param-gather: id(bucket) -> its all-gather in flight
 
     def _build_main_params(self) -> None:
         """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
@@ -306,48 +311,37 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 values.copy_(main)
         if self.dp_size == 1 or self.ddp.param_shards is not None:
             return
-        self.finish_param_sync()  # a gather still in flight would land on top of these values
-        for bucket in self.grad_buffer.buckets:
+        for bucket in reversed(self.grad_buffer.buckets):  # forward order: the first needed first
             self._all_gather_bucket(bucket)
 
     def _all_gather_bucket(self, bucket) -> None:
-        """Every DP rank's shard of `bucket`'s params, gathered into the params of all ranks (with
+        """Every DP rank's shard of `bucket`'s params, gathered in place into the params of all ranks (with
         --overlap-param-gather started here and finished by `finish_param_sync`)."""
-        buffer, first = self.grad_buffer, bucket.params[0]
-        full = torch.zeros(bucket.end - bucket.start, dtype=first.dtype, device=first.device)
-        for param in bucket.params:
-            start, numel = buffer.offsets[param]
-            full[start - bucket.start:start - bucket.start + numel].copy_(param.detach().view(-1))
-        shard_start, shard_end = bucket.shard(self.dp_rank, self.dp_size)
-        mine = full[shard_start - bucket.start:shard_end - bucket.start].clone()
-        work = all_gather_single(full, mine, group=self.ddp.parallel.dp_group, async_op=self._deferred is not None)
-        if self._deferred is None:
-            self._scatter(bucket, full)
-        else:
-            self._deferred[id(bucket)] = (work, full, mine, bucket)
-
-    def _scatter(self, bucket, full: torch.Tensor) -> None:
-        for param in bucket.params:
-            start, numel = self.grad_buffer.offsets[param]
-            param.detach().view(-1).copy_(full[start - bucket.start:start - bucket.start + numel])
+        values = self.grad_buffer.param_bucket(bucket)
+        size = values.numel() // self.dp_size
+        mine = values[self.dp_rank * size:(self.dp_rank + 1) * size]
+        work = all_gather_single(values, mine, group=self.ddp.parallel.dp_group, async_op=self._gathers is not None)
+        if self._gathers is not None:
+            self._gathers[id(bucket)] = work
 
     def overlap_param_gather(self) -> None:
-        """--overlap-param-gather: from now on the step only starts each bucket's all-gather; a forward
-        pre-hook on each module waits for the buckets of its own parameters just before they are used."""
-        self._deferred = {}
-        for module in self.ddp.model.modules():
-            buckets = {id(self.grad_buffer.bucket_of[param]) for param in module.parameters(recurse=False)
-                       if param in self.grad_buffer.bucket_of}
-            if buckets:
-                module.register_forward_pre_hook(lambda *_, buckets=buckets: self.finish_param_sync(buckets))
+        """--overlap-param-gather: from now on the step only starts each bucket's all-gather. Each unit of the
+        model (param_shards.unit_params: the modules whose forward reads a group of parameters, also weights
+        read outside their own module's forward) waits for its parameters' buckets in a forward pre-hook."""
+        self._gathers = {}
+        model = self.ddp.model
+        for chunk in model if isinstance(model, torch.nn.ModuleList) else [model]:
+            for params, entries, _ in unit_params(chunk):
+                buckets = {id(self.grad_buffer.bucket_of[param]) for param in params
+                           if param in self.grad_buffer.bucket_of}
+                for module in entries:
+                    module.register_forward_pre_hook(lambda *_, buckets=buckets: self.finish_param_sync(buckets))
 
     def finish_param_sync(self, buckets=None) -> None:
         """Wait for the parameter all-gathers still in flight (of the buckets with ids in `buckets`; all by
-        default) and write them into the parameters: before anything reads the weights outside a forward."""
-        for key in [key for key in self._deferred or () if buckets is None or key in buckets]:
-            work, full, _, bucket = self._deferred.pop(key)
-            work.wait()
-            self._scatter(bucket, full)
+        default): before anything reads or writes the weights."""
+        for key in [key for key in self._gathers or () if buckets is None or key in buckets]:
+            self._gathers.pop(key).wait()
 
     def _adam_states(self) -> list[dict]:
         """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
@@ -366,6 +360,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
+        self.finish_param_sync()
         live = self._state_tensors()
         tensors, meta = state["tensors"], state["meta"]
         if set(tensors) != set(live):
