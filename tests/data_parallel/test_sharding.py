@@ -238,7 +238,8 @@ def param_gather_world(rank, world_size, overlap, pp=1, tied=False, fused=False)
     parallel = build_parallel_state(1, pp)
     model = build_model_chunks(dataclasses.replace(config(tied), fused_output_cross_entropy=fused), seed=11,
                                parallel=parallel)
-    ddp = DataParallelGrads(model, parallel, strategy="optim", bucket_size=2000)
+    # Small buckets: a weight read outside its module's forward sits alone in one.
+    ddp = DataParallelGrads(model, parallel, strategy="optim", bucket_size=16)
     optimizer = DistributedOptimizer(ddp, lr=1e-2)
     if overlap:
         optimizer.overlap_param_gather()
