@@ -73,6 +73,7 @@ class DataParallelGrads:
         self._remaining: dict[int, int] = {}  # id(param) -> backwards still expected this iteration
         self._launched: dict[int, object] = {}  # bucket index -> its reduction in flight (None when done)
         self._unreduced: set[int] = set()  # sharded grads: buckets with grads added since their last reduction
+        self._wait_queued = False  # sharded grads: the end of this backward waits for its last reduction
         self._index = {id(bucket): i for i, bucket in enumerate(self.buffer.buckets)}
         if self.overlap or self.param_shards is not None:
             self.buffer.on_grad_ready = self._grad_ready
@@ -159,7 +160,14 @@ class DataParallelGrads:
         if self.sharded_grads:  # one reduction overlaps the next bucket's backward: two full buckets at most
             self._wait_launched()
             self._unreduced.discard(index)
+            if async_op and not self._wait_queued:  # and none outlives its backward, into the next micro-batch
+                torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+                self._wait_queued = True
         self._launched[index] = self._reduce(self.buffer.buckets[index], async_op)
+
+    def _end_of_backward(self) -> None:
+        self._wait_queued = False
+        self._wait_launched()
 
     def _reduce(self, bucket: Bucket, async_op: bool):
         """Start summing `bucket`'s grads over DP: in place (no_shard), into its shard of the buffer (ZeRO-1), or

@@ -130,7 +130,7 @@ def plan(run: RunConfig) -> DryRunReport:
         activation = peak_activation_bytes(ops, chunk_bytes, working)
         for dp_rank in range(dp):
             shard = dp_rank if strategy != "no_shard" else 0
-            figures = state_bytes(buffer, dtype, shard, shards, strategy, num_microbatches)
+            figures = state_bytes(buffer, dtype, shard, shards, strategy)
             param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])

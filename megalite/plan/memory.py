@@ -22,8 +22,8 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
-                num_microbatches: int = 1) -> dict[str, int]:
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard"
+                ) -> dict[str, int]:
     """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
     when the strategy shards, else 1) of every bucket of `buffer`, a GradBuffer, under the sharding `strategy`.
 
@@ -31,7 +31,8 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     or per piece of one inside the shard. ZeRO-2/3 keep the shard of the grads, ZeRO-3 of the params (as
     laid out in its units) too. `working` exists only during an iteration: ZeRO-3's gathered units (the
     two largest, plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
-    full grads of two buckets, or of every bucket while several micro-batches accumulate.
+    full grads of two buckets (the one filling and the one being reduced, whatever the number of
+    micro-batches), plus a tied embedding's, whose grad arrives last.
     """
     if buffer.shard_count != shards:
         raise ValueError(f"the buffer is cut into {buffer.shard_count} shards, not {shards}")
@@ -42,11 +43,11 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
     sharded_grads, sharded_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
     working = 0
+    held = 3 if any(getattr(param, "shared_embedding", False) for param in buffer.params) else 2
     if sharded_params:
-        held = 3 if any(getattr(param, "shared_embedding", False) for param in buffer.params) else 2
         working += element_bytes(params_dtype) * sum(bucket_sizes[-held:])
     if sharded_grads:
-        working += GRAD_BYTES * (grad_elements if num_microbatches > 1 else sum(bucket_sizes[-2:]))
+        working += GRAD_BYTES * sum(bucket_sizes[-held:])
     return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
             "grads": GRAD_BYTES * (grad_elements // shards if sharded_grads else grad_elements),
             "optimizer": (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces, "working": working}

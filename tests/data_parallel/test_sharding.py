@@ -277,6 +277,55 @@ def test_overlapped_param_gather_changes_nothing(pp, tied, fused, one_thread):
         assert np.array_equal(first, last)
 
 
+def in_place_world(rank, world_size, strategy):
+    """Two steps of ZeRO-1/2 at DP 2 with overlapped grad reductions and param gathers; for each collective,
+    (its name, whether its output lies in its input's storage, whether that storage is the grad buffer's or
+    the parameters' own)."""
+    import megalite.data_parallel.ddp as ddp_module
+    import megalite.data_parallel.optimizer as optimizer_module
+
+    parallel = build_parallel_state()
+    model = build_model_chunks(config(False), seed=11, parallel=parallel)
+    ddp = DataParallelGrads(model, parallel, strategy=strategy, bucket_size=2000, overlap=True)
+    optimizer = DistributedOptimizer(ddp, lr=1e-2)
+    optimizer.overlap_param_gather()
+    records = []
+
+    def storage(tensor):
+        return tensor.untyped_storage().data_ptr()
+
+    def recorded(name, collective, owners):
+        def call(output, source, **kwargs):
+            records.append((name, storage(output) == storage(source), storage(source) in owners()))
+            return collective(output, source, **kwargs)
+        return call
+
+    buffer = ddp.buffer
+    grads = (lambda: {storage(bucket.grad) for bucket in buffer.buckets}) if buffer.sharded else \
+        (lambda: {storage(buffer.data)})
+    ddp_module.reduce_scatter_single = recorded("reduce-scatter", ddp_module.reduce_scatter_single, grads)
+    optimizer_module.all_gather_single = recorded("all-gather", optimizer_module.all_gather_single,
+                                                  lambda: {storage(buffer.param_data)})
+    mine = global_batch()[parallel.dp_rank::parallel.dp_size]
+    for _ in range(2):
+        optimizer.zero_grad()
+        ddp.start_iteration(len(mine))
+        forward_backward(model, mine, optimizer, parallel)
+        ddp.finish_grad_sync()
+        optimizer.step(1e-2)
+    optimizer.finish_param_sync()
+    return records
+
+
+@pytest.mark.parametrize("strategy", ["optim", "optim_grads"])
+def test_zero1_and_zero2_reduce_and_gather_in_place(strategy, one_thread):
+    """No copy of the grads before a reduce-scatter, no separate tensor to gather the parameters into: each
+    collective's output is its rank's slice of its input, the grad buffer's or the parameters' own storage."""
+    for records in run_world(2, in_place_world, strategy):
+        assert {name for name, _, _ in records} == {"reduce-scatter", "all-gather"}
+        assert all(in_place and owned for _, in_place, owned in records), records
+
+
 def test_overlap_param_gather_needs_a_sharded_optimizer():
     with pytest.raises(UserError, match="--overlap-param-gather overlaps the distributed optimizer's"):
         parse_args(["--overlap-param-gather"])

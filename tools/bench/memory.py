@@ -3,12 +3,14 @@
     python tools/bench/memory.py                      # DP = 1, 2, 4, 8; bf16 params
     python tools/bench/memory.py --dtype fp32
     python tools/bench/memory.py --dp 1 2 --strategies no_shard optim_grads_params --small
+    python tools/bench/memory.py --micro-batches 4     # each strategy's peak under accumulation
 
 For each data-parallel size the script launches itself under torchrun (gloo on the
 CPU, one thread per rank). Every rank builds a small LLaMA-style model, and for each
 strategy in turn (--data-parallel-sharding-strategy: no_shard, optim = ZeRO-1, optim_grads
 = ZeRO-2, optim_grads_params = ZeRO-3, built as pretrain_gpt.py builds them) takes one real
-training step on random tokens: forward_backward, the DDP's finish_grad_sync, step. It then
+training step on random tokens (--micro-batches of them, gradients reduced as they are ready,
+--overlap-grad-reduce, the grad buffer in about 16 buckets): forward_backward, the DDP's finish_grad_sync, step. It then
 sums the bytes of the live tensors; rank 0 gathers every rank's figures and the launcher
 prints one table.
 
@@ -28,11 +30,17 @@ from megalite/plan/memory.py, which `pretrain_gpt.py --dry-run` uses too):
   16, 8 + 8/DP, 4 + 12/DP, 16/DP) and their ratio;
 - peak MB: the most model-state bytes live at once during the step (sampled before and
   after every module's forward and at every gradient accumulation): under ZeRO-2/3 it adds
-  the gathered units and the full grads of buckets not yet reduced;
+  the gathered units and the full grads of buckets not yet reduced, and for every strategy the
+  tensors that reductions in flight hold outside the grad buffer;
 - vs no_shard: state over the same DP size's no_shard figure.
 
-The last lines check the targets: every strategy's state within 10% of its formula, and
-ZeRO-3 at DP=8 at most 0.15 of no_shard; the script exits 1 if either fails.
+With --micro-batches N > 1 a second table puts each strategy's peak over N micro-batches beside
+its peak over one and ZeRO-1's over N: ZeRO-2/3 reduce each micro-batch's grads into their shard,
+so their peak must stay within 1.1x of the one-micro-batch peak and below ZeRO-1's.
+
+The last lines check the targets: every strategy's state within 10% of its formula, ZeRO-3 at
+DP=8 at most 0.15 of no_shard, and with --micro-batches the accumulation targets; the script
+exits 1 if any fails.
 """
 
 import argparse
@@ -54,6 +62,8 @@ REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__fi
 MB = 2 ** 20
 MICRO_BATCH_SIZE = 2
 TARGET_DP, TARGET_RATIO, FORMULA_TOLERANCE = 8, 0.15, 0.10
+BUCKETS = 16  # grad-buffer buckets per model, as --ddp-bucket-size's 40M elements cut a model of ~600M parameters
+ACCUMULATION_GROWTH = 1.1  # ZeRO-2/3's peak over several micro-batches, at most this times their peak over one
 
 
 def formula_bytes_per_param(strategy: str, dp: int, bf16: bool) -> float:
@@ -105,10 +115,10 @@ def model_state_bytes(model, optimizer) -> dict[str, int]:
     if ddp.param_shards is not None:
         params += tensor_bytes(ddp.param_shards.shards)
     buffer = ddp.buffer
-    if buffer.sharded:
-        grads = tensor_bytes(buffer.shards) + storage_bytes(bucket.grad for bucket in buffer.buckets)
-    else:
-        grads = tensor_bytes(buffer.data)
+    in_flight = [tensor for work in ddp._launched.values() if work is not None
+                 for tensor in (getattr(work, "source", None), getattr(work, "output", None)) if tensor is not None]
+    held = [buffer.shards, *(bucket.grad for bucket in buffer.buckets)] if buffer.sharded else [buffer.data]
+    grads = storage_bytes([*held, *in_flight])
     return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}
 
 
@@ -139,8 +149,9 @@ def random_micro_batch(config: ModelConfig, seed: int) -> dict:
             "position_ids": torch.arange(config.seq_length).expand(MICRO_BATCH_SIZE, -1)}
 
 
-def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel) -> dict:
-    """One training step under `strategy`; this rank's measured bytes, peak and their closed forms."""
+def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, micro_batches: int = 1) -> dict:
+    """One training step of `micro_batches` micro-batches under `strategy`; this rank's measured bytes, peak
+    and their closed forms."""
     from megalite.data_parallel.ddp import DataParallelGrads
     from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megalite.pipeline_parallel.stages import build_model_chunks
@@ -148,11 +159,14 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel) ->
 
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
-    optimizer = kind(DataParallelGrads(model, parallel, strategy=strategy), lr=1e-3)
+    bucket_size = -(-num_parameters(config) // BUCKETS)
+    optimizer = kind(DataParallelGrads(model, parallel, bucket_size=bucket_size, strategy=strategy, overlap=True),
+                     lr=1e-3)
     sampler = PeakSampler(model, optimizer)
     optimizer.zero_grad()
-    optimizer.ddp.start_iteration(1)
-    forward_backward(model, [random_micro_batch(config, parallel.dp_rank)], optimizer, parallel)
+    optimizer.ddp.start_iteration(micro_batches)
+    batch = [random_micro_batch(config, parallel.dp_rank * micro_batches + i) for i in range(micro_batches)]
+    forward_backward(model, batch, optimizer, parallel)
     optimizer.ddp.finish_grad_sync()
     optimizer.step(1e-3)
     sampler.sample()
@@ -170,8 +184,10 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel) ->
 def worker(args) -> None:
     """On every torchrun rank: each strategy; rank 0 writes every rank's figures to args.output."""
     config, dtype = model_config(args.small), torch.bfloat16 if args.dtype == "bf16" else torch.float32
-    gather_to_file(args.output, lambda parallel: {strategy: measure(strategy, config, dtype, parallel)
-                                                  for strategy in args.strategies})
+    counts = sorted({1, args.micro_batches})
+    gather_to_file(args.output, lambda parallel: {
+        f"{strategy}@{count}": measure(strategy, config, dtype, parallel, count)
+        for strategy in args.strategies for count in counts})
 
 
 def gather_to_file(output: str, figures_of) -> None:
@@ -195,8 +211,12 @@ def gather_to_file(output: str, figures_of) -> None:
 
 def launch(dp: int, args) -> list[dict]:
     """Run `worker` on `dp` gloo ranks; every rank's figures, in rank order."""
-    return run_under_torchrun(__file__, dp, ["--dtype", args.dtype, "--strategies", *args.strategies,
-                                             *(["--small"] if args.small else [])])
+    figures = run_under_torchrun(__file__, dp, ["--dtype", args.dtype, "--strategies", *args.strategies,
+                                                "--micro-batches", str(args.micro_batches),
+                                                *(["--small"] if args.small else [])])
+    # The main table: each strategy at --micro-batches; the accumulation table adds its peak at one.
+    return [{strategy: rank[f"{strategy}@{args.micro_batches}"] | {"peak_one": rank[f"{strategy}@1"]["peak"]}
+             for strategy in args.strategies} for rank in figures]
 
 
 def run_under_torchrun(script: str, ranks: int, flags: list[str]) -> list:
@@ -224,11 +244,16 @@ def parse_args(argv):
                         help="--data-parallel-sharding-strategy values to measure (no_shard is always measured)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model params' dtype")
     parser.add_argument("--small", action="store_true", help="a ~10x smaller model (hidden 64, vocab 4096)")
+    parser.add_argument("--micro-batches", type=int, default=1,
+                        help="micro-batches per step; above 1, each strategy's peak is also shown beside its peak "
+                             "over one micro-batch and ZeRO-1's")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--output", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if any(dp < 1 for dp in args.dp):
         parser.error(f"--dp sizes must be at least 1, got {args.dp}")
+    if args.micro_batches < 1:
+        parser.error(f"--micro-batches must be at least 1, got {args.micro_batches}")
     args.dp = sorted({1, *args.dp})
     args.strategies = [strategy for strategy in SHARDING_STRATEGIES if strategy in {"no_shard", *args.strategies}]
     return args
@@ -241,14 +266,14 @@ def main(argv=None) -> int:
         return 0
     config = model_config(args.small)
     n, bf16 = num_parameters(config), args.dtype == "bf16"
-    print(f"{args.dtype} params, N = {n:,}; one training step on {MICRO_BATCH_SIZE} x {config.seq_length} "
-          f"random tokens per rank, gloo on CPU")
+    print(f"{args.dtype} params, N = {n:,}; one training step on {args.micro_batches} micro-batch(es) of "
+          f"{MICRO_BATCH_SIZE} x {config.seq_length} random tokens per rank, gloo on CPU")
     print(f"{'DP':>3} {'strategy':<18} {'rank':>4} {'params MB':>9} {'exp':>6} {'grads MB':>8} {'exp':>6} "
           f"{'optim MB':>8} {'exp':>6} {'state/N':>7} {'formula':>7} {'ratio':>5} {'peak MB':>7} "
           f"{'vs no_shard':>11}")
-    worst, mismatches, off_formula = {}, [], []
+    worst, mismatches, off_formula, peaks = {}, [], [], {}
     for dp in args.dp:
-        ranks = launch(dp, args)
+        ranks = peaks[dp] = launch(dp, args)
         for strategy in args.strategies:
             for rank, figures in enumerate(ranks):
                 measured, expected = figures[strategy]["measured"], figures[strategy]["expected"]
@@ -271,15 +296,41 @@ def main(argv=None) -> int:
         print("every measured figure equals its closed form to the byte")
     print(f"{'FAIL' if off_formula else 'PASS'}: every strategy's model state within "
           f"{FORMULA_TOLERANCE:.0%} of its formula" + "".join(f"\n  {line}" for line in off_formula))
+    failed = bool(off_formula)
+    if args.micro_batches > 1:
+        failed |= not accumulation_table(peaks, args)
     if TARGET_DP not in args.dp or "optim_grads_params" not in args.strategies:
         print(f"ZeRO-3 at DP={TARGET_DP} not measured: its target (model state per rank at most {TARGET_RATIO} "
               f"of no_shard) is not checked")
-        return 1 if off_formula else 0
+        return 1 if failed else 0
     ratio = worst[(TARGET_DP, "optim_grads_params")]
     met = ratio <= TARGET_RATIO
     print(f"{'PASS' if met else 'FAIL'}: ZeRO-3 at DP={TARGET_DP}, model state per rank is {ratio:.3f} of "
           f"no_shard (target: at most {TARGET_RATIO})")
-    return 0 if met and not off_formula else 1
+    return 0 if met and not failed else 1
+
+
+def accumulation_table(peaks: dict, args) -> bool:
+    """Print each strategy's peak over --micro-batches beside its peak over one and ZeRO-1's; whether ZeRO-2/3
+    met their accumulation targets (within ACCUMULATION_GROWTH of one micro-batch, below ZeRO-1)."""
+    count = args.micro_batches
+    print(f"peak model state (MB) over {count} micro-batches, beside one micro-batch and ZeRO-1 (optim):")
+    print(f"{'DP':>3} {'strategy':<18} {'rank':>4} {'peak@1':>7} {f'peak@{count}':>7} {'growth':>6} {'vs ZeRO-1':>9}")
+    misses = []
+    for dp, ranks in peaks.items():
+        for strategy in args.strategies:
+            for rank, figures in enumerate(ranks):
+                one, many = figures[strategy]["peak_one"], figures[strategy]["peak"]
+                zero1 = figures["optim"]["peak"] if "optim" in figures else None
+                versus = f"{many / zero1:>9.3f}" if zero1 else f"{'-':>9}"
+                print(f"{dp:>3} {strategy:<18} {rank:>4} {one / MB:>7.2f} {many / MB:>7.2f} {many / one:>6.3f} {versus}")
+                if strategy in ("optim_grads", "optim_grads_params") and dp > 1:
+                    if many > ACCUMULATION_GROWTH * one or (zero1 and many >= zero1):
+                        misses.append(f"DP={dp} {strategy} rank {rank}: {many / MB:.2f} MB over {count} micro-batches, "
+                                      f"{one / MB:.2f} over one, ZeRO-1 {zero1 / MB if zero1 else float('nan'):.2f}")
+    print(f"{'FAIL' if misses else 'PASS'}: ZeRO-2/3's peak over {count} micro-batches within {ACCUMULATION_GROWTH}x "
+          f"of one micro-batch's and below ZeRO-1's" + "".join(f"\n  {line}" for line in misses))
+    return not misses
 
 
 if __name__ == "__main__":
