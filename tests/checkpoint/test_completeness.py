@@ -41,7 +41,7 @@ def linear() -> torch.nn.Module:
     return torch.nn.Linear(2, 2)
 
 
-def _rank_state(rank: int, world_size: int) -> ParallelState:
+def tp_rank_state(rank: int, world_size: int) -> ParallelState:
     """Two TP ranks in a gloo world: each writes its own half of the optimizer's moment."""
     return ParallelState(rank=rank, world_size=world_size, tp_size=world_size, tp_rank=rank)
 
@@ -51,7 +51,7 @@ def stale_listing_world(rank, world_size, folder):
         real_listdir = os.listdir
         os.listdir = lambda path: [name for name in real_listdir(path) if "_00001." not in name] \
             if str(path).endswith(STAGING_SUFFIX) else real_listdir(path)
-    parallel = _rank_state(rank, world_size)
+    parallel = tp_rank_state(rank, world_size)
     save_checkpoint(folder, 1, linear(), ShardedOptimizer(rank, VALUES), consumed_samples=0,
                     model_config=small_config(), rank=rank, parallel=parallel,
                     failed_ranks=saving.failed_ranks_across(parallel))
@@ -78,7 +78,7 @@ def run_config(folder: str, world_size: int):
 
 def missing_piece_world(rank, world_size, folder):
     run = run_config(folder, world_size)
-    checkpointer = Checkpointer(run, _rank_state(rank, world_size), log=lambda line: None)
+    checkpointer = Checkpointer(run, tp_rank_state(rank, world_size), log=lambda line: None)
     model, optimizer, schedule = linear(), ShardedOptimizer(rank, VALUES), build_lr_schedule(run)
     checkpointer.save(TrainState(iteration=1), model, optimizer, schedule)
     if rank == 1:  # a rank that saves less than it holds: its half of the moment is never written
