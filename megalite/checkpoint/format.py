@@ -10,7 +10,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
-from megalite.checkpoint.pieces import Piece
+from megalite.checkpoint.pieces import Piece, first_gap
 from megalite.config import ModelConfig
 from megalite.errors import UserError
 
@@ -18,8 +18,10 @@ FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
 
 
-def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> None:
-    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece."""
+def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> dict:
+    """One safetensors file of `section` ("model", "optimizer") whose header places each key's piece;
+    return that description, `{"section", "pieces": {key: {"name", "shape", "global_shape", "offsets",
+    "dtype"}}}`."""
     tensors, described = {}, {}
     for name, name_pieces in pieces.items():
         for number, piece in enumerate(name_pieces):
@@ -31,7 +33,9 @@ def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> Non
             described[key] = {"name": name, "shape": list(piece.tensor.shape),
                               "global_shape": list(piece.global_shape), "offsets": list(piece.offsets),
                               "dtype": str(piece.tensor.dtype).removeprefix("torch.")}
-    save_file(tensors, path, metadata={"megalite": json.dumps({"section": section, "pieces": described})})
+    header = {"section": section, "pieces": described}
+    save_file(tensors, path, metadata={"megalite": json.dumps(header)})
+    return header
 
 
 def _fits(offsets, shape, limits) -> bool:
@@ -40,28 +44,39 @@ def _fits(offsets, shape, limits) -> bool:
         0 <= offset and offset + size <= limit for offset, size, limit in zip(offsets, shape, limits))
 
 
-def index_pieces(staging: str) -> dict:
-    """metadata.json's tensor index, merged from the headers of every rank's files:
-    `{section: {name: {"shape", "dtype", "pieces": [{"file", "key", "offsets", "shape"}]}}}`.
-    Identical pieces from several ranks (replicas) are listed once."""
+def index_pieces(reports: list[dict]) -> dict:
+    """metadata.json's tensor index, merged from what every rank reported it wrote (`write_rank_files`:
+    each file's header description): `{section: {name: {"shape", "dtype", "pieces": [{"file", "key",
+    "offsets", "shape"}]}}}`. Identical pieces from several ranks (replicas) are listed once."""
     index = {"model": {}, "optimizer": {}}
-    for file_name in sorted(os.listdir(staging)):
-        if not file_name.endswith(".safetensors") or file_name.startswith("rng_"):
-            continue
-        with safe_open(os.path.join(staging, file_name), framework="pt") as file:
-            header = json.loads(file.metadata()["megalite"])
-        for key, piece in header["pieces"].items():
-            name = piece["name"]
-            entry = index[header["section"]].setdefault(
-                name, {"shape": piece["global_shape"], "dtype": piece["dtype"], "pieces": []})
-            if (entry["shape"], entry["dtype"]) != (piece["global_shape"], piece["dtype"]):
-                raise ValueError(f"ranks disagree on {name!r}: {entry['shape']} {entry['dtype']} vs "
-                                 f"{piece['global_shape']} {piece['dtype']} in {file_name}")
-            place = {"offsets": piece["offsets"], "shape": piece["shape"]}
-            if not any(known["offsets"] == place["offsets"] and known["shape"] == place["shape"]
-                       for known in entry["pieces"]):
-                entry["pieces"].append({"file": file_name, "key": key, **place})
+    for report in reports:
+        for file_name, header in sorted(report["pieces"].items()):
+            for key, piece in header["pieces"].items():
+                name = piece["name"]
+                entry = index[header["section"]].setdefault(
+                    name, {"shape": piece["global_shape"], "dtype": piece["dtype"], "pieces": []})
+                if (entry["shape"], entry["dtype"]) != (piece["global_shape"], piece["dtype"]):
+                    raise ValueError(f"ranks disagree on {name!r}: {entry['shape']} {entry['dtype']} vs "
+                                     f"{piece['global_shape']} {piece['dtype']} in {file_name}")
+                place = {"offsets": piece["offsets"], "shape": piece["shape"]}
+                if not any(known["offsets"] == place["offsets"] and known["shape"] == place["shape"]
+                           for known in entry["pieces"]):
+                    entry["pieces"].append({"file": file_name, "key": key, **place})
     return index
+
+
+def missing_parts(index: dict, holds: dict[str, set[str]]) -> list[str]:
+    """What the index lacks, one phrase each: a tensor some rank `holds` (`{section: names}`) that no piece
+    stores, or the first region of a tensor that no piece covers."""
+    missing = [f"all of {section} tensor {name!r}"
+               for section, names in holds.items() for name in sorted(names) if name not in index[section]]
+    for section, entries in index.items():
+        for name, entry in entries.items():
+            gap = first_gap(entry["shape"], [(piece["offsets"], piece["shape"]) for piece in entry["pieces"]])
+            if gap is not None:
+                missing.append(f"part of {section} tensor {name!r} of shape {entry['shape']} (offsets {gap[0]}, "
+                               f"shape {gap[1]})")
+    return missing
 
 
 def metadata_text(metadata: dict) -> str:

@@ -97,3 +97,23 @@ def optimizer_pieces(tensors: dict, model: torch.nn.Module, tp_rank: int, tp_siz
         else:
             pieces[name] = tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
     return pieces
+
+
+def first_gap(global_shape, boxes) -> tuple[list[int], list[int]] | None:
+    """The first box (offsets, shape) of a tensor of `global_shape` that none of `boxes` ((offsets, shape)
+    pairs; they may overlap) covers, or None when they cover every element. The boxes' edges cut each
+    dimension into intervals, so each cell of that grid lies wholly inside a box or wholly outside all."""
+    edges = [sorted({0, size, *(offsets[dim] for offsets, _ in boxes),
+                     *(offsets[dim] + shape[dim] for offsets, shape in boxes)})
+             for dim, size in enumerate(global_shape)]
+    cell_of = [{edge: number for number, edge in enumerate(dim_edges)} for dim_edges in edges]
+    covered = torch.zeros([len(dim_edges) - 1 for dim_edges in edges], dtype=torch.bool)
+    for offsets, shape in boxes:
+        covered[tuple(slice(cells[offset], cells[offset + size])
+                      for cells, offset, size in zip(cell_of, offsets, shape))] = True
+    gaps = (~covered).nonzero()
+    if not len(gaps):
+        return None
+    cell = gaps[0].tolist()
+    return ([dim_edges[i] for dim_edges, i in zip(edges, cell)],
+            [dim_edges[i + 1] - dim_edges[i] for dim_edges, i in zip(edges, cell)])

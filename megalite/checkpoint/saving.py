@@ -1,6 +1,7 @@
-"""Saving a checkpoint: every rank writes its pieces and RNG states (`write_rank_files`), rank 0
-publishes (`finalize_save`). A failed save raises `CheckpointSaveError` on every rank once rank 0 has
-removed the partial folder, so the previous checkpoint stays the latest."""
+"""Saving a checkpoint: every rank writes its pieces and RNG states (`write_rank_files`) and reports what
+it wrote; rank 0 indexes the reports, checks that they cover every tensor and publishes (`finalize_save`).
+A failed save raises `CheckpointSaveError` on every rank once rank 0 has removed the partial folder, so
+the previous checkpoint stays the latest."""
 
 import dataclasses
 import os
@@ -11,7 +12,8 @@ from safetensors import SafetensorError
 
 from megalite.checkpoint.folder import (LATEST_FILE, STAGING_SUFFIX, checkpoint_dir, create_staging, fsync_dir,
                                         fsync_file, move_into_place, read_latest_iteration, write_latest)
-from megalite.checkpoint.format import FORMAT_VERSION, METADATA_FILE, index_pieces, metadata_text, write_pieces
+from megalite.checkpoint.format import (FORMAT_VERSION, METADATA_FILE, index_pieces, metadata_text, missing_parts,
+                                        write_pieces)
 from megalite.checkpoint.pieces import Piece, model_pieces, optimizer_pieces
 from megalite.checkpoint.rng import write_rng_state
 from megalite.config import ModelConfig
@@ -24,6 +26,10 @@ class CheckpointSaveError(UserError):
     previous checkpoint is still the latest."""
 
 
+class IncompleteCheckpointError(UserError):
+    """The ranks' reports leave part of a tensor unwritten: the checkpoint is not published."""
+
+
 def _no_barrier() -> None:
     pass
 
@@ -31,11 +37,17 @@ def _no_barrier() -> None:
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
                     extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS,
-                    barrier=_no_barrier, failed_ranks=None) -> str:
+                    barrier=_no_barrier, failed_ranks=None, gather=None) -> str:
     """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder. Every rank
     calls this. `extra`: JSON that `load_checkpoint` hands back. `failed_ranks(ok)` returns the ranks whose
-    step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure."""
+    step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure.
+    `gather(report)` returns every rank's report on rank 0 (default: `gathered_at_rank_0(parallel)`)."""
     failed_ranks = failed_ranks or _own_failures(barrier, rank)
+    if gather is None:
+        if rank >= parallel.world_size:
+            raise ValueError(f"rank {rank} saves in a world of {parallel.world_size}: pass its parallel state "
+                             f"or a gather that brings every rank's report to rank 0")
+        gather = gathered_at_rank_0(parallel)
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
 
@@ -43,7 +55,7 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
         error = None
         try:
             action()
-        except (OSError, SafetensorError) as caught:  # disk full, permission denied, I/O error
+        except (OSError, SafetensorError, IncompleteCheckpointError) as caught:  # disk full, permission denied
             error = caught
         failed = failed_ranks(error is None)
         if failed:
@@ -56,20 +68,36 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     replica = parallel.dp_rank > 0
     sharded_model = getattr(model, "param_shards", None) is not None
     optim_pieces = optim_meta = None
+    # What this rank holds: every one of these tensors must be covered by some rank's pieces.
+    holds = {"model": list(model.state_dict()), "optimizer": []}
     if optimizer is not None:
         optim_state = optimizer.state_dict()
-        optim_meta = optim_state["meta"]
+        optim_meta, holds["optimizer"] = optim_state["meta"], list(optim_state["tensors"])
         optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
             optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
     model_part = {} if replica and not sharded_model else model_pieces(model, tp_rank, tp_size)
-    step("write its files", lambda: write_rank_files(staging, rank, model_part, optim_pieces))
+    report = {"holds": holds}
+    step("write its files", lambda: report.update(write_rank_files(staging, rank, model_part, optim_pieces)))
+    reports = gather(report)  # one gather of small metadata: file names, sizes, piece places
     header = {"iteration": iteration, "consumed_samples": consumed_samples,
               "consumed_valid_samples": consumed_valid_samples,
               "model_config": dataclasses.asdict(model_config),
               "optimizer": None if optimizer is None else {"meta": optim_meta},
               "extra": extra or {}}
-    step("publish it", lambda: finalize_save(save, iteration, header) if rank == 0 else None)
+    step("publish it", lambda: finalize_save(save, iteration, header, reports) if rank == 0 else None)
     return final
+
+
+def gathered_at_rank_0(parallel):
+    """A `gather(report)` for `save_checkpoint`: every rank's report in rank order on rank 0 (one
+    `gather_object` over the world), None on the others."""
+    def gather(report: dict) -> list[dict] | None:
+        if parallel.world_size == 1:
+            return [report]
+        reports = [None] * parallel.world_size if parallel.rank == 0 else None
+        torch.distributed.gather_object(report, reports, dst=0)
+        return reports
+    return gather
 
 
 def failed_ranks_across(parallel):
@@ -115,8 +143,10 @@ def _save_failure(save: str, iteration: int, what: str, error, failed: list[int]
             "; removed the partial folder"
     kept = f"{os.path.join(save, LATEST_FILE)} still names iteration {latest}, so nothing saved before is lost" \
         if latest is not None else "no earlier checkpoint exists in this folder"
-    return (f"saving checkpoint {final} failed: {cause}{removed}; {kept}; free disk space or fix the folder's "
-            f"permissions, then rerun the same command to resume")
+    fix = "a rank saved less than it holds, which is a bug: report it with the run's flags" \
+        if isinstance(error, IncompleteCheckpointError) else \
+        "free disk space or fix the folder's permissions, then rerun the same command to resume"
+    return f"saving checkpoint {final} failed: {cause}{removed}; {kept}; {fix}"
 
 
 def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) -> str:
@@ -129,30 +159,48 @@ def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) ->
 
 
 def write_rank_files(staging: str, rank: int, model: dict[str, list[Piece]],
-                     optimizer: dict[str, list[Piece]] | None = None) -> None:
-    """Write this rank's model pieces, optimizer pieces and RNG states into `staging`, fsynced."""
+                     optimizer: dict[str, list[Piece]] | None = None) -> dict:
+    """Write this rank's model pieces, optimizer pieces and RNG states into `staging`, fsynced. Return the
+    report `finalize_save` indexes: `{"files": {file name: bytes}, "pieces": {file name: its header's
+    description}}`."""
+    report = {"files": {}, "pieces": {}}
     for prefix, section, pieces in (("model", "model", model), ("optim", "optimizer", optimizer)):
         if pieces is not None:
-            path = os.path.join(staging, f"{prefix}_{rank:05d}.safetensors")
-            write_pieces(path, section, pieces)
-            fsync_file(path)
-    rng_file = os.path.join(staging, f"rng_{rank:05d}.safetensors")
-    write_rng_state(rng_file)
-    fsync_file(rng_file)
+            name = f"{prefix}_{rank:05d}.safetensors"
+            report["pieces"][name] = write_pieces(os.path.join(staging, name), section, pieces)
+            report["files"][name] = _fsynced_size(os.path.join(staging, name))
+    rng_name = f"rng_{rank:05d}.safetensors"
+    write_rng_state(os.path.join(staging, rng_name))
+    report["files"][rng_name] = _fsynced_size(os.path.join(staging, rng_name))
+    return report
 
 
-def finalize_save(save: str, iteration: int, header: dict) -> str:
-    """Rank 0, after every rank wrote: index the pieces, write metadata.json (`header`'s fields, the
-    version, every file's size and the index), publish the folder, and only then name it in the
-    latest file."""
+def _fsynced_size(path: str) -> int:
+    fsync_file(path)
+    return os.path.getsize(path)
+
+
+def finalize_save(save: str, iteration: int, header: dict, reports: list[dict]) -> str:
+    """Rank 0, after every rank wrote: index the pieces `reports` (every rank's `write_rank_files` report, in
+    rank order) name, check that they cover every tensor, write metadata.json (`header`'s fields, the
+    version, every file's size and the index), publish the folder, and only then name it in the latest
+    file. The reports, not a listing of the folder, say what was written: on a shared filesystem rank 0's
+    listing may be stale and miss other ranks' files. IncompleteCheckpointError, publishing nothing, when
+    the pieces leave part of a tensor uncovered."""
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
-    names = sorted(os.listdir(staging))
-    ranks = sum(1 for name in names if name.startswith("rng_"))
+    index = index_pieces(reports)
+    holds = {section: {name for report in reports for name in report.get("holds", {}).get(section, [])}
+             for section in index}
+    missing = missing_parts(index, holds)
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise IncompleteCheckpointError(f"the pieces its {len(reports)} rank(s) wrote miss "
+                                        f"{'; '.join(missing[:3])}{more}")
     # Sizes let a loader refuse a truncated or altered file before reading it.
-    files = {name: os.path.getsize(os.path.join(staging, name)) for name in names if name.endswith(".safetensors")}
-    metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": ranks, "files": files,
-                "tensors": index_pieces(staging)}
+    files = dict(sorted((name, size) for report in reports for name, size in report["files"].items()))
+    metadata = {"format": "megalite", "version": FORMAT_VERSION, **header, "ranks": len(reports), "files": files,
+                "tensors": index}
     with open(os.path.join(staging, METADATA_FILE), "w") as file:
         file.write(metadata_text(metadata))
         file.flush()

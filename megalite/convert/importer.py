@@ -117,7 +117,7 @@ def _tokenizer_size_note(folder: str, vocab_size: int) -> str | None:
 def _save_megalite(save: str, tensors: dict, config: ModelConfig, extra: dict) -> str:
     """`<save>/iter_0000000/`: the model only (no optimizer), written as one piece per tensor."""
     staging = checkpoint.begin_save(save, 0)
-    checkpoint.write_rank_files(staging, 0, {name: [Piece.full(tensor)] for name, tensor in tensors.items()})
+    report = checkpoint.write_rank_files(staging, 0, {name: [Piece.full(tensor)] for name, tensor in tensors.items()})
     header = {"iteration": 0, "consumed_samples": 0, "consumed_valid_samples": 0,
               "model_config": dataclasses.asdict(config), "optimizer": None, "extra": extra}
-    return checkpoint.finalize_save(save, 0, header)
+    return checkpoint.finalize_save(save, 0, header, [report])

@@ -5,7 +5,8 @@ import threading
 
 import torch
 
-from megalite.checkpoint import begin_save, checkpoint_dir, finalize_save, save_checkpoint, write_rank_files
+from megalite.checkpoint import (Piece, begin_save, checkpoint_dir, finalize_save, save_checkpoint,
+                                 write_rank_files)
 from megalite.config import ModelConfig
 
 
@@ -65,6 +66,38 @@ class FakeAdamW:
         self._copy_to_model()
 
 
+class ShardedOptimizer:
+    """A ZeRO-like optimizer state: rank r of 2 holds rows [3r, 3r+3) of a [6, 4] moment, as a Piece."""
+
+    def __init__(self, rank, values=None):
+        self.rank = rank
+        self.shard = torch.zeros(3, 4) if values is None else values[3 * rank:3 * rank + 3].clone()
+
+    def state_dict(self):
+        return {"tensors": {"w.exp_avg": Piece(self.shard, (6, 4), (3 * self.rank, 0))}, "meta": {"step": 1}}
+
+    def finish_param_sync(self):
+        pass
+
+    def load_state_dict(self, state):
+        piece = state["tensors"]["w.exp_avg"]
+        assert isinstance(piece, Piece) and piece.offsets == (3 * self.rank, 0)
+        self.shard.copy_(piece.tensor)
+
+
+class WholeOptimizer:
+    """The same state unsharded, as one process holds it."""
+
+    def __init__(self, values=None):
+        self.moment = torch.zeros(6, 4) if values is None else values.clone()
+
+    def state_dict(self):
+        return {"tensors": {"w.exp_avg": self.moment}, "meta": {"step": 1}}
+
+    def load_state_dict(self, state):
+        self.moment.copy_(state["tensors"]["w.exp_avg"])
+
+
 def train(model, optimizer, first_step, steps):
     """`steps` AdamW steps on fixed per-step batches; returns the losses (dropout draws the global RNG)."""
     losses = []
@@ -94,20 +127,29 @@ def save(path, iteration, model, optimizer=None, config=None, **kwargs):
 def save_pieces(save_dir, iteration, pieces_per_rank: list[dict]):
     """Save as if each entry of `pieces_per_rank` were one rank's model pieces."""
     staging = begin_save(str(save_dir), iteration)
-    for rank, pieces in enumerate(pieces_per_rank):
-        write_rank_files(staging, rank, pieces)
-    finalize_save(str(save_dir), iteration, {"iteration": iteration, "model_config": {}, "extra": {}})
+    reports = [write_rank_files(staging, rank, pieces) for rank, pieces in enumerate(pieces_per_rank)]
+    finalize_save(str(save_dir), iteration, {"iteration": iteration, "model_config": {}, "extra": {}}, reports)
     return checkpoint_dir(str(save_dir), iteration)
 
 
 def run_ranks(world_size, rank_main):
-    """Run `rank_main(rank, barrier)` on `world_size` threads, as ranks of one save; re-raise errors."""
+    """Run `rank_main(world)` on `world_size` threads, as ranks of one save; re-raise errors. `world`:
+    `save_checkpoint`'s `rank`, `barrier` and `gather` (every rank's report on rank 0)."""
     barrier = threading.Barrier(world_size)
-    errors = []
+    reports, errors = [None] * world_size, []
+
+    def gatherer(rank):
+        def gather(report):
+            reports[rank] = report
+            barrier.wait()
+            gathered = list(reports) if rank == 0 else None
+            barrier.wait()  # no rank overwrites its report before rank 0 has copied them
+            return gathered
+        return gather
 
     def guarded(rank):
         try:
-            rank_main(rank, barrier.wait)
+            rank_main({"rank": rank, "barrier": barrier.wait, "gather": gatherer(rank)})
         except Exception as error:  # surfaced below; a dead thread would otherwise hang the others
             errors.append(error)
             barrier.abort()

@@ -50,8 +50,11 @@ def test_row_halves_from_two_ranks_read_back_as_any_slice(tmp_path):
 
 def test_reading_what_no_piece_covers_is_a_user_error(tmp_path):
     full = torch.randn(6, 4)
-    path = save_pieces(tmp_path, 1, [{"w": [Piece(full[:3], (6, 4), (0, 0))]}])  # rank 1's half is lost
-    with CheckpointReader(path, read_metadata(path)) as reader:
+    path = save_pieces(tmp_path, 1, [{"w": [Piece(full[:3], (6, 4), (0, 0))]},
+                                     {"w": [Piece(full[3:], (6, 4), (3, 0))]}])
+    metadata = read_metadata(path)
+    metadata["tensors"]["model"]["w"]["pieces"].pop()  # an index that lost rank 1's half
+    with CheckpointReader(path, metadata) as reader:
         assert torch.equal(reader.read("model", "w", (0, 0), (3, 4)), full[:3])
         with pytest.raises(UserError, match=r"lacks part of model tensor 'w'"):
             reader.read("model", "w", (2, 0), (2, 4))

@@ -4,10 +4,10 @@ read back by any layout."""
 import pytest
 import torch
 
-from megalite.checkpoint import (CheckpointReader, Piece, flat_range_pieces, load_checkpoint, read_metadata,
+from megalite.checkpoint import (CheckpointReader, flat_range_pieces, load_checkpoint, read_metadata,
                                  tensor_parallel_pieces)
 from megalite.tensor_parallel.layers import mark_parameter, shard_full_tensor
-from tests.checkpoint.helpers import run_ranks, save, save_pieces, small_config
+from tests.checkpoint.helpers import ShardedOptimizer, WholeOptimizer, run_ranks, save, save_pieces, small_config
 
 
 def test_tensor_parallel_shards_of_chunked_weights_load_into_any_tp_size(tmp_path):
@@ -28,39 +28,10 @@ def test_tensor_parallel_shards_of_chunked_weights_load_into_any_tp_size(tmp_pat
             assert torch.equal(shard, shard_full_tensor(full, 0, rank, 4, chunks=2))
 
 
-class ShardedOptimizer:
-    """A ZeRO-like optimizer state: rank r of 2 holds rows [3r, 3r+3) of a [6, 4] moment, as a Piece."""
-
-    def __init__(self, rank, values=None):
-        self.rank = rank
-        self.shard = torch.zeros(3, 4) if values is None else values[3 * rank:3 * rank + 3].clone()
-
-    def state_dict(self):
-        return {"tensors": {"w.exp_avg": Piece(self.shard, (6, 4), (3 * self.rank, 0))}, "meta": {"step": 1}}
-
-    def load_state_dict(self, state):
-        piece = state["tensors"]["w.exp_avg"]
-        assert isinstance(piece, Piece) and piece.offsets == (3 * self.rank, 0)
-        self.shard.copy_(piece.tensor)
-
-
-class WholeOptimizer:
-    """The same state unsharded, as one process holds it."""
-
-    def __init__(self, values=None):
-        self.moment = torch.zeros(6, 4) if values is None else values.clone()
-
-    def state_dict(self):
-        return {"tensors": {"w.exp_avg": self.moment}, "meta": {"step": 1}}
-
-    def load_state_dict(self, state):
-        self.moment.copy_(state["tensors"]["w.exp_avg"])
-
-
 def test_optimizer_shards_saved_as_pieces_load_whole_and_back(tmp_path):
     values, model = torch.randn(6, 4), torch.nn.Linear(2, 2)
-    run_ranks(2, lambda rank, barrier: save(tmp_path, 1, model, ShardedOptimizer(rank, values),
-                                            config=small_config(), rank=rank, barrier=barrier))
+    run_ranks(2, lambda world: save(tmp_path, 1, model, ShardedOptimizer(world["rank"], values),
+                                    config=small_config(), **world))
     whole = WholeOptimizer()
     load_checkpoint(str(tmp_path), model, whole, model_config=small_config(), load_rng=False)
     assert torch.equal(whole.moment, values)

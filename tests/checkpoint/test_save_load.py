@@ -129,7 +129,7 @@ def test_explicit_iteration_loads_an_older_checkpoint(tmp_path):
 def test_ranks_write_their_own_files_between_barriers(tmp_path):
     config = small_config()
     model = build_model(config, seed=1)
-    run_ranks(2, lambda rank, barrier: save(tmp_path, 5, model, rank=rank, barrier=barrier))
+    run_ranks(2, lambda world: save(tmp_path, 5, model, **world))
     assert sorted(os.listdir(tmp_path / "iter_0000005")) == [
         "metadata.json", "model_00000.safetensors", "model_00001.safetensors",
         "rng_00000.safetensors", "rng_00001.safetensors"]
