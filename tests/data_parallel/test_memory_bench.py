@@ -7,9 +7,10 @@ from tools.bench.memory import main as bench_main
 
 
 def test_memory_bench_shards_model_state_by_strategy(capsys):
-    assert bench_main(["--dp", "1", "2", "--dtype", "bf16", "--small"]) == 0
+    assert bench_main(["--dp", "1", "2", "--dtype", "bf16", "--small", "--micro-batches", "3"]) == 0
     out = capsys.readouterr().out
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["1"], ["2"])]
+    table, accumulation = out.split("peak model state (MB) over 3 micro-batches")
+    rows = [line.split() for line in table.splitlines() if line.split()[:1] in (["1"], ["2"])]
     # DP, strategy, rank, params MB, exp, grads MB, exp, optim MB, exp, state/N, formula, ratio, peak MB, vs no_shard
     state = {(int(row[0]), row[1], int(row[2])): (float(row[9]), float(row[13])) for row in rows}
     strategies = ("no_shard", "optim", "optim_grads", "optim_grads_params")
@@ -24,6 +25,14 @@ def test_memory_bench_shards_model_state_by_strategy(capsys):
     assert "every measured figure equals its closed form to the byte" in out
     assert "PASS: every strategy's model state within 10% of its formula" in out
     assert "not checked" in out  # DP=8 was not run
+    # Under accumulation ZeRO-2/3 reduce each micro-batch into their shard: no growth, below ZeRO-1.
+    peaks = {(row[0], row[1], row[2]): [float(x) for x in row[3:]] for row in map(str.split, accumulation.splitlines())
+             if row[:1] == ["2"]}
+    for strategy in ("optim_grads", "optim_grads_params"):
+        for rank in "01":
+            one, many, growth, versus_zero1 = peaks[("2", strategy, rank)]
+            assert growth <= 1.1 and versus_zero1 < 1
+    assert "PASS: ZeRO-2/3's peak over 3 micro-batches within 1.1x of one micro-batch's and below ZeRO-1's" in out
 
 
 def test_sharding_comm_bench_counts_zero3_at_one_and_a_half_times_plain_dp(capsys):
