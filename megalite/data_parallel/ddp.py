@@ -86,7 +86,7 @@ class DataParallelGrads:
 
     def start_iteration(self, backwards_per_param: int) -> None:
         """Before the first backward: each parameter will receive `backwards_per_param` grads."""
-        self._launched, self._unreduced = {}, set()
+        self._launched, self._unreduced, self._wait_queued = {}, set(), False
         if self.param_shards is not None:
             self.param_shards.release_all()
         if not self.overlap:
