@@ -176,8 +176,11 @@ class ParamShards:
     # -- hooks --------------------------------------------------------------------------------
 
     def _before_forward(self, unit: Unit) -> None:
+        # Only a unit's first entry prefetches the next one: not a tied head's second entry (the final norm,
+        # whose forward_next would then stay gathered through the backward), nor a layer recomputed in its backward.
+        entering = not unit.gathered  # a prefetched unit is not gathered until waited for
         self.gather(unit)
-        if unit.forward_next is not None:
+        if entering and unit.forward_next is not None:
             self._start_gather(unit.forward_next)
 
     def _after_forward(self, unit: Unit, output) -> None:

@@ -48,11 +48,17 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
     optimizer = kind(ddp, lr=1e-3)
     peak = [0, 0]
+
+    def count_units():  # units with memory: gathered, or being gathered
+        if ddp.param_shards is not None:
+            peak[0] = max(peak[0], sum(u.full.untyped_storage().nbytes() > 0 for u in ddp.param_shards.units))
+
     if ddp.sharded_grads:
         ready = ddp.buffer.on_grad_ready
 
         def counting_ready(param):  # at each grad's arrival, before its bucket may be reduced and freed
             peak[1] = max(peak[1], sum(bucket.grad.untyped_storage().nbytes() > 0 for bucket in ddp.buffer.buckets))
+            count_units()
             ready(param)
         ddp.buffer.on_grad_ready = counting_ready
     if ddp.param_shards is not None:
@@ -61,7 +67,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
 
         def counting_gather(unit):
             gather(unit)
-            peak[0] = max(peak[0], sum(u.gathered or u.work is not None for u in shards.units))
+            count_units()
         shards.gather = counting_gather
         assert all(unit.full.untyped_storage().nbytes() == 0 for unit in shards.units)  # sharded at once
     mine = global_batch()[parallel.dp_rank::parallel.dp_size]
