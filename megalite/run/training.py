@@ -20,7 +20,7 @@ import torch
 from megalite import cpu, parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig
-from megalite.data.loader import build_data_loader, next_global_batch
+from megalite.data.loader import build_data_loader, iterate, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
@@ -214,7 +214,7 @@ class Trainer:
             source = f"--data-path {' '.join(data.data_path)}"
         else:
             source = "the --train/valid/test-data-path files"
-        return checked_token_ids(iter(loader), self.tokenizer.vocab_size, source)
+        return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)
 
     def load(self) -> None:
         """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
