@@ -8,11 +8,14 @@ Under --rampup-batch-size G is the ramp's size at the samples consumed so far (`
 so batch k starts where batch k-1 ended: every sample once, in order, on any layout and after a resume.
 """
 
+import functools
 import itertools
+import os
 
 import torch
 
 from megalite.config.rules import check_batch_sizes, check_rampup, check_rampup_layout, global_batch_at
+from megalite.data.worker_signals import leave_stop_signals_to, workers_starting
 from megalite.errors import UserError
 
 
@@ -57,7 +60,9 @@ class MicroBatchSampler(torch.utils.data.Sampler):
 def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
                       data_parallel_rank: int = 0, data_parallel_size: int = 1,
                       num_workers: int = 0, rampup: list[int] | None = None) -> torch.utils.data.DataLoader:
-    """A DataLoader of micro-batches: dicts of `tokens`, `labels`, `loss_mask`, `position_ids`, each [micro, seq]."""
+    """A DataLoader of micro-batches: dicts of `tokens`, `labels`, `loss_mask`, `position_ids`, each [micro, seq].
+    Its workers (`num_workers`) leave SIGINT and SIGTERM to this process (worker_signals.py); start them
+    with `iterate(loader)`."""
     sampler = MicroBatchSampler(len(dataset), consumed_samples, global_batch_size,
                                 micro_batch_size, data_parallel_rank, data_parallel_size, rampup)
     # An own generator: DataLoader draws its worker base seed when an iterator starts, and
@@ -66,7 +71,18 @@ def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, mi
         dataset, batch_sampler=sampler, num_workers=num_workers,
         persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
         generator=torch.Generator().manual_seed(0),
+        worker_init_fn=functools.partial(_init_worker, os.getpid()),
     )
+
+
+def _init_worker(main_pid: int, worker_id: int) -> None:
+    leave_stop_signals_to(main_pid)
+
+
+def iterate(loader: torch.utils.data.DataLoader):
+    """`iter(loader)`, whose workers start with the stop signals held for their policy."""
+    with workers_starting():
+        return iter(loader)
 
 
 def next_global_batch(micro_batches, num_microbatches: int) -> list[dict[str, torch.Tensor]]:

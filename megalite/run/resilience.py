@@ -163,10 +163,10 @@ class PeerWatch:
             remote = sorted({host for host, _ in self.peers} - {self.host})
             where = f" (ranks on {', '.join(remote)} cannot be checked from here)" if remote else ""
             who = f"another rank died or stopped answering{where}; the launcher's failure summary names it"
-        resume = f"the last complete checkpoint is {last_checkpoint}" if last_checkpoint else \
-            "no checkpoint was saved yet"
+        saved, then = ((f"the last complete checkpoint is {last_checkpoint}", "resume from it") if last_checkpoint
+                       else ("no checkpoint was saved yet", "start again"))
         return UserError(f"rank {self.rank} stopped during iteration {iteration}: {who} ({_short_error(error)}); "
-                         f"{resume}, rerun the same command (or use torchrun --max-restarts) to resume from it")
+                         f"{saved}, rerun the same command (or use torchrun --max-restarts) to {then}")
 
 
 def _short_error(error: BaseException) -> str:
@@ -207,11 +207,16 @@ def _last_good(last_checkpoint: str | None) -> str:
     return f"the last good checkpoint is {last_checkpoint}" if last_checkpoint else "no checkpoint was saved before it"
 
 
+def _restart(last_checkpoint: str | None) -> str:
+    """How a stopped run goes on once its cause is fixed: from its last good checkpoint, or from the start."""
+    return "resume from that checkpoint with --load" if last_checkpoint else "start the run again"
+
+
 def divergence_message(what: str, iteration: int, last_checkpoint: str | None) -> str:
     """The sentence a NaN/Inf loss or grad norm stops the run with."""
     return (f"{what} at iteration {iteration}, so the run diverged and stopped without saving; "
-            f"{_last_good(last_checkpoint)}; {LIKELY_CAUSES}; fix the cause and resume from that checkpoint "
-            f"with --load (--no-check-for-nan-in-loss-and-grad skips such steps instead)")
+            f"{_last_good(last_checkpoint)}; {LIKELY_CAUSES}; fix the cause and {_restart(last_checkpoint)} "
+            f"(--no-check-for-nan-in-loss-and-grad skips such steps instead)")
 
 
 class SkippedSteps:
@@ -232,7 +237,7 @@ class SkippedSteps:
                  if scaler is not None else "(--no-check-for-nan-in-loss-and-grad)")
         raise UserError(f"{self.in_a_row} iterations in a row up to iteration {iteration} had inf/nan gradients "
                         f"and were skipped {where}, so the run is not recovering; {_last_good(last_checkpoint)}; "
-                        f"{LIKELY_CAUSES}; lower --lr or use --bf16, then resume from that checkpoint")
+                        f"{LIKELY_CAUSES}; lower --lr or use --bf16, then {_restart(last_checkpoint)}")
 
 
 class LossSpikeDetector:

@@ -20,7 +20,7 @@ import torch
 from megalite import cpu, parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig
-from megalite.data.loader import build_data_loader, next_global_batch
+from megalite.data.loader import build_data_loader, iterate, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
@@ -214,7 +214,7 @@ class Trainer:
             source = f"--data-path {' '.join(data.data_path)}"
         else:
             source = "the --train/valid/test-data-path files"
-        return checked_token_ids(iter(loader), self.tokenizer.vocab_size, source)
+        return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)
 
     def load(self) -> None:
         """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
@@ -318,6 +318,9 @@ class Trainer:
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
         spikes, skipped = LossSpikeDetector(run.train.loss_spike_threshold), SkippedSteps()
         exit_code, failure = 0, None
+        # The iteration a failure stops: the step of the next one, else the one that has just been counted (its
+        # evaluation and save, the checks before the next step, and the end of the run).
+        running = state.iteration
         try:
             if self.evaluation_pending:  # the checkpoint's own evaluation was cut short by a signal
                 self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
@@ -329,6 +332,7 @@ class Trainer:
                 self.profiler.at_iteration(state.iteration)
                 step_start = time.perf_counter()
                 global_batch = run.global_batch_at(state.consumed_train_samples)
+                running = state.iteration + 1
                 loss, grad_norm, updated, lr = self.train_step()
                 state.iteration += 1
                 state.consumed_train_samples += global_batch
@@ -366,7 +370,7 @@ class Trainer:
             exit_code, failure = exit_code_of(error), f"{type(error).__name__}: {error}"
             if is_collective_failure(error):
                 # A peer died or hangs: say so in one sentence instead of a traceback from deep in torch.
-                raise self.peers.failure(error, state.iteration + 1, self.checkpointer.last_checkpoint) from error
+                raise self.peers.failure(error, running, self.checkpointer.last_checkpoint) from error
             raise
         finally:
             self.profiler.close()

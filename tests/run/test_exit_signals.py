@@ -8,11 +8,14 @@ where a timed signal would hit a window of a few milliseconds only now and then.
 """
 
 import os
+import signal
 import subprocess
 import sys
 
 import pytest
 
+from megalite.checkpoint import read_latest_iteration
+from tools import fault_campaign as campaign
 from tools.fork_ranks import REPO_ROOT
 from tools.loss_compare import read_losses
 
@@ -124,3 +127,26 @@ def test_a_sigterm_while_the_finished_run_tears_down_exits_0(reference, tmp_path
     result = launch(tmp_path, "teardown:0:1")
     assert result.returncode == 0, (result.returncode, result.stderr[-3000:])
     assert read_losses(str(tmp_path / "metrics.jsonl")) == reference
+
+
+def test_a_sigterm_to_every_process_of_a_run_with_loader_workers_saves_and_exits_0(tmp_path):
+    """SLURM's scancel and time limit signal every process of the job step, so the data-loader workers
+    (--num-workers 2) get the SIGTERM too, here sent to the run's process group. They leave it to the main
+    process, which saves at its next boundary and exits 0."""
+    save = tmp_path / "run"
+    flags = [*FLAGS, "--num-workers", "2", "--save", str(save)]
+    flags[flags.index("--train-iters") + 1] = "1000"  # the signal ends it
+    with open(tmp_path / "output.log", "w") as output:
+        run = subprocess.Popen([sys.executable, "pretrain_gpt.py", *flags], stdout=output, stderr=subprocess.STDOUT,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"}, cwd=REPO_ROOT, start_new_session=True)
+    try:
+        assert campaign.wait_for(lambda: campaign.logged_iterations(str(save)) >= 2, [run], timeout=120)
+        assert len(campaign.child_pids(run.pid)) >= 2  # the training and validation loaders' workers
+        os.killpg(run.pid, signal.SIGTERM)
+        code = run.wait(timeout=120)
+    finally:
+        if run.poll() is None:
+            os.killpg(run.pid, signal.SIGKILL)
+    log = (tmp_path / "output.log").read_text()
+    assert code == 0, log[-3000:]
+    assert f"exiting at iteration {read_latest_iteration(str(save))}: SIGTERM" in log, log[-3000:]

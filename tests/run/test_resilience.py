@@ -26,8 +26,9 @@ from megalite.arguments import parse_args
 from megalite.checkpoint import CheckpointSaveError, choose_checkpoint, read_latest_iteration
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
-from megalite.run.resilience import LossSpikeDetector, owned_signals
-from megalite.run.training import pretrain
+from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, divergence_message,
+                                     owned_signals)
+from megalite.run.training import Trainer, pretrain
 from tools import fault_campaign as campaign
 from tools.fork_ranks import cpu_world_environment
 
@@ -395,6 +396,50 @@ def test_the_first_exit_signal_is_recorded_repeated_sigterms_too_and_a_second_si
         with pytest.raises(KeyboardInterrupt):  # Ctrl-C twice: a person wants out now
             os.kill(os.getpid(), signal.SIGINT)
     assert (signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)) == before
+
+
+# What gloo raises on the survivor when its peer's process is gone.
+PEER_GONE = RuntimeError("[../third_party/gloo/gloo/transport/tcp/pair.cc:534] Connection closed by peer "
+                         "[127.0.0.1]:2271")
+
+
+@pytest.mark.parametrize("phase, failing_at, reported", [
+    ("train_step", 2, 3),  # the step of iteration 3 runs while the counter still says 2
+    ("evaluate_split", 2, 2),  # iteration 2's evaluation
+    ("save", 2, 2),  # iteration 2's save
+])
+def test_a_lost_peer_is_reported_in_the_iteration_it_was_lost_in(tmp_path, monkeypatch, one_thread, phase,
+                                                                 failing_at, reported):
+    real = getattr(Trainer, phase)
+
+    def losing_the_peer(self, *args):
+        if self.state.iteration == failing_at:
+            raise PEER_GONE
+        return real(self, *args)
+    monkeypatch.setattr(Trainer, phase, losing_the_peer)
+    monkeypatch.setattr(PeerWatch, "peer_states", lambda self, wait: {1: "died"})
+    flags = [*SMALL, "--train-iters", "4", "--eval-interval", "2", "--save-interval", "2", "--save", str(tmp_path)]
+    with pytest.raises(UserError, match=f"^rank 0 stopped during iteration {reported}: rank 1 died"):
+        pretrain(parse_args(flags), log=lambda line: None)
+
+
+def stop_messages(last_checkpoint: str | None, monkeypatch) -> list[str]:
+    """The sentences a divergence, unrecoverable skipped steps and a dead peer stop a run with."""
+    skipped = SkippedSteps()
+    with pytest.raises(UserError) as too_many_skipped:
+        for iteration in range(1, 11):
+            skipped.check(False, None, iteration, last_checkpoint)
+    monkeypatch.setattr(PeerWatch, "peer_states", lambda self, wait: {1: "died"})
+    peers = PeerWatch(type("OneRank", (), {"rank": 0, "world_size": 1}))
+    return [divergence_message("the lm loss is nan", 3, last_checkpoint), str(too_many_skipped.value),
+            str(peers.failure(PEER_GONE, 3, last_checkpoint))]
+
+
+def test_stop_messages_resume_from_a_checkpoint_only_when_one_was_saved(monkeypatch):
+    for message in stop_messages(None, monkeypatch):
+        assert "no checkpoint was saved" in message and "resume" not in message and "start" in message, message
+    for message in stop_messages("ckpt/iter_0000002", monkeypatch):
+        assert "checkpoint is ckpt/iter_0000002" in message and "resume from" in message, message
 
 
 def failing(real, error: OSError, calls_before: int = 0):

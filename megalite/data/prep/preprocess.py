@@ -7,6 +7,7 @@ so the output is byte-identical for any number of workers.
 
 import functools
 import multiprocessing
+import os
 import sys
 import time
 from collections import deque
@@ -20,6 +21,7 @@ import numpy as np
 from megalite.data.indexed_dataset import IndexedDatasetBuilder, token_dtype_for_vocab
 from megalite.data.prep.text_sources import DEFAULT_CHUNK_BYTES, ReadStats, iter_chunks, resolve_inputs
 from megalite.data.tokenizer import build_tokenizer
+from megalite.data.worker_signals import leave_stop_signals_to, workers_starting
 from megalite.errors import UserError
 
 
@@ -66,8 +68,9 @@ def _tokenize(tokenizer, key, texts, chunk, records):
 _worker_encode = None  # encode_chunk with its tokenizer and options bound, set once per worker process
 
 
-def _init_worker(encode):
+def _init_worker(encode, main_pid: int):
     global _worker_encode
+    leave_stop_signals_to(main_pid)  # so that the pool's terminate() ends it, and nothing else does
     _worker_encode = encode
 
 
@@ -84,7 +87,9 @@ def encoded_chunks(chunks, encode, workers: int) -> Iterator[EncodedChunk]:
     if workers == 1:
         yield from map(encode, chunks)
         return
-    with multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encode,)) as pool:
+    with workers_starting():
+        pool = multiprocessing.Pool(workers, initializer=_init_worker, initargs=(encode, os.getpid()))
+    with pool:
         in_flight = deque()
         for chunk in chunks:
             in_flight.append(pool.apply_async(_encode_in_worker, (chunk,)))
