@@ -93,10 +93,14 @@ def _pretrain_gpt():
     return module
 
 
-def launch(world_size: int, argv: list[str]) -> int:
-    """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code."""
+def launch(world_size: int, argv: list[str], main=None) -> int:
+    """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code.
+    main: each rank's entry point instead of pretrain_gpt.py's, called with `argv` (a harness that trains
+    in-process, as tools/check_compositions.py)."""
     os.environ.update(cpu_world_environment())  # before torch initialises CUDA: the ranks see no GPU
     pretrain_main = _pretrain_gpt().main  # torch and megalite, imported once here, before the fork
+    if main is not None:
+        pretrain_main = main
 
     port = free_port()
     context = multiprocessing.get_context("fork")
