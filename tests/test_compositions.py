@@ -43,8 +43,9 @@ def test_the_matrix_holds_every_pair_of_values_in_allowed_runs_that_megalite_acc
     assert all(matrix.allowed(run) for run in RUNS)
     # The constraints leave out only pairs that need more ranks than MAX_RANKS or break a rule of the table.
     assert frozenset({("sharding", "optim"), ("dp", "1")}) in unreachable
-    for run in RUNS:  # the flags are a valid configuration at the run's world size
-        parse_args(matrix.flags(run), matrix.ranks_of(run))
+    for run in RUNS:  # each run's flags, and its references', are valid at their world sizes
+        for values in (run, matrix.exact_reference(run), matrix.one_process_reference(run)):
+            parse_args(matrix.flags(values), matrix.ranks_of(values))
     assert len(RUNS) <= 24  # each run is a multi-process training: keep the suite's share small
 
 

@@ -177,6 +177,12 @@ KNOWN_FAILURES: tuple[tuple[Callable[[dict], bool], str], ...] = (
     # which then stays gathered through the backward: above the dry run's plan.
     (lambda run: run["sharding"] == "optim_grads_params" and run["model"] == "gpt" and run["pp"] == "1",
      "issue 36 (matrix): ZeRO-3 with tied embeddings on one stage holds layer 0 gathered through the backward"),
+    # A tied last stage's embedding copy is the output layer's weight: its bucket's grads start with the
+    # backward and wait for finish_grad_sync (the sum over the pipeline), a third bucket beside the two in
+    # flight that the plan counts for one micro-batch.
+    (lambda run: run["sharding"] == "optim_grads" and run["model"] == "gpt" and run["pp"] == "2"
+     and run["buckets"] == "small" and run["micro-batches"] == "one",
+     "issue 36 (matrix): the dry run's ZeRO-2 plan leaves out a tied last stage's embedding-copy grad bucket"),
 )
 
 
