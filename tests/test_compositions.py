@@ -156,6 +156,7 @@ def test_composition(index, outcomes):
     by_index, output = outcomes
     assert index in by_index, f"run {index} has no outcome; tools/check_compositions.py printed:\n{output}"
     outcome = by_index[index]
+    assert outcome["values"] == RUNS[index], "the tool's matrix is not this module's: the generator must be seeded"
     assert outcome["ok"], (f"run {index} ({matrix.describe(RUNS[index])}): {outcome['verdict']}; "
                            f"exact reference {outcome['bitwise']}, difference {outcome['difference']} against one "
                            f"process (rtol {outcome['rtol']}), error {outcome['error']}, invariants broken:\n"
