@@ -38,6 +38,7 @@ PLACEHOLDERS = {"...", "<the", "printed", "model", "flags>"}  # README's "fill i
 SHRINK = {
     "tools/train_tokenizer.py": ["--vocab-size", "350"],  # 32000 needs a corpus of megabytes
     "tools/check_layouts.py": ["--layouts", "tp2", "--models", "llama", "--train-iters", "2"],
+    "tools/check_compositions.py": ["--runs", "0"],  # the matrix itself is tests/test_compositions.py
     "tools/check_resharding.py": ["--targets", "tp1-pp1-dp1", "--train-iters", "3", "--stop-at", "2"],
     "tools/fault_campaign.py": ["--trials", "1"],
 }
@@ -45,7 +46,7 @@ SHRINK = {
 TOOL_ORDER = ["data/build_builtin_corpus.py", "tools/train_tokenizer.py", "tools/preprocess_data.py",
               "tools/merge_datasets.py", "tools/generate.py", "tools/convert_checkpoint.py", "tools/loss_compare.py",
               "tools/plot_metrics.py", "tools/bench/pipeline.py", "tools/check_layouts.py",
-              "tools/check_resharding.py", "tools/fault_campaign.py"]
+              "tools/check_compositions.py", "tools/check_resharding.py", "tools/fault_campaign.py"]
 # The Python snippets, by a word in each, and the tool whose output each reads.
 SNIPPETS = {"build_gpt_datasets": "tools/merge_datasets.py", "AutoModelForCausalLM": "tools/convert_checkpoint.py"}
 

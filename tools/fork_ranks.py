@@ -65,7 +65,7 @@ def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:
 
 
 def _rank_main(main, launcher_pid: int, rank: int, world_size: int, port: int, argv: list[str]) -> None:
-    """One forked rank: torchrun's environment, then pretrain_gpt.py's main (its exit code is ours)."""
+    """One forked rank: torchrun's environment, then `main` (pretrain_gpt.py's; its exit code is ours)."""
     _stop_with_launcher(launcher_pid)
     os.environ.update(rank_environment(rank, world_size, port))
     sys.exit(run_main(main, argv))
@@ -93,14 +93,16 @@ def _pretrain_gpt():
     return module
 
 
-def launch(world_size: int, argv: list[str]) -> int:
-    """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code."""
+def launch(world_size: int, argv: list[str], main=None) -> int:
+    """Fork `world_size` ranks of pretrain_gpt.py with `argv` on the CPU; 0, or the first failed rank's exit code.
+    main: each rank's entry point instead of pretrain_gpt.py's, called with `argv` (a harness that trains
+    in-process, as tools/check_compositions.py)."""
     os.environ.update(cpu_world_environment())  # before torch initialises CUDA: the ranks see no GPU
-    pretrain_main = _pretrain_gpt().main  # torch and megalite, imported once here, before the fork
+    entry = main or _pretrain_gpt().main  # torch and megalite, imported once here, before the fork
 
     port = free_port()
     context = multiprocessing.get_context("fork")
-    ranks = [context.Process(target=_rank_main, args=(pretrain_main, os.getpid(), rank, world_size, port, argv),
+    ranks = [context.Process(target=_rank_main, args=(entry, os.getpid(), rank, world_size, port, argv),
                              name=f"rank{rank}") for rank in range(world_size)]
     for process in ranks:
         process.start()
