@@ -166,24 +166,7 @@ FORBIDDEN = (
 
 # Runs expected to fail until an issue is fixed: (a predicate on the run's values, the issue). Each is an
 # xfail(strict=True) in tests/test_compositions.py, so that the fix shows as an unexpected pass.
-KNOWN_FAILURES: tuple[tuple[Callable[[dict], bool], str], ...] = (
-    # The untied output layer under the fused cross-entropy, or a tied last stage's embedding copy alone in
-    # a bucket, is read without its module's forward, so nothing waits for its all-gather.
-    (lambda run: run["overlap-param-gather"] == "on" and (
-        (run["fused-output-ce"] == "on" and run["model"] == "llama")
-        or (run["model"] == "gpt" and run["pp"] != "1" and run["buckets"] == "per-parameter")),
-     "issue 36 item 1: --overlap-param-gather loses updates of weights read outside their module's forward"),
-    # The tied head unit is entered twice (embedding, final norm); the second entry prefetches layer 0 again,
-    # which then stays gathered through the backward: above the dry run's plan.
-    (lambda run: run["sharding"] == "optim_grads_params" and run["model"] == "gpt" and run["pp"] == "1",
-     "issue 36 (matrix): ZeRO-3 with tied embeddings on one stage holds layer 0 gathered through the backward"),
-    # A tied last stage's embedding copy is the output layer's weight: its bucket's grads start with the
-    # backward and wait for finish_grad_sync (the sum over the pipeline), a third bucket beside the two in
-    # flight that the plan counts for one micro-batch.
-    (lambda run: run["sharding"] == "optim_grads" and run["model"] == "gpt" and run["pp"] == "2"
-     and run["buckets"] == "small" and run["micro-batches"] == "one",
-     "issue 36 (matrix): the dry run's ZeRO-2 plan leaves out a tied last stage's embedding-copy grad bucket"),
-)
+KNOWN_FAILURES: tuple[tuple[Callable[[dict], bool], str], ...] = ()
 
 
 VALUE = {(feature.name, value.name): value for feature in FEATURES for value in feature.values}

@@ -111,6 +111,10 @@ def plan(run: RunConfig) -> DryRunReport:
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
     strategy = layout.sharding
     shards = dp if strategy != "no_shard" else 1
+    bf16_reduce = None  # the bf16 copies of buckets in flight (ddp.py): one at a time, or every bucket's
+    if layout.grad_reduce_in_bf16 and dp > 1:
+        overlapped = layout.overlap_grad_reduce and strategy in ("no_shard", "optim")
+        bf16_reduce = "all" if overlapped else "one"
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
     for pp_rank in range(pp):
@@ -130,7 +134,7 @@ def plan(run: RunConfig) -> DryRunReport:
         activation = peak_activation_bytes(ops, chunk_bytes, working)
         for dp_rank in range(dp):
             shard = dp_rank if strategy != "no_shard" else 0
-            figures = state_bytes(buffer, dtype, shard, shards, strategy)
+            figures = state_bytes(buffer, dtype, shard, shards, strategy, bf16_reduce)
             param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])

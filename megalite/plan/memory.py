@@ -22,8 +22,8 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard"
-                ) -> dict[str, int]:
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
+                bf16_reduce: str | None = None) -> dict[str, int]:
     """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
     when the strategy shards, else 1) of every bucket of `buffer`, a GradBuffer, under the sharding `strategy`.
 
@@ -32,7 +32,9 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     laid out in its units) too. `working` exists only during an iteration: ZeRO-3's gathered units (the
     two largest, plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
     full grads of two buckets (the one filling and the one being reduced, whatever the number of
-    micro-batches), plus a tied embedding's, whose grad arrives last.
+    micro-batches), plus a tied embedding's, whose grad arrives last. bf16_reduce (--grad-reduce-in-bf16 at
+    DP > 1): "one" when one reduction is in flight at a time (ZeRO-2/3, or no overlap), "all" when every
+    bucket's is by the end of the last backward (--overlap-grad-reduce): each holds a bf16 copy of its bucket.
     """
     if buffer.shard_count != shards:
         raise ValueError(f"the buffer is cut into {buffer.shard_count} shards, not {shards}")
@@ -48,6 +50,8 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
         working += element_bytes(params_dtype) * sum(bucket_sizes[-held:])
     if sharded_grads:
         working += GRAD_BYTES * sum(bucket_sizes[-held:])
+    if bf16_reduce is not None:
+        working += element_bytes(torch.bfloat16) * sum(bucket_sizes if bf16_reduce == "all" else bucket_sizes[-1:])
     return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
             "grads": GRAD_BYTES * (grad_elements // shards if sharded_grads else grad_elements),
             "optimizer": (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces, "working": working}
