@@ -26,6 +26,10 @@ import torch
 # is read when a kernel is defined, so it is set here, before any test imports megalite.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
+# The suite runs on two workers (pytest.ini), one per core of a 2-core machine: each keeps to one torch thread,
+# as the ranks of its CPU worlds do, instead of both oversubscribing the cores.
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(1)
 # cuBLAS reads this when its first handle is made; deterministic GEMMs need it (the `deterministic`
 # fixture). It changes nothing until torch.use_deterministic_algorithms is on.
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -65,9 +69,20 @@ def deterministic():
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+# The longest test files, longest first. The suite's two workers each take whole files (pytest.ini's --dist
+# loadfile), so these start first: otherwise one of them, started last, runs on alone while the other idles.
+LONGEST_FILES = ("tests/test_compositions.py", "tests/test_readme_commands.py", "tests/run/test_resilience.py",
+                 "tests/test_parallel_training.py", "tests/data_parallel/test_sharding.py",
+                 "tests/test_sharded_training.py", "tests/run/test_exit_signals.py",
+                 "tests/data_parallel/test_memory_bench.py", "tests/test_scripts.py")
+
+
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped where CUDA is not available, and tests marked interpreter where
-    Triton's CPU interpreter cannot run the kernels (tests/triton_interpreter.py)."""
+    Triton's CPU interpreter cannot run the kernels (tests/triton_interpreter.py); the longest files
+    go first."""
+    rank = {name: index for index, name in enumerate(LONGEST_FILES)}
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FILES)))
     from tests import triton_interpreter  # here: it defines a kernel, after TRITON_INTERPRET is set above
     for marker, reason in (("gpu", lambda: None if torch.cuda.is_available() else GPU_SKIP_REASON),
                            ("interpreter", triton_interpreter.problem)):
