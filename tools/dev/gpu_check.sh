@@ -12,10 +12,10 @@ summary='(passed|failed|FAILED|ERROR|gpu-marked|Timeout|SKIPPED)'
 # The suite needs this checkout installed (tests/conftest.py); offline, so no build isolation.
 python3 -m pip install -q --no-deps --no-build-isolation -e . || exit 1
 if [ "$what" = tests ] || [ "$what" = all ]; then
-  timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu --timeout 120 -p no:benchmark 2>&1 \
+  timeout "${GPU_TESTS_S:-150}" python3 -m pytest -q -m gpu -n 0 --timeout 120 -p no:benchmark 2>&1 \
     | tee "$OUT/gpu_tests.log" | grep -E "$summary"
   # the rest in parallel; -v prints each outcome as it lands, so a cut-off run still names its failures
-  timeout "${CPU_TESTS_S:-230}" python3 -m pytest -v -m "not gpu" -n "${WORKERS:-14}" --timeout 150 -p no:benchmark 2>&1 \
+  timeout "${CPU_TESTS_S:-230}" python3 -m pytest -v -m "not gpu" -n "${WORKERS:-14}" --dist load --timeout 150 -p no:benchmark 2>&1 \
     | tee "$OUT/suite.log" | grep -E "$summary" | grep -v " PASSED "
 fi
 if [ "$what" = bench ] || [ "$what" = all ]; then
