@@ -165,6 +165,11 @@ class DataParallelGrads:
                 self._wait_queued = True
         self._launched[index] = self._reduce(self.buffer.buckets[index], async_op)
 
+    def reduction_tensors(self) -> list[torch.Tensor]:
+        """The tensors the reductions in flight hold (what they read and write), for memory accounting."""
+        return [tensor for work in self._launched.values() if work is not None
+                for tensor in (work.source, work.output)]
+
     def _end_of_backward(self) -> None:
         self._wait_queued = False
         self._wait_launched()
@@ -185,9 +190,7 @@ class DataParallelGrads:
             work = dist.all_reduce(source, group=group, async_op=async_op)
             reduction = _Reduction(work, source, source, data if low else None)
         else:
-            # In place: the output is this rank's own slice of the input.
-            size = (bucket.end - bucket.start) // self.buffer.shard_count
-            output = source[self.buffer.shard_rank * size:(self.buffer.shard_rank + 1) * size]
+            output = self.buffer.own_slice(bucket, source)  # in place: this rank's own slice of the input
             work = reduce_scatter_single(output, source, group=group, async_op=async_op)
             if self.sharded_grads:
                 reduction = _Reduction(work, source, output, shard, accumulate=True, release=data)

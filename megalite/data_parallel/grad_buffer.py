@@ -122,6 +122,12 @@ class GradBuffer:
             values.copy_(param.detach().reshape(-1))
             param.data = values.view(param.shape)
 
+    def own_slice(self, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
+        """This rank's shard of `values`, a 1-D tensor of `bucket`'s length (its grads or its parameters): a view,
+        where an in-place reduce-scatter leaves its output and an in-place all-gather takes its input."""
+        low, high = bucket.shard(self.shard_rank, self.shard_count)
+        return values[low - bucket.start:high - bucket.start]
+
     def param_bucket(self, bucket: Bucket) -> torch.Tensor:
         """`bucket`'s parameter values, 1-D (padding included), after `hold_params()`."""
         return self.param_data[bucket.start:bucket.end]

@@ -318,9 +318,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         """Every DP rank's shard of `bucket`'s params, gathered in place into the params of all ranks (with
         --overlap-param-gather started here and finished by `finish_param_sync`)."""
         values = self.grad_buffer.param_bucket(bucket)
-        size = values.numel() // self.dp_size
-        mine = values[self.dp_rank * size:(self.dp_rank + 1) * size]
-        work = all_gather_single(values, mine, group=self.ddp.parallel.dp_group, async_op=self._gathers is not None)
+        work = all_gather_single(values, self.grad_buffer.own_slice(bucket, values), group=self.ddp.parallel.dp_group, async_op=self._gathers is not None)
         if self._gathers is not None:
             self._gathers[id(bucket)] = work
 

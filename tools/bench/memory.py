@@ -115,8 +115,7 @@ def model_state_bytes(model, optimizer) -> dict[str, int]:
     if ddp.param_shards is not None:
         params += tensor_bytes(ddp.param_shards.shards)
     buffer = ddp.buffer
-    in_flight = [tensor for work in ddp._launched.values() if work is not None
-                 for tensor in (getattr(work, "source", None), getattr(work, "output", None)) if tensor is not None]
+    in_flight = ddp.reduction_tensors()
     held = [buffer.shards, *(bucket.grad for bucket in buffer.buckets)] if buffer.sharded else [buffer.data]
     grads = storage_bytes([*held, *in_flight])
     return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}
