@@ -95,6 +95,31 @@ def test_an_error_of_one_rank_alone_is_printed_by_that_rank(monkeypatch, capsys)
     assert capsys.readouterr().err == "rank 3: error: only this rank saw it\n"
 
 
+@pytest.mark.parametrize("rank, lost, printed", [
+    (1, {0}, "error: a peer died\n"),  # the lowest living rank speaks at once
+    (2, {0}, None),  # rank 1 lives: it speaks; this one only if it outlives the wait
+    (2, {0, 1}, "error: a peer died\n"),
+    (0, {1}, "error: a peer died\n"),
+])
+def test_a_lost_peers_error_is_printed_at_once_by_the_lowest_living_rank(monkeypatch, capsys, rank, lost, printed):
+    import megalite.errors
+    from megalite.errors import PeerLostError, run_main
+
+    def fail(argv):
+        raise PeerLostError("a peer died", lost_ranks=lost)
+
+    def waited(seconds):
+        raise SystemExit("the launcher stopped it while it waited")
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr(megalite.errors.time, "sleep", waited)
+    monkeypatch.setattr(megalite.errors.signal, "signal", lambda signum, handler: None)  # keep pytest's handlers
+    with pytest.raises(SystemExit) as exit_info:
+        run_main(fail, [])
+    assert capsys.readouterr().err == (printed or "")
+    assert exit_info.value.code == (1 if printed else "the launcher stopped it while it waited")
+
+
 def test_ctrl_c_without_save_is_one_line_and_the_start_up_says_nothing_is_kept():
     flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "255", "--seq-length", "32",
              "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "100000", "--log-interval", "1",

@@ -2,6 +2,7 @@
 token ids outside the vocabulary. docs/reliability.md says what happens in each case, and why.
 """
 
+import atexit
 import contextlib
 import math
 import os
@@ -16,7 +17,7 @@ from collections import deque
 import numpy as np
 import torch
 
-from megalite.errors import UserError
+from megalite.errors import PeerLostError, UserError
 
 
 class RunSignals:
@@ -28,11 +29,21 @@ class RunSignals:
     """
 
     def __init__(self, save_and_exit: bool):
-        self.save_and_exit = save_and_exit
-        self.received: int | None = None  # the first signal's number
         self._previous: dict = {}
         self._deferring, self._pending = 0, None
+        self.new_run(save_and_exit)
+
+    def new_run(self, save_and_exit: bool) -> None:
+        """Forget the signals of a run before (a process that trains twice)."""
+        self.save_and_exit = save_and_exit
+        self.received: int | None = None  # the first signal's number
+        self.late: int | None = None  # the first one after `close()`, when it had nothing left to stop
+        self._closed = False
         self._interrupts = 0  # SIGINTs seen: the second one raises
+
+    def close(self) -> None:
+        """The loop's last agreement is behind it: a signal from now on is recorded as `late` (said at exit)."""
+        self._closed = True
 
     def install(self) -> "RunSignals":
         if threading.current_thread() is threading.main_thread() and not self._previous:
@@ -49,6 +60,8 @@ class RunSignals:
     def _handle(self, signum, frame):
         if self.received is None:
             self.received = signum
+        if self._closed and self.late is None:
+            self.late = signum
         if self.save_and_exit:
             if signum == signal.SIGINT:
                 self._interrupts += 1
@@ -83,8 +96,20 @@ def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
     global _owner
     if _owner is None:
         _owner = RunSignals(save_and_exit).install()
-    _owner.save_and_exit, _owner.received, _owner._interrupts = save_and_exit, None, 0  # a new run's record
+        atexit.register(_at_exit)
+    _owner.new_run(save_and_exit)
     return _owner
+
+
+def _at_exit() -> None:
+    """Say that a signal came too late to stop anything, and ignore SIGTERM from now on: the interpreter's
+    shutdown puts every Python handler back to the default action, and tearing down torch then takes a while,
+    so a SIGTERM there would end a process that had saved everything as killed (-15). SIG_IGN is the one
+    setting the shutdown keeps."""
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if _owner is not None and _owner.late is not None and _owner.save_and_exit:
+        print(f"{signal.Signals(_owner.late).name} came after the run's last save: nothing was left to stop",
+              flush=True)
 
 
 @contextlib.contextmanager
@@ -154,8 +179,9 @@ class PeerWatch:
                 return states
             time.sleep(0.05)
 
-    def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> UserError:
-        """The error to raise on this rank for a collective that failed with `error` during `iteration`."""
+    def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> PeerLostError:
+        """The error to raise on this rank for a collective that failed with `error` during `iteration`; it
+        names the ranks found dead or suspended, so that the lowest rank still running prints it (`megalite.errors.run_main`)."""
         states = self.peer_states(wait=3.0)
         if states:
             who = " and ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
@@ -165,8 +191,9 @@ class PeerWatch:
             who = f"another rank died or stopped answering{where}; the launcher's failure summary names it"
         saved, then = ((f"the last complete checkpoint is {last_checkpoint}", "resume from it") if last_checkpoint
                        else ("no checkpoint was saved yet", "start again"))
-        return UserError(f"rank {self.rank} stopped during iteration {iteration}: {who} ({_short_error(error)}); "
-                         f"{saved}, rerun the same command (or use torchrun --max-restarts) to {then}")
+        return PeerLostError(f"rank {self.rank} stopped during iteration {iteration}: {who} ({_short_error(error)}); "
+                             f"{saved}, rerun the same command (or use torchrun --max-restarts) to {then}",
+                             lost_ranks=states)
 
 
 def _short_error(error: BaseException) -> str:

@@ -363,6 +363,7 @@ class Trainer:
                 self.save()
             if self.agreed_stop()[0]:  # a signal up to the last save: say that it was heard
                 reason = signal.Signals(self.stop_signal).name
+            self.signals.close()  # a signal from now on has nothing left to stop (said at exit)
             state.exit_reason = reason
             if reason != "finished":
                 self.log(f"exiting at iteration {state.iteration}: {reason}")
