@@ -23,6 +23,7 @@ class Resumed:
     consumed_train_samples: int
     consumed_valid_samples: int
     evaluation_pending: bool  # the saved run's evaluation was cut short by a signal: evaluate first
+    evaluations_logged: tuple[str, ...]  # the splits evaluated and logged at `iteration` before the save
 
 
 class Checkpointer:
@@ -68,8 +69,13 @@ class Checkpointer:
             return None
         self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
         extra = loaded["extra"]
+        pending = bool(extra.get("evaluation_pending"))
+        logged = extra.get("evaluations_logged")
+        if logged is None:  # saved before the field existed: the in-loop validation, where it was due and done
+            interval = self.run.train.eval_interval
+            logged = ["valid"] if interval and loaded["iteration"] % interval == 0 and not pending else []
         resumed = Resumed(loaded["path"], loaded["iteration"], loaded["consumed_samples"],
-                          loaded["consumed_valid_samples"] or 0, bool(extra.get("evaluation_pending")))
+                          loaded["consumed_valid_samples"] or 0, pending, tuple(logged))
         if "lr_schedule" in extra:
             train = self.run.train
             schedule.load_state_dict(extra["lr_schedule"], override=train.override_opt_param_scheduler,
@@ -99,16 +105,19 @@ class Checkpointer:
         interval = self.run.checkpoint.save_interval
         return bool(interval) and iteration % interval == 0
 
-    def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False) -> str | None:
+    def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False,
+             evaluations_logged=()) -> str | None:
         """Save the run at `state` (a TrainState), with the LR schedule and the run config, into --save;
-        then remove old checkpoints. Return the folder written, None without --save."""
+        then remove old checkpoints. Return the folder written, None without --save.
+        evaluations_logged: the splits logged at this iteration so far (a resumed run logs the others)."""
         ckpt = self.run.checkpoint
         if ckpt.save is None:
             return None
         start = time.perf_counter()
         optimizer.finish_param_sync()  # --overlap-param-gather: the weights saved must be the whole ones
         extra = {"lr_schedule": schedule.state_dict(), "model_name": self.run.model_name,
-                 "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending}
+                 "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending,
+                 "evaluations_logged": sorted(evaluations_logged)}
         path = save_checkpoint(ckpt.save, state.iteration, model, optimizer,
                                consumed_samples=state.consumed_train_samples,
                                consumed_valid_samples=state.consumed_valid_samples,

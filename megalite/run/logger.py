@@ -51,12 +51,13 @@ class TrainingLogger:
     def __init__(self, config: ModelConfig, global_batch_size: int, seq_length: int, train_iters: int,
                  log_interval: int = 1, metrics_file: str | os.PathLike | None = None, *,
                  device="cpu", dtype: torch.dtype = torch.float32, num_devices: int | None = None,
-                 is_logging_rank: bool | None = None, start_iteration: int = 0,
+                 is_logging_rank: bool | None = None, start_iteration: int = 0, start_evaluations=None,
                  progress_bar: bool | None = None, peak: tuple[float | None, str] | None = None,
                  print_fn: Callable[[str], None] | None = None):
         """num_devices: devices sharing the FLOPs (None: the torch.distributed world size). is_logging_rank:
         None is the last torch.distributed rank, which holds the loss under pipeline parallelism.
-        start_iteration: a resumed run's; the metrics file's lines past it are dropped. progress_bar: None
+        start_iteration, start_evaluations: a resumed run's iteration and the evaluations its checkpoint had
+        logged at it; the metrics file's lines past them are dropped (`MetricsFile`). progress_bar: None
         shows one when stdout is a terminal that the lines go to. peak: (FLOP/s or None, source) instead
         of `peak_flops(device, dtype)`. print_fn: where lines go (None: stdout, above the progress bar)."""
         distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
@@ -81,7 +82,7 @@ class TrainingLogger:
         if peak is None and self.device.type == "cpu":
             self._remeasures = PEAK_REMEASURES
         if metrics_file is not None:
-            self._metrics = MetricsFile(metrics_file, start_iteration)
+            self._metrics = MetricsFile(metrics_file, start_iteration, start_evaluations)
             if self._metrics.dropped:
                 self.print(f"metrics file {self._metrics.path}: dropped {self._metrics.dropped} line(s) after "
                            f"iteration {start_iteration}, which this run writes again")

@@ -39,16 +39,20 @@ def read_metrics_records(path: str) -> list[dict]:
 class MetricsFile:
     """The metrics file of one run, open for appending; each record is flushed as it is written."""
 
-    def __init__(self, path: str | os.PathLike, start_iteration: int = 0):
+    def __init__(self, path: str | os.PathLike, start_iteration: int = 0, start_evaluations=None):
         """Create `path` (and its folder) or open it. A run resumed from iteration K writes K+1... again,
-        so the lines past `start_iteration` (and a torn last line) go first, in an atomic rewrite done
-        only when something has to go; `self.dropped` says how many went."""
+        so the lines past `start_iteration` go first, and so do its evaluations at K not in
+        `start_evaluations` (the splits logged before its checkpoint was saved; None keeps all), which it
+        writes again too; a torn last line goes as well. One atomic rewrite, done only when something has
+        to go; `self.dropped` says how many went."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept, self.dropped = [], 0
         for line in self.path.read_text().splitlines() if self.path.exists() else []:
             try:
-                keep = json.loads(line)["iteration"] <= start_iteration
+                record = json.loads(line)
+                keep = record["iteration"] < start_iteration or (record["iteration"] == start_iteration and (
+                    "split" not in record or start_evaluations is None or record["split"] in start_evaluations))
             except (ValueError, KeyError, TypeError):
                 keep = False  # a line cut short by a crash
             if keep:

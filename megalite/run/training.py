@@ -118,6 +118,7 @@ class Trainer:
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
+        self.evaluations_logged = set()  # the splits evaluated and logged at this iteration
         self.gc = ManualGC(False)  # train() holds --manual-gc's collector while the loop runs
         # Python, numpy and torch RNGs alike on every TP rank (dropout outside TP regions must match), offset
         # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
@@ -165,6 +166,7 @@ class Trainer:
                                      dtype=train.params_dtype, num_devices=self.parallel.world_size,
                                      is_logging_rank=self.parallel.is_logging_rank,
                                      start_iteration=self.state.iteration,
+                                     start_evaluations=self.evaluations_logged,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
             # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
@@ -223,6 +225,7 @@ class Trainer:
             return
         self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
         self.evaluation_pending = resumed.evaluation_pending
+        self.evaluations_logged = set(resumed.evaluations_logged)
         # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
         # the run saves and reports says what it runs on (build_lr_schedule's inverse).
         self.run = self.checkpointer.run = dataclasses.replace(
@@ -230,7 +233,8 @@ class Trainer:
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
-        if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending):
+        if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending,
+                                  self.evaluations_logged):
             self.tracker.log_checkpoint(self.state.iteration)
 
     def train_step(self) -> tuple[float, float, bool, float]:
@@ -302,6 +306,7 @@ class Trainer:
         if split == "valid":
             self.state.consumed_valid_samples += train.eval_iters * train.global_batch_size
         self.logger.log_evaluation(self.state.iteration, split, sum(losses) / len(losses))
+        self.evaluations_logged.add(split)
         return True
 
     def train(self) -> TrainState:
@@ -336,6 +341,7 @@ class Trainer:
                 loss, grad_norm, updated, lr = self.train_step()
                 state.iteration += 1
                 state.consumed_train_samples += global_batch
+                self.evaluations_logged = set()
                 state.losses.append(loss)
                 self.logger.log_iteration(state.iteration, state.consumed_train_samples,
                                           time.perf_counter() - step_start, lr, loss, self.optimizer.loss_scale,
@@ -355,10 +361,11 @@ class Trainer:
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
             self.profiler.close()  # a run that ends before --profile-step-end: the iterations it had
             self.optimizer.finish_param_sync()  # whoever reads the weights after the loop gets the whole ones
-            if reason == "finished":  # validation (unless the last iteration had it), then test; a signal stops them
-                validated = run.train.eval_interval and state.iteration % run.train.eval_interval == 0
-                if validated or self.evaluate_split("valid", self.valid_iterator):
-                    self.evaluate_split("test", self._iterator(self.test_ds, 0))
+            if reason == "finished":  # validation, then test, each unless logged at this iteration (by the loop or a
+                # finished run this one resumed: a re-run adds nothing); a signal stops them
+                if "valid" in self.evaluations_logged or self.evaluate_split("valid", self.valid_iterator):
+                    if "test" not in self.evaluations_logged:
+                        self.evaluate_split("test", self._iterator(self.test_ds, 0))
             if saved_at != state.iteration:
                 self.save()
             if self.agreed_stop()[0]:  # a signal up to the last save: say that it was heard

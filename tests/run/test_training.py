@@ -65,6 +65,20 @@ def test_resume_is_bitwise_exact(tmp_path, token_file, kind):
     assert [r["lm_loss"] for r in records] == [r["lm_loss"] for r in straight_records]
 
 
+@pytest.mark.parametrize("iters, save_interval", [(6, 3), (4, 4), (4, 3)],
+                         ids=["saved-with-the-validation", "saved-before-the-end-evaluations", "saved-after-them"])
+def test_running_a_finished_run_again_leaves_its_metrics_as_they_were(tmp_path, iters, save_interval):
+    """The README's "the same command every time" on a finished run: whichever evaluations of the last iteration
+    came after its checkpoint are done again on the same batches, and none is logged twice."""
+    flags = [*MOCK, "--train-iters", str(iters), "--save-interval", str(save_interval), "--save", str(tmp_path)]
+    train(*flags)
+    finished = (tmp_path / "metrics.jsonl").read_text()
+    assert [json.loads(line).get("split") for line in finished.splitlines()][-2:] == ["valid", "test"]
+    _, state, lines = train(*flags)
+    assert state.iteration == iters and any("nothing to train" in line for line in lines)
+    assert (tmp_path / "metrics.jsonl").read_text() == finished
+
+
 def test_without_the_rng_state_dropout_differs(tmp_path):
     common = [*MOCK, "--train-iters", "4", "--hidden-dropout", "0.1", "--save", str(tmp_path)]
     _, straight, _ = train(*common[:-2])
