@@ -9,8 +9,9 @@
         --data-path data/llama2_text_document --tokenizer-type Llama2Tokenizer \\
         --tokenizer-model tokenizers/llama2/tokenizer.model --dry-run --world-size 64   # plan only
 
-The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The default run
-saves checkpoints and metrics.jsonl under runs/default and ends with a generated sample.
+The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The default run (no flags)
+saves checkpoints and metrics.jsonl under runs/default, resumes from there when run again, and ends
+with a generated sample; a run with flags saves only with --save DIR.
 """
 
 import math
@@ -22,12 +23,13 @@ import torch
 
 from megalite import cpu
 from megalite.arguments import parse_args
+from megalite.config import DEFAULT_RUN_SAVE
 from megalite.errors import run_main
 from megalite.parallel_state import choose_backend, world_size_from_env
 from megalite.run import hold_signals_until_exit, pretrain
 from megalite.run.generation import SAMPLING, generate
 
-SAMPLE_PROMPT = "def "
+SAMPLE_PROMPT = "def main("  # whole tokens: "def " would end in a lone "▁", which in the corpus precedes digits
 NO_SAVE = "this run keeps no checkpoints (no --save DIR)"
 
 
@@ -44,8 +46,12 @@ def main(argv) -> None:
     # Held until the process exits: a SIGTERM in the last moments still saves (or is ignored once all is saved).
     hold_signals_until_exit(run.train.exit_signal_handler)
     last_rank = run.parallel.world_size - 1  # the logging rank
-    if run.checkpoint.save is None and int(os.environ.get("RANK", last_rank)) == last_rank:
-        print(f"{NO_SAVE}: its end or a Ctrl-C discards the model", flush=True)
+    if int(os.environ.get("RANK", last_rank)) == last_rank:
+        if run.checkpoint.save is None:
+            print(f"{NO_SAVE}: its end or a Ctrl-C discards the model", flush=True)
+        elif not argv:
+            print(f"the default run: it saves into {DEFAULT_RUN_SAVE} and resumes from there when run again; "
+                  f"a run with any flag saves only with --save DIR", flush=True)
     try:
         trainer, state = pretrain(run)
     except KeyboardInterrupt:

@@ -9,7 +9,7 @@ import difflib
 import math
 import os
 
-from megalite.config import (MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
+from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
                              RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.megatron import COMPAT_FLAGS, accepted_flags, refusal_of_unknown
 from megalite.config.options import Option, flags_of, option_fields, value_type
@@ -155,15 +155,16 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     if args.sequence_parallel and (args.tensor_model_parallel_size or 1) == 1:
         args.sequence_parallel = None  # Megatron's rule: sequence parallelism needs TP ranks to split over
         notes.append("--sequence-parallel (off at --tensor-model-parallel-size 1)")
-    run = run_config_from_args(args, world_size)
+    run = run_config_from_args(args, world_size, default_run=not argv)
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"accepted without effect (see --help): {', '.join(notes)}", flush=True)
     return run
 
 
-def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunConfig:
+def run_config_from_args(args: argparse.Namespace, world_size: int = 1, default_run: bool = False) -> RunConfig:
     """The frozen RunConfig of parsed `args`: each group validated, defaults that depend on other
-    groups filled in before the group is built, then the cross-group checks."""
+    groups filled in before the group is built, then the cross-group checks. `default_run`: no flags were
+    given (`python pretrain_gpt.py`), the one run that saves without --save, into DEFAULT_RUN_SAVE."""
     parallel = ParallelConfig(**_given(ParallelConfig, args), world_size=world_size).validate()
     model = _model_config(args, parallel.tensor_model_parallel_size)
     parallel = dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=parallel.virtual_stages(
@@ -177,8 +178,8 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1) -> RunCo
     builtin = builtin and not (args.dry_run and (args.tokenizer_type or args.tokenizer_model))
     data = DataConfig(**data_given, builtin_corpus=builtin).validate()
     checkpoint_given = _given(CheckpointConfig, args)
-    if builtin:  # the default run keeps its checkpoints and metrics
-        checkpoint_given.setdefault("save", "runs/default")
+    if default_run:  # it keeps its checkpoints and metrics; any other run saves only where told
+        checkpoint_given["save"] = DEFAULT_RUN_SAVE
     checkpoint = CheckpointConfig(**checkpoint_given).validate()
     train = _train_config(args, parallel, checkpoint)
     logging = with_wandb_defaults(LoggingConfig(**_given(LoggingConfig, args)).validate(), checkpoint.save)

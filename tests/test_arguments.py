@@ -30,6 +30,14 @@ def test_explicit_flags_override_the_preset():
     assert run.checkpoint.save is None  # only the default run saves by default
 
 
+@pytest.mark.parametrize("flags", [["--num-layers", "2"], ["--lr", "3e-3"], ["--train-iters", "20"]])
+def test_only_the_default_run_saves_and_resumes_without_save(flags):
+    """A run on the built-in corpus with any flag is another run: it must not resume (and be refused by)
+    the default run's checkpoint in runs/default."""
+    run = parse_args(flags)
+    assert run.data.builtin_corpus and run.checkpoint.save is None and run.checkpoint.load is None
+
+
 def test_tokenizer_vocab_is_padded():
     run = parse_args(MOCK)
     assert run.model.real_vocab_size == 101 and run.model.vocab_size == 128

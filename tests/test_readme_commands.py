@@ -98,8 +98,11 @@ def test_every_readme_command_has_a_rule_and_the_two_first_commands_are_kept():
     commands = readme_commands()
     assert len(commands) > 20 and all(kind(words) for words in commands)
     assert all(any(marker in block for marker in SNIPPETS) for block in readme_blocks("python"))
-    assert commands[:4] == [["pip", "install", "-r", "requirements.txt"], ["python", "pretrain_gpt.py"],
-                            ["pip", "install", "-r", "requirements.txt"], ["python", "-m", "pytest"]]
+    # A CPU-only machine's torch wheel, then the two commands: the default run and the suite.
+    pinned = next(line.strip() for line in open(os.path.join(REPO_ROOT, "requirements.txt")) if line.startswith("torch"))
+    assert commands[0][:3] == ["pip", "install", pinned] and "download.pytorch.org/whl/cpu" in commands[0][-1]
+    assert commands[1:5] == [["pip", "install", "-r", "requirements.txt"], ["python", "pretrain_gpt.py"],
+                             ["pip", "install", "-r", "requirements.txt"], ["python", "-m", "pytest"]]
 
 
 @pytest.mark.parametrize("words", commands_of("pretrain"), ids=shlex.join)

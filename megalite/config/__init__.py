@@ -6,9 +6,9 @@ from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, num_parameters, pad_vocab_size, with_tokenizer_vocab
 from megalite.config.parallel import ParallelConfig
 from megalite.config.presets import MODEL_PRESETS, model_config_from_preset
-from megalite.config.run import CheckpointConfig, LoggingConfig, RunConfig
+from megalite.config.run import DEFAULT_RUN_SAVE, CheckpointConfig, LoggingConfig, RunConfig
 from megalite.config.train import TrainConfig
 
-__all__ = ["CheckpointConfig", "DataConfig", "LoggingConfig", "MODEL_PRESETS", "ModelConfig", "ParallelConfig",
+__all__ = ["DEFAULT_RUN_SAVE", "CheckpointConfig", "DataConfig", "LoggingConfig", "MODEL_PRESETS", "ModelConfig", "ParallelConfig",
            "RunConfig", "TrainConfig", "model_config_from_preset", "num_parameters", "pad_vocab_size",
            "with_tokenizer_vocab"]

@@ -14,13 +14,15 @@ from megalite.config.train import TrainConfig
 from megalite.errors import UserError
 
 WANDB_MODES = ("online", "offline", "disabled")
+DEFAULT_RUN_SAVE = "runs/default"  # where the default run (`python pretrain_gpt.py`, no flags) saves and resumes
 
 
 @dataclass(frozen=True)
 class CheckpointConfig:
     """Where checkpoints go and what a load restores."""
 
-    save: str | None = option(None, "checkpoint folder", default_text="runs/default for the default run, else none")
+    save: str | None = option(None, "checkpoint folder",
+                              default_text=f"{DEFAULT_RUN_SAVE} for the default run (no flags at all), else none")
     load: str | None = option(None, "resume from the latest checkpoint in this folder",
                               default_text="--save when it holds one")
     save_interval: int | None = option(None, "save every this many iterations",

@@ -1,9 +1,11 @@
 import json
 import multiprocessing
 import os
+import re
 from pathlib import Path
 
 import pytest
+import torch
 
 from megalite.data.prep import builtin_corpus
 from megalite.data.prep.builtin_corpus import ensure_builtin_corpus, stdlib_files
@@ -76,3 +78,39 @@ def test_two_processes_building_at_once_both_get_the_corpus(tmp_path):
     data_prefix, _ = ensure_builtin_corpus(str(tmp_path), max_files=4)
     assert len(IndexedDataset(data_prefix)) > 0
     assert not [name for name in os.listdir(tmp_path) if name.endswith(".staging")]
+
+
+def test_the_closing_sample_prompt_tokenizes_as_it_would_inside_longer_text(built):
+    """"def " tokenized as ['def', '▁']: a lone '▁', which in this corpus comes before digits, so the default
+    run's sample read `def 4000200000...`. The prompt's tokens must be those of the same text in the corpus."""
+    from tools.fork_ranks import _pretrain_gpt
+
+    prompt = _pretrain_gpt().SAMPLE_PROMPT
+    tokenizer = SentencePieceTokenizer(built[2])
+    tokens = tokenizer.tokenize(prompt)
+    for continuation in ("self, x):", "argv=None):", " x"):
+        assert tokenizer.tokenize(prompt + continuation)[:len(tokens)] == tokens, continuation
+
+
+def test_the_closing_sample_of_a_model_trained_briefly_is_mostly_the_corpus_words(built, capsys):
+    """A model barely trained on the corpus continues the prompt mostly in the corpus's own words (an
+    untrained one: about 1 word in 5)."""
+    from megalite.arguments import parse_args
+    from megalite.run.training import pretrain
+    from tools.fork_ranks import _pretrain_gpt
+
+    _, data_prefix, tokenizer_model = built
+    flags = ["--data-path", data_prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+             tokenizer_model, "--num-layers", "2", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+             "64", "--micro-batch-size", "8", "--global-batch-size", "8", "--train-iters", "100", "--lr", "3e-3",
+             "--lr-warmup-iters", "5", "--eval-iters", "0", "--log-interval", "100"]
+    with torch.random.fork_rng():
+        trainer, _ = pretrain(parse_args(flags), log=lambda line: None)
+    entry = _pretrain_gpt()
+    entry.print_sample(trainer)
+    sample = capsys.readouterr().out.split("tools/generate.py's defaults):\n", 1)[1]
+    assert sample.startswith(entry.SAMPLE_PROMPT)
+    root, files = stdlib_files(MAX_FILES)
+    corpus_words = set(re.findall(r"\w+", " ".join((root / name).read_text(encoding="utf-8") for name in files)))
+    words = re.findall(r"\w+", sample[len(entry.SAMPLE_PROMPT):])
+    assert len(words) >= 10 and sum(word in corpus_words for word in words) >= 0.6 * len(words), sample
