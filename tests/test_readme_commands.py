@@ -105,6 +105,23 @@ def test_every_readme_command_has_a_rule_and_the_two_first_commands_are_kept():
                              ["pip", "install", "-r", "requirements.txt"], ["python", "-m", "pytest"]]
 
 
+OUTPUT_FLAGS = ("--save", "--output-prefix", "--out")  # where README commands write
+
+
+def test_what_readme_commands_write_is_git_ignored():
+    """A newcomer who runs the README's commands in the checkout must not see their outputs as changes."""
+    outputs = {words[i + 1] for words in readme_commands() for i, word in enumerate(words[:-1])
+               if word in OUTPUT_FLAGS and not words[i + 1].isupper()}  # DIR, PATH: placeholders
+    assert {"runs/lr3e-3", "ckpt/llama", "hf/default", "tokenizers/my", "curves.png"} <= outputs
+    paths = [path + suffix for path in outputs
+             for suffix in ((".bin", ".idx") if path.startswith("data/") else ("/x",) if "." not in path else ("",))]
+    if shutil.which("git") is None or not os.path.exists(os.path.join(REPO_ROOT, ".git")):
+        pytest.skip("not a git checkout")
+    ignored = subprocess.run(["git", "check-ignore", "--no-index", *paths], capture_output=True, text=True,
+                             cwd=REPO_ROOT).stdout.split()
+    assert sorted(set(paths) - set(ignored)) == []
+
+
 @pytest.mark.parametrize("words", commands_of("pretrain"), ids=shlex.join)
 def test_pretrain_commands_pass_a_dry_run(words, capsys):
     launcher = words[:words.index("pretrain_gpt.py")]

@@ -16,6 +16,9 @@ from megalite.errors import UserError
 
 FORMAT_VERSION = 1
 METADATA_FILE = "metadata.json"
+# The process's umask, read once at import, before any thread that writes files could see the brief 0 here.
+_UMASK = os.umask(0o022)
+os.umask(_UMASK)
 
 
 def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> dict:
@@ -34,8 +37,16 @@ def write_pieces(path: str, section: str, pieces: dict[str, list[Piece]]) -> dic
                               "global_shape": list(piece.global_shape), "offsets": list(piece.offsets),
                               "dtype": str(piece.tensor.dtype).removeprefix("torch.")}
     header = {"section": section, "pieces": described}
-    save_file(tensors, path, metadata={"megalite": json.dumps(header)})
+    save_safetensors(tensors, path, header)
     return header
+
+
+def save_safetensors(tensors: dict[str, torch.Tensor], path: str, header: dict) -> None:
+    """`tensors` as the safetensors file `path`, `header` as JSON in its metadata, with the permissions the
+    process's umask gives every other file the run writes: safetensors' own `save_file` makes it owner-only
+    (0600), which teammates on a shared cluster could not read or convert."""
+    save_file(tensors, path, metadata={"megalite": json.dumps(header)})
+    os.chmod(path, 0o666 & ~_UMASK)
 
 
 def _fits(offsets, shape, limits) -> bool:

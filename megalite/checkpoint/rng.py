@@ -7,9 +7,7 @@ import random
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
-
-from megalite.checkpoint.format import open_safetensors
+from megalite.checkpoint.format import open_safetensors, save_safetensors
 from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 
@@ -28,7 +26,7 @@ def write_rng_state(path: str) -> None:
     meta = {"python": [version, list(internal), gauss_next],
             "numpy": {"name": numpy_state[0], "pos": int(numpy_state[2]), "has_gauss": int(numpy_state[3]),
                       "cached_gaussian": float(numpy_state[4])}}
-    save_file(tensors, path, metadata={"megalite": json.dumps(meta)})
+    save_safetensors(tensors, path, meta)
 
 
 def restore_rng_state(path: str, size: int | None = None) -> None:

@@ -146,6 +146,17 @@ def test_save_is_due_at_multiples_of_the_interval_and_only_with_save(tmp_path):
     assert Run().save(1) is None and not os.listdir(tmp_path)
 
 
+def test_every_checkpoint_file_gets_the_permissions_of_the_umask(tmp_path):
+    """safetensors' save_file makes its files owner-only (0600); teammates on a shared cluster must be able to
+    read and convert a checkpoint as they read its metadata.json (0644 under the usual umask 022)."""
+    folder = Run("--save", str(tmp_path)).save(1)
+    modes = {name: os.stat(os.path.join(folder, name)).st_mode & 0o777 for name in os.listdir(folder)}
+    umask = os.umask(0o022)
+    os.umask(umask)
+    assert any(name.endswith(".safetensors") for name in modes)
+    assert modes == dict.fromkeys(modes, 0o666 & ~umask), modes
+
+
 def test_retention_keeps_the_newest_the_retained_multiples_and_the_one_resumed_from(tmp_path):
     first = Run("--save", str(tmp_path))
     for iteration in (1, 2):
