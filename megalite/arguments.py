@@ -38,7 +38,8 @@ NON_FIELD_FLAGS = [
     ("learning rate", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction "
                                                                        "of the decay iterations (default: none)")),
     ("mixed precision", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs "
-                                                                   "and on GPUs without bf16 units)")),
+                                                                   "and on GPUs without bf16 units; a dry run plans "
+                                                                   "bf16)")),
     (DRY_RUN_GROUP, ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and FLOPs "
                                                                    "for the layout, then exit: no processes, GPUs or "
                                                                    "data (megalite/plan/dry_run.py)")),
@@ -227,7 +228,9 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
-    bf16_default = not precisions and bf16_is_default(parallel.distributed_backend)
+    # A dry run plans a GPU job (wherever it runs): its default is a bf16 GPU's, unless it plans for gloo.
+    plans_gpu = args.dry_run and parallel.distributed_backend != "gloo"
+    bf16_default = not precisions and (plans_gpu or bf16_is_default(parallel.distributed_backend))
     given["bf16"] = bool(args.bf16) or bf16_default
     if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
         raise UserError("--lr-warmup-iters and --lr-warmup-fraction both given; pick one")

@@ -48,8 +48,10 @@ class TrainConfig:
     clip_grad: float = option(1.0, "clip the global gradient norm to this; 0 turns clipping off", group=REGULARIZATION)
     seed: int = option(1234, "seed of weights, data order and dropout", group=INITIALIZATION)
     bf16: bool = option(False, "bf16 params and compute, fp32 main params",
-                        default_text="on for GPUs with bf16 units, unless --fp16 or --fp32", group=PRECISION)
-    bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU")
+                        default_text="on for GPUs with bf16 units and in a dry run, unless --fp16 or --fp32",
+                        group=PRECISION)
+    bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU, "
+                                        "or is a dry run (which plans a GPU job)")
     fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling", group=PRECISION)
     initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the initial loss scale", default_text="2^32",
                                        group=PRECISION)

@@ -178,6 +178,8 @@ def format_report(report: DryRunReport) -> str:
     params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
     lines = [
         f"dry run: {run.model_name} on {layout.describe()}, {dtype}",
+        *([f"precision: {dtype}, a GPU run's default (no --bf16, --fp16 or --fp32 given); --fp32 or --fp16 plans "
+           f"those instead"] if train.bf16_default else []),
         f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}); "
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",
