@@ -12,40 +12,42 @@ import os
 from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
                              RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.megatron import COMPAT_FLAGS, accepted_flags, refusal_of_unknown
-from megalite.config.options import Option, flags_of, option_fields, value_type
+from megalite.config.options import HELP_GROUPS, Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
 from megalite.parallel_state import bf16_is_default
 from megalite.run.tracking import with_wandb_defaults
 
-MODEL_GROUP = "model (defaults: the --model preset's values)"
-# The config classes on the command line, each one argument group, in --help order.
-GROUPS = [(ModelConfig, MODEL_GROUP), (TrainConfig, "training"), (DataConfig, "data"),
-          (CheckpointConfig, "checkpoints"), (LoggingConfig, "logging and experiment tracking (wandb, TensorBoard)"),
-          (ParallelConfig, "parallelism")]
+# Each config class's --help group (config/options.py's HELP_GROUPS); an option may name another.
+GROUPS = [(ModelConfig, "network size"), (TrainConfig, "training"), (DataConfig, "data and dataloader"),
+          (CheckpointConfig, "checkpointing"), (LoggingConfig, "logging"), (ParallelConfig, "distributed")]
+GROUP_NOTES = {"network size": "defaults: the --model preset's (each flag says tiny's); see --list-models",
+               "logging": "the console, the metrics file and experiment tracking (wandb, TensorBoard)"}
+DRY_RUN_GROUP = "dry run (planning a layout)"
 
 # Flags that are not config fields: (group title, flags, argparse keywords), read by parse_args
 # and run_config_from_args.
 NON_FIELD_FLAGS = [
-    (MODEL_GROUP, ("--model",), dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) "
-                                                                          "(default: tiny)")),
-    (MODEL_GROUP, ("--list-models",), dict(action="store_true", help="print the presets and exit")),
-    (MODEL_GROUP, ("--group-query-attention",), dict(action="store_true", help="use --num-query-groups key/value "
-                                                                                "heads")),
-    (MODEL_GROUP, ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
-                                                                                "selective (the attention core)")),
-    ("training", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction of "
-                                                                   "the decay iterations (default: none)")),
-    ("training", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs and "
-                                                             "on GPUs without bf16 units)")),
-    ("planning", ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and FLOPs "
-                                                                "for the layout, then exit: no processes, GPUs or "
-                                                                "data (megalite/plan/dry_run.py)")),
-    ("planning", ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
-                                                        "(default: TP x PP, DP 1)")),
-    ("planning", ("--dry-run-gpu-memory",), dict(type=float, metavar="GIB", help="with --dry-run: warn when a "
-                                                 "rank needs more than this many GiB (default: 80)")),
-    (None, ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),
+    ("network size", ("--model",), dict(default="tiny", metavar="NAME", help="named architecture (see "
+                                                                            "--list-models) (default: tiny)")),
+    ("network size", ("--list-models",), dict(action="store_true", help="print the presets and exit")),
+    ("network size", ("--group-query-attention",), dict(action="store_true", help="use --num-query-groups "
+                                                                                  "key/value heads")),
+    ("training", ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
+                                                                              "selective (the attention core)")),
+    ("learning rate", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction "
+                                                                       "of the decay iterations (default: none)")),
+    ("mixed precision", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs "
+                                                                   "and on GPUs without bf16 units; a dry run plans "
+                                                                   "bf16)")),
+    (DRY_RUN_GROUP, ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and FLOPs "
+                                                                   "for the layout, then exit: no processes, GPUs or "
+                                                                   "data (megalite/plan/dry_run.py)")),
+    (DRY_RUN_GROUP, ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
+                                                           "(default: TP x PP, DP 1)")),
+    (DRY_RUN_GROUP, ("--dry-run-gpu-memory",), dict(type=float, metavar="GIB", help="with --dry-run: warn when a "
+                                                    "rank needs more than this many GiB (default: 80)")),
+    ("logging", ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),
 ]
 
 
@@ -61,18 +63,19 @@ class Parser(argparse.ArgumentParser):
 
 def build_parser() -> argparse.ArgumentParser:
     """The pretrain_gpt.py parser: one flag per option field (default None: not given), then the
-    non-field flags and Megatron's compatibility flags. --help shows each flag's default."""
-    parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False,
-                    description="Pretrain a GPT / LLaMA model with Megatron-LM's flags.")
-    groups = {title: parser.add_argument_group(title) for _, title in GROUPS}
+    non-field flags and Megatron's compatibility flags, in Megatron-LM's groups. --help shows each
+    flag's default."""
+    parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage="%(prog)s [options]",
+                    description="Pretrain a GPT / LLaMA model with Megatron-LM's flags, in its groups; with none, "
+                                "the tiny model on the built-in corpus (README.md).")
+    titles = [*HELP_GROUPS, DRY_RUN_GROUP]
+    groups = {title: parser.add_argument_group(title, GROUP_NOTES.get(title)) for title in titles}
     for title, flags, kwargs in NON_FIELD_FLAGS:
-        if title is not None and title not in groups:
-            groups[title] = parser.add_argument_group(title)
-        (parser if title is None else groups[title]).add_argument(*flags, **kwargs)
+        groups[title].add_argument(*flags, **kwargs)
     for cls, title in GROUPS:
         preset = MODEL_PRESETS["tiny"] if cls is ModelConfig else None
         for field, spec in option_fields(cls):
-            _add_option(groups[title], cls, field, spec, preset)
+            _add_option(groups[spec.group or title], cls, field, spec, preset)
     compat = parser.add_argument_group(COMPAT_GROUP)
     for flag in COMPAT_FLAGS:
         if flag.takes_value:
@@ -102,11 +105,13 @@ def _add_option(group, cls, field: dataclasses.Field, spec: Option, preset: dict
     flags = flags_of(field)
     own = flags[:-1] if spec.off_flag else flags
     kind, is_list = value_type(cls, field)
+    # A switch's default says whether what it does is in force: an inverted one's is the field's negation.
+    shown = (lambda value: _shown(not value)) if spec.inverted else _shown
     if preset is not None:  # a model flag: the preset decides what is not given
         tiny = preset.get(field.name, field.default)
-        default = f"the --model preset's; tiny: {spec.default_text if tiny is None else _shown(tiny)}"
+        default = f"the --model preset's; tiny: {spec.default_text if tiny is None else shown(tiny)}"
     else:
-        default = _shown(field.default) if spec.default_text is None else spec.default_text
+        default = shown(field.default) if spec.default_text is None else spec.default_text
     text = f"{spec.help} (default: {default})".replace("%", "%%")
     common = dict(dest=field.name, default=None)
     if kind is bool:
@@ -224,7 +229,9 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if len(precisions) > 1:
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
-    bf16_default = not precisions and bf16_is_default(parallel.distributed_backend)
+    # A dry run plans a GPU job (wherever it runs): its default is a bf16 GPU's, unless it plans for gloo.
+    plans_gpu = args.dry_run and parallel.distributed_backend != "gloo"
+    bf16_default = not precisions and (plans_gpu or bf16_is_default(parallel.distributed_backend))
     given["bf16"] = bool(args.bf16) or bf16_default
     if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
         raise UserError("--lr-warmup-iters and --lr-warmup-fraction both given; pick one")

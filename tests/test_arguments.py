@@ -241,6 +241,56 @@ def test_help_shows_every_flags_default():
             assert "(default: " in action.help, action.option_strings
 
 
+def test_help_starts_with_a_short_usage_and_groups_the_flags_as_megatron():
+    import argparse
+
+    from megalite.arguments import build_parser
+    from megalite.config.options import HELP_GROUPS
+
+    parser = build_parser()
+    lines = parser.format_help().splitlines()
+    assert lines[0] == "usage: pretrain_gpt.py [options]"
+    assert max(map(len, lines[:4])) <= 80
+    first_flag = next(i for i, line in enumerate(lines) if line.startswith("  --"))
+    assert first_flag < 15 and lines[first_flag].startswith("  --model NAME")
+    groups = [group for group in parser._action_groups if group._group_actions]
+    titles = [group.title for group in groups]
+    assert all(titles) and len(set(titles)) == len(titles)
+    assert [title for title in titles if title in HELP_GROUPS] == list(HELP_GROUPS)  # every one, Megatron's order
+    options = next(group for group in groups if group.title == "options")
+    assert [type(action) for action in options._group_actions] == [argparse._HelpAction]  # only -h is ungrouped
+
+
+def switch_defaults() -> list[tuple[str, str, bool]]:
+    """(flag, the default --help shows, whether the flag's effect is in force in the default run) for each
+    switch of a config field whose help says "on" or "off"."""
+    import dataclasses
+    import re
+
+    from megalite.arguments import build_parser
+
+    run = parse_args([])
+    config_of = {type(getattr(run, field.name)): getattr(run, field.name) for field in dataclasses.fields(run)}
+    fields = {field.name: cls for cls, _ in GROUPS for field, _ in option_fields(cls)}
+    switches = []
+    for action in build_parser()._actions:
+        shown = re.search(r"\(default: (?:the --model preset's; tiny: )?(on|off)\)$", action.help or "")
+        if action.nargs == 0 and action.dest in fields and shown:
+            in_force = getattr(config_of[fields[action.dest]], action.dest) == action.const
+            switches.append((action.option_strings[0], shown.group(1), in_force))
+    return switches
+
+
+def test_help_shows_whether_each_switch_is_in_force_by_default_inverted_ones_too():
+    """--disable-bias-linear sets add_bias_linear False: tiny has no biases, so its default is on."""
+    switches = switch_defaults()
+    assert ("--disable-bias-linear", "on", True) in switches
+    assert ("--no-manual-gc-eval", "off", False) in switches
+    assert ("--swiglu", "on", True) in switches and ("--openai-gelu", "off", False) in switches
+    for flag, shown, in_force in switches:
+        assert shown == ("on" if in_force else "off"), flag
+
+
 def test_the_config_is_frozen():
     import dataclasses
 

@@ -15,12 +15,29 @@ TP2 = ["--tensor-model-parallel-size", "2"]
 PP2_VP2 = LAYOUTS["pp2-vp2"][1]
 
 
-def train(folder, processes: int, *flags: str, load: bool = False, base: list[str] = FLAGS) -> dict:
+def train_logged(folder, processes: int, *flags: str, load: bool = False, base: list[str] = FLAGS) -> tuple[dict, str]:
     """Run pretrain_gpt.py with `base` + `flags` saving into `folder` (resuming from it with `load`);
-    its losses."""
-    run(processes, [*base, *flags, "--save", str(folder), *(["--load", str(folder)] if load else [])],
-        os.path.join(folder, "metrics.jsonl"))
-    return read_losses(os.path.join(folder, "metrics.jsonl"))
+    its losses and standard output."""
+    out = run(processes, [*base, *flags, "--save", str(folder), *(["--load", str(folder)] if load else [])],
+              os.path.join(folder, "metrics.jsonl"))
+    return read_losses(os.path.join(folder, "metrics.jsonl")), out
+
+
+def train(folder, processes: int, *flags: str, load: bool = False, base: list[str] = FLAGS) -> dict:
+    """train_logged's losses."""
+    return train_logged(folder, processes, *flags, load=load, base=base)[0]
+
+
+def startup_line(out: str) -> str:
+    """The run's start-up line (the model, its parameters, the layout), checked to be printed once."""
+    lines = [line for line in out.splitlines() if line.startswith(("model ", "custom model "))]
+    assert len(lines) == 1, out
+    return lines[0]
+
+
+def parameters(line: str) -> int:
+    """The whole model's parameter count a start-up line gives."""
+    return int(line.split(": ", 1)[1].split(" parameters")[0].replace(",", ""))
 
 
 def resume_elsewhere(source, target, processes: int, *flags: str) -> dict:
@@ -30,9 +47,14 @@ def resume_elsewhere(source, target, processes: int, *flags: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory):
-    """The uninterrupted one-process run every layout is compared with."""
-    return train(tmp_path_factory.mktemp("single"), 1)
+def single_logged(tmp_path_factory):
+    """The uninterrupted one-process run every layout is compared with: its losses and output."""
+    return train_logged(tmp_path_factory.mktemp("single"), 1)
+
+
+@pytest.fixture(scope="module")
+def single(single_logged):
+    return single_logged[0]
 
 
 def assert_matches(reference: dict, losses: dict, records: int, tolerance: float = 1e-5) -> None:
@@ -76,9 +98,17 @@ def test_interleaved_pipeline_matches_one_process_and_resumes_at_pp1_and_pp4(sin
 
 def test_tied_gpt_over_pipeline_tensor_and_sequence_parallelism_matches_one_process(tmp_path):
     gpt = [*COMMON, *MODELS["gpt"], "--train-iters", "4"]
-    reference = train(tmp_path / "single", 1, base=gpt)
-    layout = train(tmp_path / "pp2-tp2-sp", 4, *LAYOUTS["pp2-tp2-sp"][1], base=gpt)
+    reference, reference_out = train_logged(tmp_path / "single", 1, base=gpt)
+    layout, layout_out = train_logged(tmp_path / "pp2-tp2-sp", 4, *LAYOUTS["pp2-tp2-sp"][1], base=gpt)
     assert_matches(reference, layout, 6)  # 4 iterations, validation and test
+    # Said once for the world: the whole model (the tied output weight and the TP-replicated norms and
+    # biases counted once), the largest rank's part of it, and the layout.
+    line, one_process = startup_line(layout_out), startup_line(reference_out)
+    assert line.startswith("custom model (--model gpt2-124m with num_layers 4, hidden_size 64, ")
+    assert parameters(line) == parameters(one_process) > 0
+    largest = int(line.split("(up to ")[1].split(" per rank)")[0].replace(",", ""))
+    assert parameters(line) // 4 < largest < parameters(line) // 2
+    assert line.endswith("with 1 thread per rank; 4 ranks = TP 2 x PP 2 x DP 1, sequence parallel")
 
 
 # -- data parallelism and the distributed optimizer ---------------------------------------------
@@ -104,11 +134,17 @@ def test_gradient_accumulation_over_data_parallel_ranks_is_exact(single, tmp_pat
     assert_matches(one, many, 7)
 
 
-def test_eight_ranks_with_every_parallelism_match_and_reshard_to_one_process_and_pp4_dp2(single, tmp_path):
+def test_eight_ranks_with_every_parallelism_match_and_reshard_to_one_process_and_pp4_dp2(single_logged, tmp_path):
     """TP=2 x PP=2 (V=2) x DP=2 with SP, the distributed optimizer and overlapped reduction
     saves at iteration 2; one process and PP=4 x DP=2 without the distributed optimizer finish."""
-    first_half = train(tmp_path / "all", 8, *LAYOUTS["tp2-pp2-dp2-sp-vp2-distopt-overlap"][1], "--exit-interval", "2")
+    single, single_out = single_logged
+    first_half, out = train_logged(tmp_path / "all", 8, *LAYOUTS["tp2-pp2-dp2-sp-vp2-distopt-overlap"][1],
+                                   "--exit-interval", "2")
     assert_matches(single, first_half, 3)
+    line = startup_line(out)
+    assert parameters(line) == parameters(startup_line(single_out))
+    assert line.endswith("; 8 ranks = TP 2 x PP 2 x DP 2, 2 virtual stages per pipeline rank, sequence parallel, "
+                         "distributed optimizer")
     assert_matches(single, resume_elsewhere(tmp_path / "all", tmp_path / "one", 1), 7)
     assert_matches(single, resume_elsewhere(tmp_path / "all", tmp_path / "pp4-dp2", 8,
                                             "--pipeline-model-parallel-size", "4"), 7)

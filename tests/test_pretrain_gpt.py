@@ -23,6 +23,9 @@ def test_mock_data_training_lowers_the_loss():
                  "--eval-iters", "2", "--log-interval", "10")
     assert result.returncode == 0, result.stderr
     assert "validation loss at iteration 30" in result.stdout
+    # Not the tiny preset: the start-up line says what changed.
+    assert "\ncustom model (--model tiny with seq_length 32, vocabulary 256): 3,033,344 parameters, 4 layers" \
+        in result.stdout
     line = next(l for l in result.stdout.splitlines() if l.startswith("trained iterations 1-30"))
     first, last = (float(x) for x in line.split("lm loss ")[1].split(" (")[0].split(" -> "))
     assert first == pytest.approx(5.55, abs=0.3)  # ln(256)

@@ -71,9 +71,9 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
 }
 
 
-def run(processes: int, flags: list[str], metrics: str) -> None:
+def run(processes: int, flags: list[str], metrics: str) -> str:
     """`pretrain_gpt.py flags --metrics-file metrics` as `processes` CPU ranks (one: a plain process,
-    also on the CPU); SystemExit with the run's output tail if it fails."""
+    also on the CPU); its standard output, or SystemExit with the run's output tail if it fails."""
     # Ranks forked from one interpreter (tools/fork_ranks.py): torch is imported once per run, not once per rank.
     launcher = [os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node", str(processes), "--"]
     command = [sys.executable, *(launcher if processes > 1 else [os.path.join(REPO_ROOT, "pretrain_gpt.py")]),
@@ -82,6 +82,7 @@ def run(processes: int, flags: list[str], metrics: str) -> None:
     result = subprocess.run(command, capture_output=True, text=True, env=env, cwd=REPO_ROOT)
     if result.returncode != 0:
         raise SystemExit(f"failed: {' '.join(command)}\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}")
+    return result.stdout
 
 
 def largest_difference(model: str, layout: str, train_iters: int, folder: str) -> float:

@@ -10,6 +10,9 @@ from megalite.errors import UserError
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
 NORMALIZATIONS = ("LayerNorm", "RMSNorm")
 RECOMPUTE_GRANULARITIES = (None, "full", "selective")
+# The --help groups of the options below that are not in the "network size" group: they set how the model
+# is trained, not what it is.
+REGULARIZATION, INITIALIZATION, TRAINING = "regularization", "initialization", "training"
 
 
 def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
@@ -50,15 +53,17 @@ class ModelConfig:
     openai_gelu: bool = option(False, "tanh-approximated GELU (GPT-2's `gelu_new`) instead of exact erf")
     untie_embeddings_and_output_weights: bool = option(False, "an output layer of its own, not the embedding's")
     add_bias_linear: bool = option(True, "no biases in the linear layers", flag="--disable-bias-linear", inverted=True)
-    hidden_dropout: float = option(0.1, "dropout after attention and MLP")
-    attention_dropout: float = option(0.1, "dropout of the attention probabilities")
-    init_method_std: float = option(0.02, "standard deviation of the weight initialisation")
+    hidden_dropout: float = option(0.1, "dropout after attention and MLP", group=REGULARIZATION)
+    attention_dropout: float = option(0.1, "dropout of the attention probabilities", group=REGULARIZATION)
+    init_method_std: float = option(0.02, "standard deviation of the weight initialisation", group=INITIALIZATION)
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP")
     recompute_granularity: str | None = option(None, "recompute full layers or the attention core (selective)",
-                                               choices=RECOMPUTE_GRANULARITIES[1:], default_text="none")
-    z_loss_weight: float = option(0.0, "PaLM's z-loss: adds w * logsumexp(logits)^2 per token (1e-4 is common)")
+                                               choices=RECOMPUTE_GRANULARITIES[1:], default_text="none", group=TRAINING)
+    z_loss_weight: float = option(0.0, "PaLM's z-loss: adds w * logsumexp(logits)^2 per token (1e-4 is common)",
+                                  group=REGULARIZATION)
     fused_output_cross_entropy: bool = option(False, "output layer + loss in token chunks, never the full "
-                                                     "logits (TP = 1); costs one more output-layer matmul")
+                                                     "logits (TP = 1); costs one more output-layer matmul",
+                                              group=TRAINING)
 
     def __post_init__(self):
         # Still construction: a frozen dataclass fills its derived defaults through object.__setattr__.

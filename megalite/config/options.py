@@ -7,6 +7,12 @@ import typing
 from dataclasses import dataclass
 
 
+# --help's groups: Megatron-LM's titles, in its order (megatron/training/arguments.py). An option is in its
+# config class's group (megalite/arguments.py's GROUPS) unless it names another.
+HELP_GROUPS = ("network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
+               "mixed precision", "distributed", "validation", "data and dataloader", "logging")
+
+
 @dataclass(frozen=True)
 class Option:
     """How one config field appears on the command line."""
@@ -17,6 +23,11 @@ class Option:
     off_flag: str | None = None  # a second flag that sets a boolean field False
     inverted: bool = False  # the flag sets a boolean field False (`--disable-bias-linear`)
     default_text: str | None = None  # what --help says the default is, when the field default does not say it
+    group: str | None = None  # one of HELP_GROUPS, when not the config class's group
+
+    def __post_init__(self):
+        if self.group is not None and self.group not in HELP_GROUPS:
+            raise ValueError(f"help group {self.group!r} is not one of {HELP_GROUPS}")
 
 
 def option(default, help: str, **spec):

@@ -7,6 +7,8 @@ from megalite.errors import UserError
 
 # Megatron's names: nothing, + optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3).
 SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
+SHARDING_NAMES = {"no_shard": None, "optim": "distributed optimizer", "optim_grads": "ZeRO-2 (optim_grads)",
+                  "optim_grads_params": "ZeRO-3 (optim_grads_params)"}
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,16 @@ class ParallelConfig:
     @property
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+
+    def describe(self) -> str:
+        """The layout in words, e.g. "8 ranks = TP 2 x PP 2 x DP 2, 2 virtual stages per pipeline rank,
+        sequence parallel, distributed optimizer" (what is off is left out)."""
+        vp = self.virtual_pipeline_model_parallel_size
+        parts = [f"{self.world_size} rank{'s' * (self.world_size > 1)} = TP {self.tensor_model_parallel_size} x "
+                 f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}",
+                 f"{vp} virtual stages per pipeline rank" if vp > 1 else None,
+                 "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding]]
+        return ", ".join(part for part in parts if part)
 
     def validate(self) -> "ParallelConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""

@@ -4,6 +4,7 @@
 import dataclasses
 
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
+from megalite.config.options import option_fields
 from megalite.errors import UserError
 
 
@@ -66,3 +67,23 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
     if not isinstance(unpadded.make_vocab_size_divisible_by, int) or unpadded.make_vocab_size_divisible_by < 1:
         unpadded.validate()  # names --make-vocab-size-divisible-by
     return with_tokenizer_vocab(unpadded, values["vocab_size"], tensor_model_parallel_size)
+
+
+def changes_from_preset(name: str, model: ModelConfig) -> list[str]:
+    """How `model` differs from preset `name`: "field value" for each network-size field set otherwise, and
+    "vocabulary N" for a tokenizer of another size. Empty: the model is the preset. How it is trained
+    (dropout, initialisation, recomputation: the options of other --help groups) does not change it."""
+    preset = MODEL_PRESETS[name]
+    reference = ModelConfig(**preset)
+    changes = [f"{field.name} {getattr(model, field.name)}" for field, spec in option_fields(ModelConfig)
+               if spec.group is None and getattr(model, field.name) != getattr(reference, field.name)]
+    if model.real_vocab_size != preset["vocab_size"]:
+        changes.append(f"vocabulary {model.real_vocab_size}")
+    return changes
+
+
+def describe_model(name: str, model: ModelConfig) -> str:
+    """How a run names its model: "model tiny" when it is preset `name`, else "custom model (--model tiny
+    with num_layers 2, ...)"."""
+    changes = changes_from_preset(name, model)
+    return f"custom model (--model {name} with {', '.join(changes)})" if changes else f"model {name}"

@@ -9,6 +9,9 @@ from megalite.errors import UserError
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
 KERNEL_MODES = ("auto", "triton", "torch")
+# The --help groups of the options below that are not in the "training" group.
+LR, PRECISION, REGULARIZATION, INITIALIZATION, VALIDATION = (
+    "learning rate", "mixed precision", "regularization", "initialization", "validation")
 
 
 @dataclass(frozen=True)
@@ -18,44 +21,48 @@ class TrainConfig:
     train_iters: int = option(200, "iterations to train (or give --train-samples)")
     train_samples: int | None = option(None, "instead of --train-iters: samples to train (iterations = samples "
                                              "// global batch, as in Megatron); the LR schedule then counts samples")
-    lr: float = option(1e-3, "peak learning rate")
-    min_lr: float = option(1e-4, "learning rate at the end of the decay")
-    lr_decay_style: str = option("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES)
-    lr_wsd_decay_style: str = option("exponential", "WSD: the shape of the final anneal", choices=WSD_DECAY_STYLES)
-    lr_wsd_decay_iters: int | None = option(None, "WSD: the length of the final anneal")
+    lr: float = option(1e-3, "peak learning rate", group=LR)
+    min_lr: float = option(1e-4, "learning rate at the end of the decay", group=LR)
+    lr_decay_style: str = option("cosine", "learning-rate decay after warmup", choices=DECAY_STYLES, group=LR)
+    lr_wsd_decay_style: str = option("exponential", "WSD: the shape of the final anneal", choices=WSD_DECAY_STYLES,
+                                     group=LR)
+    lr_wsd_decay_iters: int | None = option(None, "WSD: the length of the final anneal", group=LR)
     lr_warmup_iters: int | None = option(None, "linear warmup iterations (or give --lr-warmup-fraction)",
-                                         default_text="10% of the decay iterations")
-    lr_decay_iters: int | None = option(None, "iterations the decay spans", default_text="--train-iters")
+                                         default_text="10% of the decay iterations", group=LR)
+    lr_decay_iters: int | None = option(None, "iterations the decay spans", default_text="--train-iters", group=LR)
     lr_warmup_samples: int | None = option(None, "with --train-samples: linear warmup samples",
-                                           default_text="10% of the decay samples")
+                                           default_text="10% of the decay samples", group=LR)
     lr_decay_samples: int | None = option(None, "with --train-samples: samples the decay spans",
-                                          default_text="--train-samples")
-    lr_wsd_decay_samples: int | None = option(None, "with --train-samples, WSD: samples of the final anneal")
+                                          default_text="--train-samples", group=LR)
+    lr_wsd_decay_samples: int | None = option(None, "with --train-samples, WSD: samples of the final anneal", group=LR)
     override_opt_param_scheduler: bool = option(
         False, "on --load, keep this run's LR schedule flags",
-        flag=("--override-opt_param-scheduler", "--override-opt-param-scheduler"))
+        flag=("--override-opt_param-scheduler", "--override-opt-param-scheduler"), group=LR)
     use_checkpoint_opt_param_scheduler: bool = option(
         False, "on --load, take the LR schedule from the checkpoint",
-        flag=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"))
-    weight_decay: float = option(0.1, "AdamW weight decay")
-    adam_beta1: float = option(0.9, "AdamW beta1")
-    adam_beta2: float = option(0.95, "AdamW beta2")
-    adam_eps: float = option(1e-8, "AdamW epsilon")
-    clip_grad: float = option(1.0, "clip the global gradient norm to this; 0 turns clipping off")
-    seed: int = option(1234, "seed of weights, data order and dropout")
+        flag=("--use-checkpoint-opt_param-scheduler", "--use-checkpoint-opt-param-scheduler"), group=LR)
+    weight_decay: float = option(0.1, "AdamW weight decay", group=REGULARIZATION)
+    adam_beta1: float = option(0.9, "AdamW beta1", group=REGULARIZATION)
+    adam_beta2: float = option(0.95, "AdamW beta2", group=REGULARIZATION)
+    adam_eps: float = option(1e-8, "AdamW epsilon", group=REGULARIZATION)
+    clip_grad: float = option(1.0, "clip the global gradient norm to this; 0 turns clipping off", group=REGULARIZATION)
+    seed: int = option(1234, "seed of weights, data order and dropout", group=INITIALIZATION)
     bf16: bool = option(False, "bf16 params and compute, fp32 main params",
-                        default_text="on for GPUs with bf16 units, unless --fp16 or --fp32")
-    bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU")
-    fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling")
-    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the initial loss scale", default_text="2^32")
-    min_loss_scale: float = option(1.0, "fp16: the scale never goes below")
-    loss_scale_window: int = option(1000, "fp16: clean steps before the scale grows")
-    hysteresis: int = option(2, "fp16: overflows tolerated before backing off")
+                        default_text="on for GPUs with bf16 units and in a dry run, unless --fp16 or --fp32",
+                        group=PRECISION)
+    bf16_default: bool = derived(False, "bf16 because no precision flag was given and the run is on a bf16 GPU, "
+                                        "or is a dry run (which plans a GPU job)")
+    fp16: bool = option(False, "fp16 params and compute with dynamic loss scaling", group=PRECISION)
+    initial_loss_scale: float = option(DEFAULT_INITIAL_LOSS_SCALE, "fp16: the initial loss scale", default_text="2^32",
+                                       group=PRECISION)
+    min_loss_scale: float = option(1.0, "fp16: the scale never goes below", group=PRECISION)
+    loss_scale_window: int = option(1000, "fp16: clean steps before the scale grows", group=PRECISION)
+    hysteresis: int = option(2, "fp16: overflows tolerated before backing off", group=PRECISION)
     compile: bool = option(False, "torch.compile each transformer layer (regional; no faster on CPUs)")
     kernels: str = option("auto", "fused Triton kernels: auto = on CUDA GPUs; triton on a CPU needs "
                                   "TRITON_INTERPRET=1", choices=KERNEL_MODES)
-    eval_interval: int = option(100, "evaluate every this many iterations; 0: only at the end")
-    eval_iters: int = option(5, "global batches per evaluation")
+    eval_interval: int = option(100, "evaluate every this many iterations; 0: only at the end", group=VALIDATION)
+    eval_iters: int = option(5, "global batches per evaluation", group=VALIDATION)
     exit_interval: int | None = option(None, "stop (and save) when the iteration is a multiple")
     exit_duration_in_mins: float | None = option(None, "stop (and save) after this many minutes")
     exit_signal_handler: bool | None = option(
@@ -73,16 +80,17 @@ class TrainConfig:
         False, "Megatron's per-token loss: sum over the global batch's tokens, divided once by their count; "
                "megalite's loss always is, so this changes nothing (docs/training.md)")
     decoupled_lr: float | None = option(None, "peak learning rate of the word embeddings and the output layer, "
-                                              "on the same schedule", default_text="--lr")
+                                              "on the same schedule", default_text="--lr", group=LR)
     decoupled_min_lr: float | None = option(None, "with --decoupled-lr: the embeddings' and output layer's "
-                                                  "learning rate at the end of the decay", default_text="--min-lr")
+                                                  "learning rate at the end of the decay", default_text="--min-lr",
+                                            group=LR)
     manual_gc: bool = option(False, "turn Python's automatic garbage collector off while training and collect at "
                                     "fixed points instead: the start, every --manual-gc-interval iterations and "
                                     "around each evaluation (the pauses fall at the same iteration on every rank)")
     manual_gc_interval: int = option(0, "with --manual-gc: collect every this many iterations; 0: only at the start "
                                         "and around evaluations")
     manual_gc_eval: bool = option(True, "with --manual-gc: no collection around evaluations", inverted=True,
-                                  flag="--no-manual-gc-eval", default_text="collect around them")
+                                  flag="--no-manual-gc-eval")
     empty_unused_memory_level: int = option(
         0, "return the CUDA allocator's unused cached memory (torch.cuda.empty_cache) after each forward-backward "
            "and evaluation batch (1), and after each optimizer step too (2); fewer fragmentation OOMs, slower "

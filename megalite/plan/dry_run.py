@@ -170,18 +170,16 @@ def _stage(cls: RankClass, pp: int) -> str:
 def format_report(report: DryRunReport) -> str:
     """The printed plan: the layout, the batch, the FLOPs, and one row per rank class."""
     run, layout, train, model = report.run, report.run.parallel, report.run.train, report.run.model
-    tp, pp, dp = layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size, layout.data_parallel_size
+    pp, dp = layout.pipeline_model_parallel_size, layout.data_parallel_size
     vp = layout.virtual_pipeline_model_parallel_size
-    sharding = {"optim": "distributed optimizer", "optim_grads": "ZeRO-2 (optim_grads)",
-                "optim_grads_params": "ZeRO-3 (optim_grads_params)"}.get(layout.sharding)
-    options = [name for name, on in (("sequence parallel", layout.sequence_parallel), (sharding, sharding)) if on]
     dtype = DTYPE_NAMES[train.params_dtype]
     schedule = "no pipelining" if pp == 1 else "1F1B" if vp == 1 else f"interleaved 1F1B, {vp} chunks per rank"
     padded_params = num_parameters(model)
     params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
     lines = [
-        f"dry run: {run.model_name} on {layout.world_size} ranks = TP {tp} x PP {pp} x DP {dp}"
-        + "".join(f", {option}" for option in options) + f", {dtype}",
+        f"dry run: {run.model_name} on {layout.describe()}, {dtype}",
+        *([f"precision: {dtype}, a GPU run's default (no --bf16, --fp16 or --fp32 given); --fp32 or --fp16 plans "
+           f"those instead"] if train.bf16_default else []),
         f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}); "
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",

@@ -19,7 +19,7 @@ import torch
 
 from megalite import cpu, parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
-from megalite.config import RunConfig
+from megalite.config import RunConfig, describe_model, num_parameters
 from megalite.data.loader import build_data_loader, iterate, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
@@ -28,6 +28,7 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
 from megalite.errors import UserError
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.kernels import set_kernels
+from megalite.run.flops import DTYPE_NAMES
 from megalite.run.housekeeping import ManualGC, StepProfiler, empty_unused_memory, profile_folder
 from megalite.run.logger import TrainingLogger
 from megalite.run.tracking import exit_code_of, start_tracking
@@ -393,13 +394,34 @@ def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
     with owned_signals(run.train.exit_signal_handler):  # from before wandb starts until the run returns
         trainer = Trainer(run, log)
-        run = trainer.run  # with the tokenizer's vocabulary
-        model = run.model
-        dtype = str(run.train.params_dtype).split('.')[-1]
-        if run.train.bf16_default:
-            dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
-        log(f"model {run.model_name}: {sum(p.numel() for p in trainer.model.parameters()) / 1e6:.2f}M parameters, "
-            f"{model.num_layers} layers, hidden {model.hidden_size}, vocab {model.real_vocab_size} "
-            f"(padded {model.vocab_size}), seq {model.seq_length}, {dtype} "
-            f"on {trainer.device.type} with {torch.get_num_threads()} threads")
+        trainer.log(startup_line(trainer.run, largest_rank_parameters(trainer), trainer.device))
         return trainer, trainer.train()
+
+
+def largest_rank_parameters(trainer: Trainer) -> int:
+    """The most parameters any rank's model chunks hold (its TP and PP part); every rank must call it."""
+    count = torch.tensor(sum(param.numel() for param in trainer.model.parameters()), device=trainer.device)
+    if trainer.parallel.world_size > 1:
+        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+    return int(count)
+
+
+def startup_line(run: RunConfig, largest_rank_params: int, device: torch.device) -> str:
+    """The line a run starts with, once per world: the model (named by its preset only when it is the preset),
+    its parameters and the most any rank holds, its shape, dtype, device and threads, and the layout. `run`
+    holds the tokenizer's vocabulary."""
+    model, layout = run.model, run.parallel
+    dtype = DTYPE_NAMES[run.train.params_dtype]
+    if run.train.bf16_default:
+        dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
+    threads = torch.get_num_threads()
+    threads = f"{threads} thread{'s' * (threads > 1)}" + (" per rank" if layout.world_size > 1 else "")
+    # The whole model's count in closed form (checked against built models): every TP and PP part, a tied
+    # output layer's weight once.
+    params = f"{num_parameters(model):,} parameters"
+    if layout.world_size > 1:
+        params += f" (up to {largest_rank_params:,} per rank)"
+    line = (f"{describe_model(run.model_name, model)}: {params}, {model.num_layers} layers, hidden "
+            f"{model.hidden_size}, vocab {model.real_vocab_size} (padded {model.vocab_size}), seq {model.seq_length}, "
+            f"{dtype} on {device.type} with {threads}")
+    return line if layout.world_size == 1 else f"{line}; {layout.describe()}"

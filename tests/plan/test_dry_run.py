@@ -205,3 +205,19 @@ def test_a_dry_run_takes_a_tokenizer_without_data(capsys):
         parse_args(["--tokenizer-type", "NullTokenizer", "--vocab-size", "1000"])  # a real run still needs data
     with pytest.raises(UserError, match="--dry-run-gpu-memory 80 needs --dry-run"):
         parse_args(["--dry-run-gpu-memory", "80"])
+
+
+def test_a_dry_run_plans_a_gpu_job_in_bf16_unless_told_and_says_so(monkeypatch, capsys):
+    """On a CPU (made one here on any machine) a real run defaults to fp32; a dry run plans for GPUs."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    flags = ["--model", "llama3-8b", "--dry-run", "--world-size", "64", "--global-batch-size", "512"]
+    report = dry_run(parse_args(flags))
+    lines = capsys.readouterr().out.splitlines()
+    assert report.run.train.params_dtype == torch.bfloat16 and lines[0].endswith(", bf16")
+    assert lines[1] == ("precision: bf16, a GPU run's default (no --bf16, --fp16 or --fp32 given); --fp32 or --fp16 "
+                        "plans those instead")
+    for flag, dtype in [("--fp32", torch.float32), ("--fp16", torch.float16), ("--bf16", torch.bfloat16)]:
+        report = dry_run(parse_args([*flags, flag]))
+        assert report.run.train.params_dtype == dtype and "precision:" not in capsys.readouterr().out
+    cpu_plan = dry_run(parse_args([*flags, "--distributed-backend", "gloo"]))  # a plan of a CPU job
+    assert cpu_plan.run.train.params_dtype == torch.float32 and "precision:" not in capsys.readouterr().out
