@@ -127,8 +127,8 @@ def file_problem(path: str, metadata: dict) -> str | None:
 
 
 # Fields that change no weight and no arithmetic: a resumed run may change them.
-_FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
-                "fused_output_cross_entropy"}
+_FREE_FIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "hidden_dropout",
+                "attention_dropout", "z_loss_weight", "fused_output_cross_entropy"}
 
 
 def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:

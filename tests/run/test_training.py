@@ -144,7 +144,9 @@ def test_recompute_changes_nothing(tmp_path):
     _, plain, _ = train(*MOCK, "--train-iters", "3")
     _, full, _ = train(*MOCK, "--train-iters", "3", "--recompute-granularity", "full")
     _, selective, _ = train(*MOCK, "--train-iters", "3", "--recompute-activations")
-    assert plain.losses == full.losses == selective.losses
+    _, recipe, _ = train(*MOCK, "--train-iters", "3", "--recompute-granularity", "full", "--recompute-method",
+                         "uniform", "--recompute-num-layers", "1")  # Megatron's examples' recipe
+    assert plain.losses == full.losses == selective.losses == recipe.losses
 
 
 def test_exit_duration_stops_and_saves(tmp_path):
