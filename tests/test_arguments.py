@@ -51,6 +51,10 @@ def test_train_samples_warmup_fraction_and_recompute():
     assert run.train.train_iters == 4 and run.train.lr_warmup_iters == 1
     assert run.model.recompute_granularity == "selective"
     assert parse_args([*MOCK, "--recompute-granularity", "full"]).model.recompute_granularity == "full"
+    # Megatron's example recipe
+    model = parse_args([*MOCK, "--recompute-granularity", "full", "--recompute-method", "uniform",
+                        "--recompute-num-layers", "1"]).model
+    assert (model.recompute_granularity, model.recompute_method, model.recompute_num_layers) == ("full", "uniform", 1)
 
 
 def test_list_models_prints_every_preset_with_its_size(capsys):

@@ -141,8 +141,11 @@ FEATURES = (
                                                                   requires=DP2))),
     Feature("fused-output-ce", ROUNDING, (Value("off"), Value("on", ("--fused-output-cross-entropy",),
                                                               rtol=FP32_RTOL, requires={"tp": ("1",)}))),
+    # Full recomputation in Megatron's units: each chunk's layers in groups of two, each group one checkpoint
+    # (a chunk of one layer under VP 2: a group of one, as plain --recompute-granularity full).
     Feature("recompute", EXACT, (Value("none"), Value("selective", ("--recompute-granularity", "selective")),
-                                 Value("full", ("--recompute-granularity", "full")))),
+                                 Value("full", ("--recompute-granularity", "full", "--recompute-method", "uniform",
+                                                "--recompute-num-layers", "2")))),
     Feature("micro-batches", ROUNDING, (Value("several", _micro_batches), Value("one", _micro_batches,
                                                                                 rtol=FP32_RTOL))),
     Feature("decoupled-lr", SETTING, (Value("off"), Value("on", ("--decoupled-lr", "3e-3")))),

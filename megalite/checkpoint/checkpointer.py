@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass
 
 from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
-from megalite.checkpoint.format import read_metadata
+from megalite.checkpoint.format import context_changes, read_metadata
 from megalite.checkpoint.loading import load_checkpoint
 from megalite.checkpoint.saving import failed_ranks_across, save_checkpoint
 from megalite.config import RunConfig
@@ -60,12 +60,14 @@ class Checkpointer:
         load_optim = not (ckpt.finetune or ckpt.no_load_optim)
         loaded = load_checkpoint(load, model, optimizer if load_optim else None, model_config=self.run.model,
                                  iteration=metadata["iteration"], rank=self.parallel.rank, parallel=self.parallel,
-                                 load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata))
+                                 load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata),
+                                 finetune=ckpt.finetune)
         if not load_optim:
             optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         if ckpt.finetune:
+            changes = context_changes(metadata["model_config"], self.run.model)
             self.log(f"loaded the model weights of {loaded['path']} iteration {loaded['iteration']} (--finetune): "
-                     f"starting at iteration 0")
+                     f"starting at iteration 0" + (f", with {changes}" if changes else ""))
             return None
         self.last_checkpoint, self.resumed_from = loaded["path"], loaded["iteration"]
         extra = loaded["extra"]

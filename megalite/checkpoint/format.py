@@ -138,26 +138,48 @@ def file_problem(path: str, metadata: dict) -> str | None:
 
 
 # Fields that change no weight and no arithmetic: a resumed run may change them.
-_FREE_FIELDS = {"recompute_granularity", "hidden_dropout", "attention_dropout", "z_loss_weight",
-                "fused_output_cross_entropy"}
+_FREE_FIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "hidden_dropout",
+                "attention_dropout", "z_loss_weight", "fused_output_cross_entropy"}
+# The context length and rope's frequencies change no weight's shape, only the arithmetic: a new run from the
+# weights (--finetune, continued pretraining at a longer context) may change them, a resume may not.
+_CONTEXT_FIELDS = ("seq_length", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
 
 
-def check_model_config(saved: dict, current: ModelConfig, path: str) -> None:
+def context_changes(saved: dict, current: ModelConfig) -> str:
+    """The _CONTEXT_FIELDS that `current` changes from the checkpoint's model config `saved`, as
+    "seq_length 128 -> 256, rotary_base 10000.0 -> 500000.0" ("" when none does)."""
+    return ", ".join(f"{key} {saved[key]} -> {getattr(current, key)}" for key in _CONTEXT_FIELDS
+                     if key in saved and saved[key] != getattr(current, key))
+
+
+def check_model_config(saved: dict, current: ModelConfig, path: str, finetune: bool = False) -> None:
     """UserError naming every field where the checkpoint's model config differs from `current`. The padded
-    `vocab_size` depends on TP, so it may differ when the tokenizer's vocabulary is the same."""
+    `vocab_size` depends on TP, so it may differ when the tokenizer's vocabulary is the same; a rotary
+    model's stated context (`max_position_embeddings`) may always differ, and with `finetune` (a new run
+    from the weights) the _CONTEXT_FIELDS too."""
     now = dataclasses.asdict(current)
     saved = {**{field.name: field.default for field in dataclasses.fields(ModelConfig)}, **saved}
-    free = set(_FREE_FIELDS)
+    free = set(_FREE_FIELDS) | (set(_CONTEXT_FIELDS) if finetune else set())
     if (saved["tokenizer_vocab_size"] or saved["vocab_size"]) == current.real_vocab_size:
         free |= {"vocab_size", "tokenizer_vocab_size"}
     if saved["position_embedding_type"] == now["position_embedding_type"] == "rope":
         free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
-    differences = [f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
-                   for key in sorted(set(saved) | set(now))
-                   if key not in free and saved.get(key, "<absent>") != now.get(key, "<absent>")]
-    if differences:
-        raise UserError(f"checkpoint {path} was saved from a different model: {'; '.join(differences)}; "
-                        f"pass the same model flags (or --model) as the saved run")
+    differing = [key for key in sorted(set(saved) | set(now))
+                 if key not in free and saved.get(key, "<absent>") != now.get(key, "<absent>")]
+    if not differing:
+        return
+    differences = "; ".join(f"{key} (checkpoint {saved.get(key, '<absent>')!r}, now {now.get(key, '<absent>')!r})"
+                            for key in differing)
+    if set(differing) <= set(_CONTEXT_FIELDS):
+        flags = " ".join("--" + key.replace("_", "-") for key in differing)
+        raise UserError(f"checkpoint {path} was saved with other settings of {flags}: {differences}; a resume "
+                        f"continues the saved run as it was, so pass its values, or add --finetune to start a new "
+                        f"run from its weights (continued pretraining, docs/training.md)")
+    if "max_position_embeddings" in differing and now["position_embedding_type"] == "learned_absolute":
+        differences += (" (learned position embeddings hold one row per position, so --max-position-embeddings "
+                        "must stay the checkpoint's; a longer --seq-length needs a table saved that long)")
+    raise UserError(f"checkpoint {path} was saved from a different model: {differences}; "
+                    f"pass the same model flags (or --model) as the saved run")
 
 
 class CheckpointReader(contextlib.ExitStack):

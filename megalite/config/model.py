@@ -13,6 +13,7 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 # The --help groups of the options below that are not in the "network size" group: they set how the model
 # is trained, not what it is.
 REGULARIZATION, INITIALIZATION, TRAINING = "regularization", "initialization", "training"
+RECOMPUTE_METHODS = ("uniform", "block")
 
 
 def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
@@ -59,6 +60,14 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = option(128, "pad the vocabulary to a multiple of this x TP")
     recompute_granularity: str | None = option(None, "recompute full layers or the attention core (selective)",
                                                choices=RECOMPUTE_GRANULARITIES[1:], default_text="none", group=TRAINING)
+    recompute_method: str | None = option(None, "with --recompute-granularity full, per pipeline chunk: uniform "
+                                                "checkpoints each group of --recompute-num-layers layers as one "
+                                                "unit (keeping only its input), block only the first "
+                                                "--recompute-num-layers layers", choices=RECOMPUTE_METHODS,
+                                          default_text="each layer its own unit, as uniform with 1", group=TRAINING)
+    recompute_num_layers: int | None = option(None, "with --recompute-method: the layers of a unit (uniform) or "
+                                                    "the layers recomputed per chunk (block)", default_text="none",
+                                              group=TRAINING)
     z_loss_weight: float = option(0.0, "PaLM's z-loss: adds w * logsumexp(logits)^2 per token (1e-4 is common)",
                                   group=REGULARIZATION)
     fused_output_cross_entropy: bool = option(False, "output layer + loss in token chunks, never the full "
@@ -154,7 +163,42 @@ class ModelConfig:
         if self.recompute_granularity not in RECOMPUTE_GRANULARITIES:
             raise UserError(f"--recompute-granularity {self.recompute_granularity!r} is unknown; "
                             f"use full or selective")
+        self._validate_recompute_method()
         return self
+
+    def _validate_recompute_method(self) -> None:
+        """Megatron's rules: a method and its layer count go together, only with full granularity (selective
+        always recomputes every layer's attention core); megalite's full without them is uniform with 1."""
+        method, count = self.recompute_method, self.recompute_num_layers
+        if method is not None and method not in RECOMPUTE_METHODS:
+            raise UserError(f"--recompute-method {method!r} is unknown; use uniform or block")
+        given = "--recompute-method" if method is not None else "--recompute-num-layers" if count is not None else None
+        if given and self.recompute_granularity == "selective":
+            raise UserError(f"{given} applies only to --recompute-granularity full (selective recomputation, also "
+                            f"--recompute-activations, covers every layer); drop --recompute-method and "
+                            f"--recompute-num-layers, or use --recompute-granularity full")
+        if given and self.recompute_granularity != "full":
+            raise UserError(f"{given} needs --recompute-granularity full")
+        if method is not None and count is None:
+            meaning = "the layers of each unit" if method == "uniform" else "the layers recomputed per pipeline chunk"
+            raise UserError(f"--recompute-method {method} needs --recompute-num-layers N ({meaning})")
+        if count is not None and method is None:
+            raise UserError("--recompute-num-layers needs --recompute-method uniform or block")
+        if count is not None and (not isinstance(count, int) or count < 1):
+            raise UserError(f"--recompute-num-layers must be a positive integer, got {count!r}")
+
+
+def recompute_segments(num_layers: int, method: str | None = None,
+                       recompute_num_layers: int | None = None) -> list[tuple[range, bool]]:
+    """A chunk's `num_layers` layers (positions in the chunk, in order) cut into the segments full
+    recomputation runs: (positions, checkpointed). As Megatron counts them, per pipeline chunk: "uniform"
+    checkpoints consecutive groups of `recompute_num_layers` (the last group shorter if need be), "block"
+    the first `recompute_num_layers` layers one by one and runs the rest plainly; None checkpoints each layer."""
+    if method == "uniform":
+        return [(range(start, min(start + recompute_num_layers, num_layers)), True)
+                for start in range(0, num_layers, recompute_num_layers)]
+    recomputed = num_layers if method is None else min(recompute_num_layers, num_layers)
+    return [(range(i, i + 1), i < recomputed) for i in range(num_layers)]
 
 
 def pad_vocab_size(vocab_size: int, make_vocab_size_divisible_by: int = 128,

@@ -164,7 +164,12 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         except ImportError as err:
             raise UserError("--tokenizer-type GPT2BPETokenizer needs transformers; pip install transformers") from err
         self.vocab_file, self.merge_file = vocab_file, merge_file
-        bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        try:
+            bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
+        except Exception as err:  # tokenizers raises a bare Exception for unreadable or inconsistent files
+            raise UserError(f"--vocab-file {vocab_file} and --merge-file {merge_file} are not one GPT-2 BPE "
+                            f"tokenizer ({err}); pass the gpt2-vocab.json and gpt2-merges.txt of the same "
+                            f"tokenizer") from None
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's byte-level split
         bpe.decoder = decoders.ByteLevel()
         self._tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")

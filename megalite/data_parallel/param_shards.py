@@ -17,8 +17,8 @@ Hooks applied to the built model from outside it (the model stays plain):
 - when every parameter of the unit has accumulated its grad in a backward: release it.
 So at most the running unit and the prefetched one are gathered, plus, with tied
 embeddings, the embedding unit, which the head needs from the first layer to the last.
-A recomputed layer (--recompute-granularity full) runs inside its own backward, after the
-unit was gathered for it.
+A recomputed layer (--recompute-granularity full) runs again inside the backward: its unit
+is gathered (the layers of a recomputed group together) and stays so until its grads are in.
 """
 
 import contextlib
@@ -30,6 +30,7 @@ from torch import nn
 from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, allocate, free
 from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.comm import all_gather_single
+from megalite.tensor_parallel.random import recomputing
 
 
 @dataclass(eq=False)
@@ -184,6 +185,8 @@ class ParamShards:
             self._start_gather(unit.forward_next)
 
     def _after_forward(self, unit: Unit, output) -> None:
+        if recomputing():  # inside the backward: the unit's own backward comes next, and grad_ready releases it
+            return
         outputs = [t for t in (output if isinstance(output, (tuple, list)) else (output,))
                    if isinstance(t, torch.Tensor) and t.requires_grad]
         if torch.is_grad_enabled() and outputs:

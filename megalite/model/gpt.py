@@ -109,9 +109,7 @@ class GPTModel(nn.Module):
             seq_length = hidden.shape[0] * (self.parallel.tp_size if self.parallel.sequence_parallel else 1)
             rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
-        for layer in self.layers.values():
-            hidden = layer(hidden, rotary)
-
+        hidden = self.run_layers(hidden, rotary)
         if not self.post_process:
             return hidden
         hidden = self.final_layernorm(hidden)
@@ -131,6 +129,13 @@ class GPTModel(nn.Module):
             losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
                                                   self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
         return (losses if loss_mask is None else losses * loss_mask).contiguous()
+
+    def run_layers(self, hidden: torch.Tensor, rotary) -> torch.Tensor:
+        """This stage's layers in order, `[s, b, h]` -> `[s, b, h]`; full recomputation (model/options.py)
+        replaces it on the instance to checkpoint groups of them."""
+        for layer in self.layers.values():
+            hidden = layer(hidden, rotary)
+        return hidden
 
 
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from megalite.config import RunConfig, num_parameters
+from megalite.config import RunConfig, num_parameters, recompute_segments
 from megalite.data_parallel.ddp import buffer_groups
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.kernels import check_kernels
@@ -128,13 +128,13 @@ def plan(run: RunConfig) -> DryRunReport:
         layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
         chunk_bytes = [chunk_activation_bytes(activations, len(ids), chunk * pp + pp_rank == 0,
-                                              chunk * pp + pp_rank == pp * vp - 1, model.recompute_granularity)
+                                              chunk * pp + pp_rank == pp * vp - 1)
                        for chunk, ids in enumerate(layers)]
-        working = activations.layer_bytes() if model.recompute_granularity == "full" else 0
-        activation = peak_activation_bytes(ops, chunk_bytes, working)
+        recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
+        activation = peak_activation_bytes(ops, chunk_bytes, recomputed_unit * activations.layer_bytes())
         for dp_rank in range(dp):
             shard = dp_rank if strategy != "no_shard" else 0
-            figures = state_bytes(buffer, dtype, shard, shards, strategy, bf16_reduce)
+            figures = state_bytes(buffer, dtype, shard, shards, strategy, bf16_reduce, recomputed_unit)
             param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])
@@ -146,8 +146,27 @@ def plan(run: RunConfig) -> DryRunReport:
         cls.ranks.sort()
     return DryRunReport(run, vocab, source,
                         flops_per_iteration(model, train.global_batch_size, model.seq_length),
-                        flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True),
+                        flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True,
+                                            recomputed_layers=recomputed_layers(run)),
                         classes, time.perf_counter() - start)
+
+
+def recomputed_layers(run: RunConfig) -> int:
+    """The layers full recomputation rebuilds in a backward, over every pipeline rank's chunks."""
+    model, layout = run.model, run.parallel
+    pp = layout.pipeline_model_parallel_size
+    chunks = [ids for pp_rank in range(pp) for ids in chunk_layers(
+        model.num_layers, pp, pp_rank, layout.virtual_pipeline_model_parallel_size,
+        layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers)]
+    return sum(len(positions) for ids in chunks for positions, checkpointed
+               in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers) if checkpointed)
+
+
+def recompute_text(model) -> str:
+    """The dry run's words for --recompute-*: "none", "selective", "full", "full, uniform 2", "full, block 1"."""
+    if model.recompute_method is None:
+        return model.recompute_granularity or "none"
+    return f"{model.recompute_granularity}, {model.recompute_method} {model.recompute_num_layers}"
 
 
 def format_ranks(ranks: list[int]) -> str:
@@ -185,7 +204,7 @@ def format_report(report: DryRunReport) -> str:
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
         f"{run.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
-        f"recompute: {model.recompute_granularity or 'none'}",
+        f"recompute: {recompute_text(model)}",
         f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
         f"{report.hardware_flops:.3e} with recomputation",
         "per rank (GiB = 2^30 bytes; activations: estimate at the schedule's peak, docs/memory.md):",

@@ -6,7 +6,7 @@ against live tensors.
 
 import torch
 
-from megalite.config import ModelConfig
+from megalite.config import ModelConfig, recompute_segments
 
 GRAD_BYTES = 4  # the grad buffer is fp32 whatever the model's dtype
 MAIN_PARAM_BYTES = 4  # fp32 main params of a bf16 / fp16 model
@@ -23,14 +23,15 @@ def element_bytes(dtype: torch.dtype) -> int:
 
 
 def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
-                bf16_reduce: str | None = None) -> dict[str, int]:
+                bf16_reduce: str | None = None, recomputed_unit: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
     when the strategy shards, else 1) of every bucket of `buffer`, a GradBuffer, under the sharding `strategy`.
 
     The buffer pads each bucket to a multiple of `shards`; the optimizer keeps a step counter per parameter,
     or per piece of one inside the shard. ZeRO-2/3 keep the shard of the grads, ZeRO-3 of the params (as
     laid out in its units) too. `working` exists only during an iteration: ZeRO-3's gathered units (the
-    two largest, plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
+    two largest, or the `recomputed_unit` largest when full recomputation rebuilds that many layers together,
+    plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
     full grads of two buckets (the one filling and the one being reduced, whatever the number of
     micro-batches), plus a tied embedding's, whose grad arrives last. bf16_reduce (--grad-reduce-in-bf16 at
     DP > 1): "one" when one reduction is in flight at a time (ZeRO-2/3, or no overlap), "all" when every
@@ -45,11 +46,11 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
     sharded_grads, sharded_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
     working = 0
-    held = 3 if any(getattr(param, "shared_embedding", False) for param in buffer.params) else 2
+    tied = any(getattr(param, "shared_embedding", False) for param in buffer.params)
     if sharded_params:
-        working += element_bytes(params_dtype) * sum(bucket_sizes[-held:])
+        working += element_bytes(params_dtype) * sum(bucket_sizes[-(max(2, recomputed_unit) + tied):])
     if sharded_grads:
-        working += GRAD_BYTES * sum(bucket_sizes[-held:])
+        working += GRAD_BYTES * sum(bucket_sizes[-(2 + tied):])
     if bf16_reduce is not None:
         working += element_bytes(torch.bfloat16) * sum(bucket_sizes if bf16_reduce == "all" else bucket_sizes[-1:])
     return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
@@ -101,6 +102,26 @@ class ActivationModel:
             terms.pop("attention lse")  # the core attention is recomputed from q, k, v
         return sum(terms.values())
 
+    def layers_bytes(self, num_layers: int) -> int:
+        """A chunk of `num_layers` layers' kept bytes under the config's --recompute-*: each checkpointed unit
+        keeps its input, every other layer what `layer_bytes` says."""
+        c = self.config
+        if c.recompute_granularity != "full":
+            return num_layers * self.layer_bytes(c.recompute_granularity)
+        return sum(self.layer_bytes("full") if checkpointed else len(positions) * self.layer_bytes()
+                   for positions, checkpointed in self._segments(num_layers))
+
+    def largest_recomputed_unit(self, num_layers: int) -> int:
+        """The most layers a backward of a chunk of `num_layers` layers rebuilds at once (full recomputation's
+        largest checkpointed unit; 0 without): they hold `layer_bytes()` each meanwhile."""
+        if self.config.recompute_granularity != "full":
+            return 0
+        return max((len(positions) for positions, checkpointed in self._segments(num_layers) if checkpointed),
+                   default=0)
+
+    def _segments(self, num_layers: int) -> list[tuple[range, bool]]:
+        return recompute_segments(num_layers, self.config.recompute_method, self.config.recompute_num_layers)
+
     def embedding_bytes(self) -> int:
         """The first stage's embedding: the ids of its lookups (tokens; learned positions), the mask of
         the other ranks' rows under TP, and the dropout mask if any. Under SP the first layer's input is
@@ -130,18 +151,17 @@ class ActivationModel:
         return 2 * 4 * self.tokens * self.config.rotary_dim
 
 
-def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool, last: bool,
-                           recompute: str | None) -> int:
-    """Bytes one model chunk keeps per micro-batch: its layers and rope tables, plus the embedding /
-    output it holds."""
-    return (num_layers * model.layer_bytes(recompute) + model.rotary_table_bytes()
+def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool, last: bool) -> int:
+    """Bytes one model chunk keeps per micro-batch: its layers (as the config's recomputation keeps them) and
+    rope tables, plus the embedding / output it holds."""
+    return (model.layers_bytes(num_layers) + model.rotary_table_bytes()
             + (model.embedding_bytes() if first else 0) + (model.output_bytes() if last else 0))
 
 
 def peak_activation_bytes(ops, chunk_bytes: list[int], backward_working_bytes: int = 0) -> int:
     """The most activation bytes held at once while a rank runs `ops` (schedules.operation_order): each
     forward holds `chunk_bytes[chunk]` until its backward, which holds `backward_working_bytes` on top
-    (with full recomputation, the one layer it rebuilds)."""
+    (with full recomputation, the layers of the largest unit it rebuilds)."""
     live = peak = 0
     for op in ops:
         if op.kind == "F":

@@ -28,14 +28,16 @@ def forward_flops_per_token(config: ModelConfig, seq_length: int) -> tuple[float
 
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int,
-                        include_recompute: bool = False) -> float:
+                        include_recompute: bool = False, recomputed_layers: int | None = None) -> float:
     """Model FLOPs of one training iteration over `global_batch_size` x `seq_length` tokens: 3 x forward
     (the backward takes the gradients of both inputs and weights). Recomputation is work the hardware does,
-    not work the model needs: only `include_recompute` (hardware FLOPs) counts it."""
+    not work the model needs: only `include_recompute` (hardware FLOPs) counts it, for `recomputed_layers`
+    of the layers under full recomputation (default: all; --recompute-method block rebuilds fewer)."""
     layer_matmuls, attention, logits = forward_flops_per_token(config, seq_length)
     per_token = 3 * (layer_matmuls + attention + logits)
     if include_recompute and config.recompute_granularity == "full":
-        per_token += layer_matmuls + attention
+        recomputed = config.num_layers if recomputed_layers is None else recomputed_layers
+        per_token += (layer_matmuls + attention) * recomputed / config.num_layers
     elif include_recompute and config.recompute_granularity == "selective":
         per_token += attention
     return float(global_batch_size * seq_length) * per_token

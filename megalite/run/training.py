@@ -141,7 +141,9 @@ class Trainer:
         for chunk in self.model:  # the one dispatch point of the device's speed path and the model options
             if self.device.type == "cpu":
                 cpu.apply(chunk)
-            apply_options(chunk, recompute_granularity=run.model.recompute_granularity, compile=train.compile)
+            apply_options(chunk, recompute_granularity=run.model.recompute_granularity,
+                          recompute_method=run.model.recompute_method,
+                          recompute_num_layers=run.model.recompute_num_layers, compile=train.compile)
         self.comm = None
         if self.parallel.pp_size > 1:
             tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)

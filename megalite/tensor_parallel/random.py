@@ -78,6 +78,15 @@ def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu")
     model_parallel_rng_tracker.add(TENSOR_PARALLEL_RNG, stage_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
 
 
+_recomputations = 0  # recomputations under way (nested checkpoints count each)
+
+
+def recomputing() -> bool:
+    """Whether a `checkpoint`ed function is being run again for its backward: module hooks inside it then
+    see a second forward, which belongs to the backward (ZeRO-3 keeps the parameters gathered for it)."""
+    return _recomputations > 0
+
+
 def checkpoint(function, *args, **kwargs):
     """torch.utils.checkpoint (non-reentrant) that also replays the tracker's streams.
 
@@ -89,15 +98,18 @@ def checkpoint(function, *args, **kwargs):
     calls = 0
 
     def replay(*inner_args, **inner_kwargs):
+        global _recomputations
         nonlocal calls
         calls += 1
         if calls == 1:
             return function(*inner_args, **inner_kwargs)
         states_now = model_parallel_rng_tracker.get_states()
         model_parallel_rng_tracker.set_states(states_at_forward)
+        _recomputations += 1
         try:
             return function(*inner_args, **inner_kwargs)
-        finally:
+        finally:  # also when torch stops the recomputation early, once it has every tensor the backward needs
+            _recomputations -= 1
             model_parallel_rng_tracker.set_states(states_now)
 
     return torch.utils.checkpoint.checkpoint(replay, *args, use_reentrant=False, **kwargs)

@@ -74,6 +74,35 @@ def test_a_different_model_config_names_every_differing_field(tmp_path):
     assert "num_attention_heads" not in message and "ffn_hidden_size" not in message
 
 
+def test_a_finetune_may_change_the_context_and_rope_frequencies_but_not_a_learned_position_table(tmp_path):
+    rope = small_config(position_embedding_type="rope")
+    save(tmp_path / "rope", 1, build_model(rope, seed=1))
+    longer = small_config(position_embedding_type="rope", seq_length=16, rotary_base=500000.0, use_rope_scaling=True,
+                          rope_scaling_factor=4.0)
+    with pytest.raises(UserError, match=r"^checkpoint \S+ was saved with other settings of --rope-scaling-factor "
+                                        r"--rotary-base --seq-length --use-rope-scaling: .*seq_length \(checkpoint 8, "
+                                        r"now 16\).*; a resume continues the saved run as it was, so pass its values, "
+                                        r"or add --finetune to start a new run from its weights"):
+        load_checkpoint(str(tmp_path / "rope"), build_model(longer, seed=2), model_config=longer)
+    model = build_model(longer, seed=2)
+    load_checkpoint(str(tmp_path / "rope"), model, model_config=longer, load_rng=False, finetune=True)
+    saved = build_model(rope, seed=1).state_dict()
+    assert all(torch.equal(value, saved[name]) for name, value in model.state_dict().items())
+
+    # Learned positions: the table has max_position_embeddings rows (here derived from --seq-length).
+    save(tmp_path / "learned", 1, build_model(small_config(), seed=1))
+    with pytest.raises(UserError, match=r"max_position_embeddings \(checkpoint 8, now 16\) \(learned position "
+                                        r"embeddings hold one row per position, so --max-position-embeddings must "
+                                        r"stay the checkpoint's"):
+        load_checkpoint(str(tmp_path / "learned"), build_model(small_config(seq_length=16), seed=1),
+                        model_config=small_config(seq_length=16), load_rng=False, finetune=True)
+    table = small_config(max_position_embeddings=16)  # a table long enough: a finetune may use more of it
+    save(tmp_path / "table", 1, build_model(table, seed=1))
+    longer = small_config(seq_length=16, max_position_embeddings=16)
+    load_checkpoint(str(tmp_path / "table"), build_model(longer, seed=2), model_config=longer, load_rng=False,
+                    finetune=True)
+
+
 def test_a_model_that_does_not_match_its_config_is_a_user_error(tmp_path):
     config = small_config()
     save(tmp_path, 1, build_model(config, seed=1))

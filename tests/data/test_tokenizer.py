@@ -129,3 +129,16 @@ def test_build_tokenizer_errors_name_the_flag(tmp_path):
     not_a_model.write_text("hello")
     with pytest.raises(UserError, match="is not a SentencePiece model"):
         build_tokenizer("Llama2Tokenizer", str(not_a_model))
+
+
+@pytest.mark.parametrize("vocab, problem", [('{"a": 0, "b": 1, "<|endoftext|>": 2}', "Token .ab. out of vocabulary"),
+                                            ("not json", "Error while reading BPE files")])
+def test_gpt2_bpe_files_that_do_not_fit_together_are_one_sentence_naming_both(tmp_path, vocab, problem):
+    pytest.importorskip("transformers")
+    vocab_file, merge_file = tmp_path / "vocab.json", tmp_path / "merges.txt"
+    vocab_file.write_text(vocab)
+    merge_file.write_text("#version: 0.2\na b\n")  # merges a + b into "ab", which the vocabulary lacks
+    with pytest.raises(UserError, match=rf"^--vocab-file {vocab_file} and --merge-file {merge_file} are not one "
+                                        rf"GPT-2 BPE tokenizer \(.*{problem}.*\); pass the gpt2-vocab.json and "
+                                        rf"gpt2-merges.txt of the same tokenizer$"):
+        build_tokenizer("GPT2BPETokenizer", vocab_file=str(vocab_file), merge_file=str(merge_file))

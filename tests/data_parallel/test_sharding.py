@@ -42,7 +42,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     parallel = build_parallel_state(tp, pp, sequence_parallel=tp > 1)
     model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
     for chunk in model:
-        apply_options(chunk, recompute_granularity=recompute)
+        apply_options(chunk, **recompute)
     ddp = DataParallelGrads(model, parallel, strategy=strategy, bucket_size=2000, overlap=grad_reduce_in_bf16,
                             grad_reduce_in_bf16=grad_reduce_in_bf16)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
@@ -76,22 +76,32 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     ddp.start_iteration(len(mine))
     loss = forward_backward(model, mine, optimizer, parallel, comm)
     ddp.finish_grad_sync()
+    return loss, owned_grads(optimizer, strategy, parallel.tp_rank, tp), tuple(peak), unreleased_bytes(ddp)
+
+
+def owned_grads(optimizer, strategy, tp_rank=0, tp=1) -> list[tuple[str, list[int], np.ndarray]]:
+    """The grads `optimizer` owns, as (name, offsets in the global tensor, array)."""
     pieces = []
     if strategy == "no_shard":
         for name, grad, param in zip(optimizer.names, optimizer.main_grads, optimizer.model_params):
             pieces += [(name, p.offsets, p.tensor.numpy().copy())
-                       for p in tensor_parallel_pieces(grad, param, parallel.tp_rank, tp)]
+                       for p in tensor_parallel_pieces(grad, param, tp_rank, tp)]
     else:
         for name, grad, param, (start, _) in zip(optimizer.names, optimizer.main_grads, optimizer.model_params,
                                                  optimizer.ranges):
             pieces += [(name, p.offsets, p.tensor.numpy().copy())
-                       for p in flat_range_pieces(grad, param, start, parallel.tp_rank, tp)]
+                       for p in flat_range_pieces(grad, param, start, tp_rank, tp)]
+    return pieces
+
+
+def unreleased_bytes(ddp) -> int:
+    """ZeRO-2/3's full grads and gathered parameters still allocated."""
     left = 0
     if ddp.sharded_grads:
         left += sum(bucket.grad.untyped_storage().nbytes() for bucket in ddp.buffer.buckets)
     if ddp.param_shards is not None:
         left += sum(unit.full.untyped_storage().nbytes() for unit in ddp.param_shards.units)
-    return loss, pieces, tuple(peak), left
+    return left
 
 
 @pytest.fixture(scope="module")
@@ -134,7 +144,7 @@ def check_world(results, reference, strategy):
 @pytest.mark.parametrize("layout", list(LAYOUTS))
 def test_each_strategy_gives_the_one_process_grads(layout, strategy, single, one_thread):
     processes, tp, pp, vp, tied = LAYOUTS[layout]
-    results = run_world(processes, sharded_world, tp, pp, vp, strategy, tied, None)
+    results = run_world(processes, sharded_world, tp, pp, vp, strategy, tied, {})
     check_world(results, single[tied], strategy)
     if strategy == "optim_grads_params":
         # The running unit and the prefetched one, plus a tied embedding held for the head.
@@ -150,7 +160,7 @@ def test_grads_reduced_in_bf16_match_the_fp32_sum_within_bf16_rounding(strategy,
     """--grad-reduce-in-bf16 at DP 2: every grad is a bf16 value (the sum really ran in bf16), within bf16's
     rounding of the one-process fp32 grad, and not equal to it (the fp32 reduction matches to 1e-5)."""
     loss, grads = single[False]
-    results = run_world(2, sharded_world, 1, 1, 1, strategy, False, None, True)
+    results = run_world(2, sharded_world, 1, 1, 1, strategy, False, {}, True)
     assembled = {name: torch.full_like(grad, float("nan")) for name, grad in grads.items()}
     for rank_loss, pieces, _, left in results:
         assert rank_loss == pytest.approx(loss, rel=1e-6) and left == 0
@@ -169,8 +179,30 @@ def test_grads_reduced_in_bf16_match_the_fp32_sum_within_bf16_rounding(strategy,
 
 
 def test_zero3_with_full_recomputation_gives_the_one_process_grads(single, one_thread):
-    results = run_world(4, sharded_world, 2, 1, 1, "optim_grads_params", True, "full")
+    """Layers 0-2 recomputed as one unit, then layer 3 alone: ZeRO-3 gathers the three together for the
+    recomputation (and the tied embedding for the head), and releases everything by the end of the step."""
+    recompute = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
+    results = run_world(4, sharded_world, 2, 1, 1, "optim_grads_params", True, recompute)
     check_world(results, single[True], "optim_grads_params")
+    assert max(peak[0] for _, _, peak, _ in results) == 3 + 1
+
+
+@pytest.mark.parametrize("early_stop", [True, False])
+def test_zero3_keeps_a_recomputed_group_gathered_through_its_backward(single, early_stop):
+    """One process (DP 1): the layers of a recomputed unit run their forward hooks again inside the backward,
+    which must not release their parameters (torch stops a recomputation early by default, before the
+    unit's last forward hook; without that, the hook would release the weights the backward is about to use)."""
+    model = build_model_chunks(config(False), seed=11)
+    apply_options(model[0], recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
+    ddp = DataParallelGrads(model, strategy="optim_grads_params")
+    optimizer = DistributedOptimizer(ddp, lr=1e-3)
+    optimizer.zero_grad()
+    ddp.start_iteration(len(global_batch()))
+    with torch.utils.checkpoint.set_checkpoint_early_stop(early_stop):
+        loss = forward_backward(model, global_batch(), optimizer)
+    ddp.finish_grad_sync()
+    result = (loss, owned_grads(optimizer, "optim_grads_params"), None, unreleased_bytes(ddp))
+    check_world([result], single[False], "optim_grads_params")
 
 
 def test_zero3_moves_every_parameter_into_its_units_shards():

@@ -97,6 +97,22 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, 
     (dict(tokenizer_vocab_size=200),
      r"tokenizer's vocabulary \(200\) does not fit the model's padded vocabulary \(128\)"),
     (dict(recompute_granularity="some"), r"--recompute-granularity 'some' is unknown"),
+    # Megatron's rules for --recompute-method and --recompute-num-layers
+    (dict(recompute_granularity="full", recompute_method="random", recompute_num_layers=1),
+     r"--recompute-method 'random' is unknown; use uniform or block"),
+    (dict(recompute_method="uniform", recompute_num_layers=1),
+     r"^--recompute-method needs --recompute-granularity full$"),
+    (dict(recompute_granularity="selective", recompute_method="block", recompute_num_layers=1),
+     r"^--recompute-method applies only to --recompute-granularity full .*; drop --recompute-method and "
+     r"--recompute-num-layers, or use --recompute-granularity full$"),
+    (dict(recompute_granularity="selective", recompute_num_layers=1),
+     r"^--recompute-num-layers applies only to --recompute-granularity full"),
+    (dict(recompute_granularity="full", recompute_method="block"),
+     r"^--recompute-method block needs --recompute-num-layers N \(the layers recomputed per pipeline chunk\)$"),
+    (dict(recompute_granularity="full", recompute_num_layers=2),
+     r"^--recompute-num-layers needs --recompute-method uniform or block$"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=0),
+     r"^--recompute-num-layers must be a positive integer, got 0$"),
 ])
 def test_each_validation_rule_names_the_flag(overrides, message):
     with pytest.raises(UserError, match=message):

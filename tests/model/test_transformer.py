@@ -9,6 +9,7 @@ from megalite.model.gpt import GPTModel
 from megalite.model.options import apply_options
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import MLP, Attention, TransformerLayer
+from megalite.pipeline_parallel.stages import chunk_layers
 from megalite.tensor_parallel.layers import initialize
 
 
@@ -120,12 +121,22 @@ def test_mlp_swiglu_is_silu_gate_times_up(llama_config):
     torch.testing.assert_close(mlp(x), expected)
 
 
+def recompute_options(config) -> dict:
+    return dict(recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                recompute_num_layers=config.recompute_num_layers)
+
+
 def loss_and_grads(config, tokens):
-    model = apply_options(GPTModel(config, seed=5), recompute_granularity=config.recompute_granularity).train()
+    model = apply_options(GPTModel(config, seed=5), **recompute_options(config)).train()
     torch.manual_seed(123)  # the dropout masks
     losses = model(tokens, labels=tokens.roll(-1, dims=1))
     losses.mean().backward()
     return losses.detach(), {name: p.grad for name, p in model.named_parameters()}
+
+
+RECOMPUTE_SETTINGS = [dict(recompute_granularity="selective"), dict(recompute_granularity="full")] + [
+    dict(recompute_granularity="full", recompute_method=method, recompute_num_layers=count)
+    for method, count in (("uniform", 1), ("uniform", 3), ("block", 1), ("block", 5))]
 
 
 @pytest.mark.parametrize("which", ["llama", "gpt2"])
@@ -134,9 +145,8 @@ def test_recomputation_gives_identical_loss_and_grads(llama_config, gpt2_config,
     tokens = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(4))
     # Dropout on, so the recomputed forward must replay the same random masks.
     reference = loss_and_grads(make(hidden_dropout=0.1, attention_dropout=0.1), tokens)
-    for granularity in ("full", "selective"):
-        losses, grads = loss_and_grads(
-            make(hidden_dropout=0.1, attention_dropout=0.1, recompute_granularity=granularity), tokens)
+    for recompute in RECOMPUTE_SETTINGS:
+        losses, grads = loss_and_grads(make(hidden_dropout=0.1, attention_dropout=0.1, **recompute), tokens)
         torch.testing.assert_close(losses, reference[0], atol=0, rtol=0)
         assert grads.keys() == reference[1].keys()
         for name, grad in grads.items():
@@ -151,3 +161,44 @@ def test_dropout_is_active_in_training_and_off_in_eval(llama_config):
     assert not torch.equal(model(tokens), model(tokens))
     model.eval()
     assert torch.equal(model(tokens), model(tokens))
+
+
+def recomputed_layers(chunk, hidden_states=None, tokens=None) -> list[int]:
+    """The global ids of the layers `chunk` runs again in its backward, in the order it runs them."""
+    calls = []
+    for layer_id, layer in chunk.layers.items():
+        layer.register_forward_pre_hook(lambda *_, layer_id=int(layer_id): calls.append(layer_id))
+    output = chunk(tokens, hidden_states=hidden_states)
+    forward_calls = len(calls)
+    output.float().sum().backward()
+    return calls[forward_calls:]
+
+
+@pytest.mark.parametrize("method, count, expected", [
+    (None, None, [3, 2, 1, 0]),  # --recompute-granularity full alone: each layer its own unit, as uniform 1
+    ("uniform", 1, [3, 2, 1, 0]), ("uniform", 2, [2, 3, 0, 1]),
+    ("uniform", 3, [3, 0, 1, 2]),  # a group of 3, then the last layer alone
+    ("block", 2, [1, 0]), ("block", 9, [3, 2, 1, 0])])
+def test_full_recomputation_rebuilds_the_units_megatron_cuts(llama_config, method, count, expected):
+    """uniform: groups of `count` layers, each recomputed as one unit (its layers run again together, the last
+    group's first); block: only the first `count` layers, one by one."""
+    config = llama_config()
+    model = apply_options(GPTModel(config, seed=5), recompute_granularity="full", recompute_method=method,
+                          recompute_num_layers=count)
+    assert recomputed_layers(model, tokens=torch.randint(0, 256, (2, 16))) == expected
+
+
+@pytest.mark.parametrize("method, count, expected", [("block", 1, [[0], [4], [2], [6]]),
+                                                     ("uniform", 2, [[0, 1], [4, 5], [2, 3], [6, 7]])])
+def test_recompute_counts_layers_per_pipeline_chunk(llama_config, method, count, expected):
+    """8 layers over PP 2 x VP 2: each rank's chunk holds two layers ([0, 1], [4, 5] on rank 0; [2, 3], [6, 7] on
+    rank 1), and --recompute-num-layers counts within each chunk, as Megatron's: block 1 recomputes the first
+    layer of every chunk, uniform 2 each chunk's two layers as one unit."""
+    config = llama_config(num_layers=8)
+    recomputed = []
+    for pp_rank in range(2):
+        for ids in chunk_layers(8, pp=2, pp_rank=pp_rank, vp=2):
+            chunk = apply_options(GPTModel(config, seed=5, layer_ids=ids, pre_process=False, post_process=False),
+                                  recompute_granularity="full", recompute_method=method, recompute_num_layers=count)
+            recomputed.append(recomputed_layers(chunk, torch.randn(16, 2, 64, requires_grad=True)))
+    assert recomputed == expected

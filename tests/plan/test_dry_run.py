@@ -129,8 +129,10 @@ def test_llama2_7b_on_64_ranks_plans_in_seconds(capsys):
 
 
 @pytest.mark.parametrize("preset, recompute, extra", [
-    ("tiny", None, {}), ("tiny", "selective", {}), ("tiny", "full", {}), ("gpt2-124m", None, {}),
-    ("tiny", None, {"fused_output_cross_entropy": True})])
+    ("tiny", None, {}), ("tiny", "selective", {}), ("gpt2-124m", None, {}),
+    ("tiny", None, {"fused_output_cross_entropy": True}),
+    ("tiny", "full", {"recompute_method": "uniform", "recompute_num_layers": 2}),  # both layers one unit
+    ("tiny", "full", {"recompute_method": "block", "recompute_num_layers": 1})])  # layer 0 recomputed, 1 not
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton's CPU interpreter")
 @pytest.mark.interpreter
 def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute, extra):
@@ -145,7 +147,9 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
     set_kernels("triton")
     try:
         model = apply_options(build_model(config, seed=1, dtype=torch.bfloat16),
-                              recompute_granularity=config.recompute_granularity)
+                              recompute_granularity=config.recompute_granularity,
+                              recompute_method=config.recompute_method,
+                              recompute_num_layers=config.recompute_num_layers)
         tokens = torch.randint(0, 100, (3, 8))
         positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
         saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
@@ -154,9 +158,10 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
     measured = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     estimate = ActivationModel(config, micro_batch_size=3, element_size=2)
-    if recompute == "full":  # checkpointed layers keep the rope tables alive by reference, not as saved tensors
+    if recompute == "full" and extra["recompute_method"] == "uniform":
+        # checkpointed layers keep the rope tables alive by reference, not as saved tensors (a plain layer saves them)
         measured += estimate.rotary_table_bytes()
-    assert measured == chunk_activation_bytes(estimate, 2, True, True, recompute)
+    assert measured == chunk_activation_bytes(estimate, 2, True, True)
 
 
 def test_world_size_flag_needs_dry_run_and_a_multiple_of_tp_x_pp():
@@ -221,3 +226,24 @@ def test_a_dry_run_plans_a_gpu_job_in_bf16_unless_told_and_says_so(monkeypatch, 
         assert report.run.train.params_dtype == dtype and "precision:" not in capsys.readouterr().out
     cpu_plan = dry_run(parse_args([*flags, "--distributed-backend", "gloo"]))  # a plan of a CPU job
     assert cpu_plan.run.train.params_dtype == torch.float32 and "precision:" not in capsys.readouterr().out
+
+
+def test_the_plan_follows_the_recompute_method_per_chunk(capsys):
+    """12 layers over PP 2 x VP 2 (chunks of three layers), ZeRO-3 at DP 2: block 1 rebuilds one layer per chunk
+    (a third of the layers' recomputed FLOPs); uniform 3 a chunk's three layers at once: it keeps one input per
+    chunk, and ZeRO-3 gathers the three layers' units together (more than the running and the prefetched one)."""
+    flags = ["--num-layers", "12", "--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank",
+             "2", "--data-parallel-sharding-strategy", "optim_grads_params", "--dry-run", "--world-size", "4",
+             "--global-batch-size", "16", "--micro-batch-size", "4", "--recompute-granularity", "full"]
+    uniform_flags = flags + ["--recompute-method", "uniform", "--recompute-num-layers", "3"]
+    every, block, uniform = (plan(parse_args(flags + method)) for method in (
+        [], ["--recompute-method", "block", "--recompute-num-layers", "1"], uniform_flags[len(flags):]))
+    none = plan(parse_args(flags[:-2]))
+    assert block.hardware_flops - none.hardware_flops == pytest.approx((every.hardware_flops - none.hardware_flops) / 3)
+    assert uniform.hardware_flops == every.hardware_flops
+    activations = ActivationModel(parse_args(uniform_flags).model, 4, element_size=4)
+    assert chunk_activation_bytes(activations, 3, False, False) == (activations.layer_bytes("full")
+                                                                     + activations.rotary_table_bytes())
+    assert uniform.classes[0].working_bytes > every.classes[0].working_bytes == block.classes[0].working_bytes
+    dry_run(parse_args(uniform_flags))
+    assert "recompute: full, uniform 3" in capsys.readouterr().out

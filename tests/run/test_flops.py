@@ -65,6 +65,8 @@ def test_recompute_counts_only_as_hardware_flops():
     assert flops_per_iteration(full, 1, 16) == flops_per_iteration(selective, 1, 16) == model
     layers_forward = 16 * 2 * (16384 + 8192 + 36864 + 2048)
     assert flops_per_iteration(full, 1, 16, include_recompute=True) == model + layers_forward
+    # --recompute-method block 1 at PP 1: one of the two layers is rebuilt
+    assert flops_per_iteration(full, 1, 16, include_recompute=True, recomputed_layers=1) == model + layers_forward / 2
     assert flops_per_iteration(selective, 1, 16, include_recompute=True) == model + 16 * 2 * 2048
 
 

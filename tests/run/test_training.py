@@ -8,8 +8,10 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
+from megalite.checkpoint import load_checkpoint
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
+from megalite.model.gpt import build_model
 from megalite.run.training import pretrain
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
@@ -158,7 +160,9 @@ def test_recompute_changes_nothing(tmp_path):
     _, plain, _ = train(*MOCK, "--train-iters", "3")
     _, full, _ = train(*MOCK, "--train-iters", "3", "--recompute-granularity", "full")
     _, selective, _ = train(*MOCK, "--train-iters", "3", "--recompute-activations")
-    assert plain.losses == full.losses == selective.losses
+    _, recipe, _ = train(*MOCK, "--train-iters", "3", "--recompute-granularity", "full", "--recompute-method",
+                         "uniform", "--recompute-num-layers", "1")  # Megatron's examples' recipe
+    assert plain.losses == full.losses == selective.losses == recipe.losses
 
 
 def test_exit_duration_stops_and_saves(tmp_path):
@@ -176,3 +180,31 @@ def test_save_interval_and_final_checkpoint(tmp_path):
     train(*MOCK, "--train-iters", "5", "--save", str(tmp_path), "--save-interval", "2")
     assert sorted(os.listdir(tmp_path)) == ["iter_0000002", "iter_0000004", "iter_0000005",
                                             "latest_checkpointed_iteration.txt", "metrics.jsonl"]
+
+
+def test_finetune_continues_a_rope_model_at_a_longer_context(tmp_path):
+    """Continued pretraining: a RoPE model saved at seq 128 goes on at seq 256 with a new --rotary-base, and its
+    first loss is the loss the saved weights give at 256 on that run's first batch; a plain resume is refused."""
+    rope = [*MOCK, "--hidden-dropout", "0", "--attention-dropout", "0"]  # SMALL is rope (the tiny preset's)
+    train(*rope, "--seq-length", "128", "--train-iters", "2", "--save", str(tmp_path / "base"))
+    longer = [*rope, "--seq-length", "256", "--rotary-base", "500000", "--train-iters", "1", "--lr-warmup-iters", "0",
+              "--load", str(tmp_path / "base")]
+    with pytest.raises(UserError, match=r"saved with other settings of --rotary-base --seq-length: .* or add "
+                                        r"--finetune to start a new run from its weights"):
+        train(*longer)
+    trainer, state, lines = train(*longer, "--finetune")
+    assert any("(--finetune): starting at iteration 0, with seq_length 128 -> 256, rotary_base 10000.0 -> 500000.0"
+               in line for line in lines)
+
+    def first_batch_loss(model_config) -> float:
+        model = build_model(model_config, seed=0)
+        load_checkpoint(str(tmp_path / "base"), model, model_config=model_config, load_rng=False, finetune=True)
+        samples = [trainer.train_ds[i] for i in range(trainer.run.train.global_batch_size)]
+        batch = {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
+        with torch.no_grad():
+            losses = model(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"])
+        return float(losses.sum() / batch["loss_mask"].sum())
+
+    assert state.losses[0] == pytest.approx(first_batch_loss(trainer.run.model), rel=1e-6)
+    head_dim = trainer.run.model.head_dim
+    assert torch.equal(trainer.model[0].rotary.inv_freq, 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2) / head_dim))
