@@ -45,6 +45,11 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (a dead or hung rank) fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
 
+    def __post_init__(self):
+        # Megatron's rule: sequence parallelism splits over TP ranks, so at TP 1 it is off (the flag is accepted).
+        if self.tensor_model_parallel_size == 1:
+            object.__setattr__(self, "sequence_parallel", False)
+
     @property
     def sharding(self) -> str:
         """The sharding strategy in force: --data-parallel-sharding-strategy, at least `optim` with
