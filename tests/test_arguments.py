@@ -348,6 +348,15 @@ def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
     assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, world_size=2).sequence_parallel
 
 
+def test_megatron_flags_megalite_always_meets_are_accepted_without_effect(capsys):
+    """--use-megatron-fsdp (megalite's sharding is its FSDP) and --calculate-per-token-loss (its loss always
+    is the per-token mean) set no field: the config is the one without them, and the start-up line says so."""
+    run = parse_args(["--use-megatron-fsdp", "--calculate-per-token-loss", *MOCK])
+    assert capsys.readouterr().out == ("accepted without effect (see --help): --use-megatron-fsdp, "
+                                       "--calculate-per-token-loss\n")
+    assert run == parse_args(MOCK)
+
+
 def test_no_abbreviations_and_parser_errors_are_one_sentence():
     from megalite.arguments import build_parser
 

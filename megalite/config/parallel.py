@@ -31,8 +31,6 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = option(
         "no_shard", "what data-parallel ranks shard: nothing, the optimizer state (ZeRO-1), + gradients (ZeRO-2), "
                     "+ parameters (ZeRO-3, fully sharded)", choices=SHARDING_STRATEGIES)
-    use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
-                                            "its FSDP; --data-parallel-sharding-strategy picks the stage")
     overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last backward")
     overlap_param_gather: bool = option(False, "sharded optimizer: all-gather the updated parameters asynchronously "
                                                "after the step; the next forward waits for each bucket just before "

@@ -76,9 +76,6 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = option(
         None, "START INCREMENT RAMPUP_SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
               "steps over the first RAMPUP_SAMPLES consumed samples up to --global-batch-size (Megatron's ramp-up)")
-    calculate_per_token_loss: bool = option(
-        False, "Megatron's per-token loss: sum over the global batch's tokens, divided once by their count; "
-               "megalite's loss always is, so this changes nothing (docs/training.md)")
     decoupled_lr: float | None = option(None, "peak learning rate of the word embeddings and the output layer, "
                                               "on the same schedule", default_text="--lr", group=LR)
     decoupled_min_lr: float | None = option(None, "with --decoupled-lr: the embeddings' and output layer's "
