@@ -1,8 +1,9 @@
 """The mixed-precision optimizer (Megatron's order), on the grads DDP's `finish_grad_sync` made whole:
 unscale the fp32 grad buffer (with a scaler, inf/nan on any rank skips the step and backs the
 scale off), clip by the global L2 norm, AdamW on fp32 main params (an fp32 model's own params,
-else fp32 clones), copy them into the model. `DistributedOptimizer` (ZeRO-1) keeps main params and
-moments for this DP rank's shard only. State is keyed by global names: checkpoints fit any layout.
+else fp32 clones), copy them into the model. `DistributedOptimizer` (every sharding strategy,
+ZeRO-1/2/3) keeps main params and moments for this DP rank's shard only. State is keyed by global
+names: checkpoints fit any layout.
 """
 
 import math

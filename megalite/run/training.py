@@ -170,8 +170,8 @@ class Trainer:
                                      start_evaluations=self.evaluations_logged,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
-            # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
-            # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
+            # Above the progress bar. The logger's method, not a closure over the Trainer: a reference cycle would
+            # keep the process groups alive until interpreter exit, where gloo aborts the process.
             self.log = self.checkpointer.log = self.logger.print
         self._log_rampup(run.train)
         self.profiler = self._build_profiler(run)
