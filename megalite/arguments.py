@@ -157,10 +157,9 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
         raise UserError(f"--dry-run-gpu-memory {args.dry_run_gpu_memory:g} needs --dry-run and a positive size in "
                         f"GiB (e.g. 80); fix it or drop the flag")
     notes = accepted_flags(args)
-    if args.sequence_parallel and (args.tensor_model_parallel_size or 1) == 1:
-        args.sequence_parallel = None  # Megatron's rule: sequence parallelism needs TP ranks to split over
-        notes.append("--sequence-parallel (off at --tensor-model-parallel-size 1)")
     run = run_config_from_args(args, world_size, default_run=not argv)
+    if args.sequence_parallel and not run.parallel.sequence_parallel:  # ParallelConfig turned it off
+        notes.append("--sequence-parallel (off at --tensor-model-parallel-size 1)")
     if notes and os.environ.get("RANK", "0") == "0":
         print(f"accepted without effect (see --help): {', '.join(notes)}", flush=True)
     return run
@@ -227,7 +226,7 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     given = _given(TrainConfig, args)
     _check_schedule_unit(args)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
-    if len(precisions) > 1:
+    if args.fp32 and len(precisions) > 1:  # --fp32 is no field (--bf16 with --fp16 is TrainConfig's to refuse)
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
     # A dry run plans a GPU job (wherever it runs): its default is a bf16 GPU's, unless it plans for gloo.
     plans_gpu = args.dry_run and parallel.distributed_backend != "gloo"

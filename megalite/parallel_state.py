@@ -87,10 +87,6 @@ class ParallelState:
     backend: str = "gloo"
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
 
-    def __post_init__(self):
-        # Sequence parallelism splits along TP ranks: with one, there is nothing to split.
-        self.sequence_parallel = bool(self.sequence_parallel) and self.tp_size > 1
-
     @property
     def is_first_stage(self) -> bool:
         return self.pp_rank == 0
@@ -178,7 +174,6 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
         raise ValueError(f"the ParallelConfig was made for a world of {parallel_config.world_size} but "
                          f"WORLD_SIZE is {world_size}; pass world_size_from_env() to parse_args")
     tp, pp = parallel_config.tensor_model_parallel_size, parallel_config.pipeline_model_parallel_size
-    rank_grid(world_size, tp, pp)  # the size check, before any process group exists
     already = dist.is_available() and dist.is_initialized()
     backend = dist.get_backend() if already else choose_backend(parallel_config.distributed_backend)
     device = _bind_device(backend, int(os.environ.get("LOCAL_RANK", "0")))

@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.arguments import GROUPS, list_models, parse_args
-from megalite.config import with_tokenizer_vocab
+from megalite.config import ParallelConfig, TrainConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 
@@ -98,15 +98,23 @@ REJECTED = [
     (["--num-experts", "8"], 1, ["--num-experts", "mixture-of-experts"]),
     (["--lr", "fast"], 1, ["--lr", "invalid float value"]),
     (["--train-iters", "0"], 1, ["--train-iters must be at least 1"]),
-    (["--bf16", "--fp16"], 1, ["--bf16", "--fp16"]),
+    (["--bf16", "--fp16"], 1, ["--bf16 and --fp16 both given; pick one"]),
+    (["--bf16", "--fp16", "--fp32"], 1, ["--bf16 and --fp16 and --fp32 all given; pick one"]),
     (["--initial-loss-scale", "1024"], 1, ["--initial-loss-scale", "--fp16"]),
-    (["--lr", "0"], 1, ["--lr must be positive"]),
+    (["--lr", "-1"], 1, ["--lr is -1.0 but must not be negative; pass a value >= 0"]),
+    (["--lr", "0"], 1, ["--min-lr 0.0001 is larger than --lr 0.0"]),
+    (["--adam-eps", "0"], 1, ["--adam-eps must be positive, got 0.0"]),
+    (["--fp16", "--min-loss-scale", "8", "--initial-loss-scale", "4"], 1, ["--min-loss-scale", "0 < min <= initial"]),
+    (["--fp16", "--loss-scale-window", "0"], 1, ["--loss-scale-window is 0 but must be at least 1"]),
+    (["--fp16", "--hysteresis", "0"], 1, ["--hysteresis is 0 but must be at least 1"]),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, ["--lr-warmup-iters", "--lr-warmup-fraction"]),
     (["--lr-warmup-fraction", "2"], 1, ["--lr-warmup-fraction"]),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
-     ["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"]),
+     ["--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given; pick one"]),
     (["--adam-beta2", "1.0"], 1, ["--adam-beta2"]),
+    (["--adam-beta1", "-0.1"], 1, ["--adam-beta1 -0.1", "must be in [0, 1)"]),
     (["--weight-decay", "-1"], 1, ["--weight-decay"]),
+    (["--clip-grad", "-1"], 1, ["--clip-grad must be 0 or more, got -1.0"]),
     (["--eval-iters", "-1"], 1, ["--eval-iters"]),
     (["--log-interval", "0"], 1, ["--log-interval"]),
     (["--exit-interval", "0"], 1, ["--exit-interval"]),
@@ -186,9 +194,18 @@ def test_precision_defaults_to_bf16_only_on_a_gpu_with_bf16_units(monkeypatch, c
     assert train.bf16_default == (expected == torch.bfloat16 and not flags)
 
 
-def test_two_precision_flags_are_refused():
+def test_two_precision_flags_are_refused(monkeypatch):
     with pytest.raises(UserError, match="--bf16 and --fp32 both given; pick one"):
         parse_args([*MOCK, "--bf16", "--fp32"])
+    # --bf16 with --fp16 is TrainConfig's rule alone: without its check nothing else refuses them.
+    monkeypatch.setattr(TrainConfig, "validate", lambda self: self)
+    assert parse_args([*MOCK, "--bf16", "--fp16"]).train.fp16
+
+
+def test_a_zero_learning_rate_is_a_run_as_in_megatron():
+    """Megatron's schedule takes max_lr >= min_lr >= 0: --lr 0 --min-lr 0 trains nothing (a debug run)."""
+    train = parse_args([*MOCK, "--lr", "0", "--min-lr", "0"]).train
+    assert (train.lr, train.min_lr) == (0.0, 0.0)
 
 
 # -- the parser is generated from the config dataclasses ------------------------------------------
@@ -330,6 +347,18 @@ def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
     assert not run.parallel.sequence_parallel
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "--use-mcore-models" in out and "--sequence-parallel" in out
+    # The rule is ParallelConfig's: a config built in code gets the same, and keeps SP where TP splits.
+    assert not ParallelConfig(sequence_parallel=True).sequence_parallel
+    assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, world_size=2).sequence_parallel
+
+
+def test_megatron_flags_megalite_always_meets_are_accepted_without_effect(capsys):
+    """--use-megatron-fsdp (megalite's sharding is its FSDP) and --calculate-per-token-loss (its loss always
+    is the per-token mean) set no field: the config is the one without them, and the start-up line says so."""
+    run = parse_args(["--use-megatron-fsdp", "--calculate-per-token-loss", *MOCK])
+    assert capsys.readouterr().out == ("accepted without effect (see --help): --use-megatron-fsdp, "
+                                       "--calculate-per-token-loss\n")
+    assert run == parse_args(MOCK)
 
 
 def test_no_abbreviations_and_parser_errors_are_one_sentence():

@@ -21,7 +21,7 @@ import megalite
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(megalite.__file__))
 
-# Module prefix -> layer, lowest first. Today's names and the redesign's (run/, plan/) both.
+# Module prefix -> layer, lowest first.
 LAYERS = {
     "megalite": 0,  # the package's __init__ (a version string)
     "megalite.errors": 0,

@@ -52,6 +52,10 @@ COMPAT_FLAGS = [
     CompatFlag("--log-throughput", "every log line already shows Megatron's throughput per GPU as 'TFLOP/s per "
                                    "device' (model FLOPs per second per device, docs/flops.md), beside tokens/s "
                                    "and MFU"),
+    CompatFlag("--use-megatron-fsdp", "megalite's sharded data parallelism is its FSDP; "
+                                      "--data-parallel-sharding-strategy picks what is sharded"),
+    CompatFlag("--calculate-per-token-loss", "megalite's loss always is Megatron's per-token loss: summed over the "
+                                             "global batch's tokens, divided once by their count (docs/training.md)"),
     CompatFlag("--use-pytorch-profiler", "--profile always writes a PyTorch profiler trace (megalite has no "
                                          "nsys capture range)"),
     CompatFlag("--context-parallel-size", "megalite has no context parallelism; 1 is accepted",

@@ -31,8 +31,6 @@ class ParallelConfig:
     data_parallel_sharding_strategy: str = option(
         "no_shard", "what data-parallel ranks shard: nothing, the optimizer state (ZeRO-1), + gradients (ZeRO-2), "
                     "+ parameters (ZeRO-3, fully sharded)", choices=SHARDING_STRATEGIES)
-    use_megatron_fsdp: bool = option(False, "accepted as in Megatron-LM: megalite's sharded data parallelism is "
-                                            "its FSDP; --data-parallel-sharding-strategy picks the stage")
     overlap_grad_reduce: bool = option(False, "start each bucket's data-parallel reduction during the last backward")
     overlap_param_gather: bool = option(False, "sharded optimizer: all-gather the updated parameters asynchronously "
                                                "after the step; the next forward waits for each bucket just before "
@@ -44,6 +42,11 @@ class ParallelConfig:
                                              default_text="nccl with CUDA, else gloo")
     distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (a dead or hung rank) fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
+
+    def __post_init__(self):
+        # Megatron's rule: sequence parallelism splits over TP ranks, so at TP 1 it is off (the flag is accepted).
+        if self.tensor_model_parallel_size == 1:
+            object.__setattr__(self, "sequence_parallel", False)
 
     @property
     def sharding(self) -> str:

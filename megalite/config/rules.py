@@ -1,6 +1,7 @@
-"""The rules behind several flags, written once: the config classes validate the flags with them, and
-the runtime modules that take the same values (LR schedule, loss scaler, batch sampler, pipeline
-schedule and stages) check them too, so a value is refused with the same sentence wherever it arrives."""
+"""The rules behind several flags, written once and checked when the config is validated; the runtime
+trusts a validated config. They serve a few more places with the same sentence: the public entries used
+without a config (the batch sampler, the pipeline schedule, the Hugging Face import's model), and the LR
+schedule a checkpoint's settings are adopted into."""
 
 from itertools import accumulate
 
@@ -15,7 +16,6 @@ LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-w
                      "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
                      "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters",
                      "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
-LR_SCHEDULE_UNITS = ("iterations", "samples")
 
 
 def schedule_flags(unit: str = "iterations") -> dict[str, str]:

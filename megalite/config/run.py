@@ -134,9 +134,6 @@ class RunConfig:
             raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); "
                             f"under TP the vocab-parallel cross-entropy already keeps only a 1/TP slice of the "
                             f"logits, so drop the flag")
-        if parallel.sequence_parallel and tp == 1:
-            raise UserError("--sequence-parallel splits the sequence over tensor-parallel ranks, so it needs "
-                            "--tensor-model-parallel-size 2 or more; drop --sequence-parallel")
         if parallel.sequence_parallel and model.seq_length % tp:
             raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                             f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")

@@ -76,9 +76,6 @@ class TrainConfig:
     rampup_batch_size: list[int] | None = option(
         None, "START INCREMENT RAMPUP_SAMPLES: the global batch starts at START and grows by INCREMENT in equal "
               "steps over the first RAMPUP_SAMPLES consumed samples up to --global-batch-size (Megatron's ramp-up)")
-    calculate_per_token_loss: bool = option(
-        False, "Megatron's per-token loss: sum over the global batch's tokens, divided once by their count; "
-               "megalite's loss always is, so this changes nothing (docs/training.md)")
     decoupled_lr: float | None = option(None, "peak learning rate of the word embeddings and the output layer, "
                                               "on the same schedule", default_text="--lr", group=LR)
     decoupled_min_lr: float | None = option(None, "with --decoupled-lr: the embeddings' and output layer's "
@@ -165,7 +162,7 @@ class TrainConfig:
             raise UserError("--bf16 and --fp16 both given; pick one")
         if self.initial_loss_scale != DEFAULT_INITIAL_LOSS_SCALE and not self.fp16:
             raise UserError("--initial-loss-scale only applies with --fp16; add --fp16 or drop it")
-        for flag, value in [("--initial-loss-scale", self.initial_loss_scale), ("--lr", self.lr),
+        for flag, value in [("--initial-loss-scale", self.initial_loss_scale), ("--adam-eps", self.adam_eps),
                             ("--exit-duration-in-mins", self.exit_duration_in_mins)]:
             if value is not None and not value > 0:
                 raise UserError(f"{flag} must be positive, got {value}")
@@ -180,16 +177,15 @@ class TrainConfig:
                             "given; pick one")
         if not 0 <= self.adam_beta1 < 1 or not 0 <= self.adam_beta2 < 1:
             raise UserError(f"--adam-beta1 {self.adam_beta1} and --adam-beta2 {self.adam_beta2} must be in [0, 1)")
-        for flag, value in [("--adam-eps", self.adam_eps), ("--weight-decay", self.weight_decay),
-                            ("--clip-grad", self.clip_grad), ("--eval-interval", self.eval_interval),
-                            ("--eval-iters", self.eval_iters)]:
+        for flag, value in [("--weight-decay", self.weight_decay), ("--clip-grad", self.clip_grad),
+                            ("--eval-interval", self.eval_interval), ("--eval-iters", self.eval_iters)]:
             if value < 0:
                 raise UserError(f"{flag} must be 0 or more, got {value}")
         if self.loss_spike_threshold != 0 and not self.loss_spike_threshold > 1:
             raise UserError(f"--loss-spike-threshold must be above 1 (a multiple of the recent median loss) or 0 "
                             f"to turn the warning off, got {self.loss_spike_threshold}")
         self._check_housekeeping()
-        if self.kernels not in KERNEL_MODES:  # whether this machine can run them: kernels.set_kernels
+        if self.kernels not in KERNEL_MODES:  # whether this machine can run them: kernels.check_kernels
             raise UserError(f"--kernels {self.kernels} is not one of {', '.join(KERNEL_MODES)}")
         return self
 

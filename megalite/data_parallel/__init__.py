@@ -1,1 +1,1 @@
-"""Data parallelism: contiguous grad buffers, gradient reduction and the distributed (ZeRO-1) optimizer."""
+"""Data parallelism: grad buffers, gradient reduction, ZeRO-3's parameter shards and the distributed optimizer."""

@@ -1,8 +1,9 @@
 """The mixed-precision optimizer (Megatron's order), on the grads DDP's `finish_grad_sync` made whole:
 unscale the fp32 grad buffer (with a scaler, inf/nan on any rank skips the step and backs the
 scale off), clip by the global L2 norm, AdamW on fp32 main params (an fp32 model's own params,
-else fp32 clones), copy them into the model. `DistributedOptimizer` (ZeRO-1) keeps main params and
-moments for this DP rank's shard only. State is keyed by global names: checkpoints fit any layout.
+else fp32 clones), copy them into the model. `DistributedOptimizer` (every sharding strategy,
+ZeRO-1/2/3) keeps main params and moments for this DP rank's shard only. State is keyed by global
+names: checkpoints fit any layout.
 """
 
 import math
@@ -10,7 +11,6 @@ from typing import NamedTuple
 
 import torch
 
-from megalite.config.rules import check_loss_scale_settings
 from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.param_shards import unit_params
 from megalite.errors import UserError
@@ -29,11 +29,10 @@ class NonFiniteGradError(RuntimeError):
 class DynamicLossScaler:
     """Megatron's DynamicGradScaler: after `hysteresis` overflows each further one multiplies the scale by
     `backoff_factor` (down to `min_scale`); `growth_interval` clean steps in a row grow it by
-    `growth_factor` and refill the hysteresis count."""
+    `growth_factor` and refill the hysteresis count. TrainConfig.validate checks the flags' settings."""
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
-        check_loss_scale_settings(initial_scale, min_scale, growth_interval, hysteresis)
         if not (growth_factor > 1 and 0 < backoff_factor < 1):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                              f"{backoff_factor}")
@@ -90,7 +89,6 @@ class MixedPrecisionOptimizer:
 
     def __init__(self, ddp: DataParallelGrads, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
                  eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None):
-        _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad)
         if ddp.shard != self.distributed:
             raise ValueError(f"{type(self).__name__} needs a DataParallelGrads with shard={self.distributed}")
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
@@ -409,16 +407,3 @@ def _check_tensors(tensors: dict, main_params: dict) -> None:
 def _first_few(entries: list[str], limit: int = 5) -> str:
     more = f" and {len(entries) - limit} more" if len(entries) > limit else ""
     return ", ".join(entries[:limit]) + more
-
-
-def _validate_hyperparameters(lr, weight_decay, betas, eps, clip_grad) -> None:
-    """UserError naming the flag for an AdamW setting out of range."""
-    checks = (("--lr", lr, lr >= 0, "a value >= 0"),
-              ("--weight-decay", weight_decay, weight_decay >= 0, "a value >= 0"),
-              ("--adam-beta1", betas[0], 0 <= betas[0] < 1, "a value in [0, 1)"),
-              ("--adam-beta2", betas[1], 0 <= betas[1] < 1, "a value in [0, 1)"),
-              ("--adam-eps", eps, eps > 0, "a value > 0"),
-              ("--clip-grad", clip_grad, clip_grad >= 0, "a value >= 0 (0 disables clipping)"))
-    for flag, value, ok, wanted in checks:
-        if not ok:
-            raise UserError(f"{flag} is {value}; pass {wanted}")

@@ -21,8 +21,6 @@ def apply_options(model: nn.Module, *, recompute_granularity: str | None = None,
     layer). Both replay the TP RNG streams. compile: each layer and the final norm compiled in place (one
     traced graph serves all layers).
     """
-    if recompute_granularity not in (None, "selective", "full"):
-        raise ValueError(f"recompute granularity {recompute_granularity!r} is not selective, full or None")
     layers = list(model.layers.values())
     if recompute_granularity == "full":
         segments = [([layers[i] for i in positions], checkpointed) for positions, checkpointed

@@ -65,7 +65,7 @@ class ActivationModel:
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                  element_size: int = 2):
         self.config, self.tp, self.e = config, tp, element_size
-        self.sequence_parallel = sequence_parallel and tp > 1
+        self.sequence_parallel = sequence_parallel
         self.tokens = config.seq_length * micro_batch_size  # s*b: what TP-region tensors hold per rank
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
         self.stream_tokens = self.tokens // tp if self.sequence_parallel else self.tokens

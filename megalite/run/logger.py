@@ -178,9 +178,9 @@ class TrainingLogger:
         return record
 
     def _update_peak(self, flops_per_device: float) -> None:
-        """Keep the best peak seen, so that MFU never reads above 100%. A CPU's start-up matmul may have shared
-        the cores with other work (measured peaks ranged 112-352 GFLOP/s on one machine): the peak is
-        measured again at the first PEAK_REMEASURES log lines, and an interval faster than the peak raises it."""
+        """Keep the best peak seen, so that MFU never reads above 100%. A CPU's start-up matmul may share the
+        cores with other work and read low (docs/benchmarks.md): the peak is measured again at the first
+        PEAK_REMEASURES log lines, and an interval faster than the peak raises it."""
         if self._remeasures:
             self._remeasures -= 1
             measured, _ = peak_flops(self.device, self.dtype)

@@ -17,7 +17,7 @@ Every style but constant reaches `min_lr` at decay_iters and stays there. With `
 
 import math
 
-from megalite.config.rules import LR_SCHEDULE_UNITS, check_schedule_settings, schedule_flags
+from megalite.config.rules import check_schedule_settings, schedule_flags
 from megalite.errors import UserError
 
 # The fraction of (lr - min_lr) left at decay ratio r in [0, 1]: 1 at 0, 0 at 1.
@@ -31,16 +31,13 @@ COEFFICIENTS = {
 
 class LRSchedule:
     """The learning rate of every iteration, and its settings for a checkpoint. The lengths (`*_iters`)
-    count `unit`s: iterations, or samples."""
+    count `unit`s: iterations, or samples. The settings are a validated TrainConfig's
+    (`lr_schedule_settings`), or a checkpoint's that `load_state_dict` checks."""
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  decay_style: str = "cosine", wsd_decay_style: str = "exponential",
                  wsd_decay_iters: int | None = None, unit: str = "iterations", decoupled_lr: float | None = None,
                  decoupled_min_lr: float | None = None):
-        if unit not in LR_SCHEDULE_UNITS:
-            raise ValueError(f"unit must be one of {LR_SCHEDULE_UNITS}, got {unit!r}")
-        check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
-                                wsd_decay_iters, unit, decoupled_lr, decoupled_min_lr)  # a UserError naming the flag
         self.unit = unit
         self.lr, self.min_lr = float(lr), float(min_lr)
         self.decoupled_lr = None if decoupled_lr is None else float(decoupled_lr)
@@ -94,9 +91,6 @@ class LRSchedule:
         """Reconcile this run's settings with a checkpoint's (`state`), as Megatron does: where they differ,
         `override` keeps this run's, `use_checkpoint` adopts the checkpoint's, and neither raises a UserError
         naming every differing setting. The WSD settings count only when either side is WSD."""
-        if override and use_checkpoint:
-            raise UserError("--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler "
-                            "contradict each other; pass at most one of them")
         if override:
             return
         # Checkpoints from before the sample count are in iterations, and from before the decoupled LR without it.
@@ -108,8 +102,9 @@ class LRSchedule:
         if not differing:
             return
         if use_checkpoint:
-            # Adopted through the constructor, so they are validated like this run's own.
-            self.__init__(**{**mine, **{key: state[key] for key in differing if key in state}})
+            adopted = {**mine, **{key: state[key] for key in differing if key in state}}
+            check_schedule_settings(**adopted)  # a file's settings: checked as this run's flags were
+            self.__init__(**adopted)
             return
         raise UserError(schedule_mismatch(state, mine, differing))
 

@@ -172,24 +172,21 @@ class Trainer:
                                      start_evaluations=self.evaluations_logged,
                                      print_fn=None if log is print_flushed else log)
         if log is print_flushed:
-            # Above the progress bar. Not a closure over the Trainer: that reference cycle kept its process groups
-            # alive until interpreter exit, where gloo ranks aborted ("terminate called without an active exception").
+            # Above the progress bar. The logger's method, not a closure over the Trainer: a reference cycle would
+            # keep the process groups alive until interpreter exit, where gloo aborts the process.
             self.log = self.checkpointer.log = self.logger.print
-        self._log_batch_and_loss(run.train)
+        self._log_rampup(run.train)
         self.profiler = self._build_profiler(run)
         # Last, so that nothing in this constructor can fail with a tracking run left open.
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
 
-    def _log_batch_and_loss(self, train) -> None:
-        """Say once what --rampup-batch-size and --calculate-per-token-loss do in this run."""
+    def _log_rampup(self, train) -> None:
+        """Say once what --rampup-batch-size does in this run."""
         if train.rampup_batch_size is not None:
             start, increment, samples = train.rampup_batch_size
             self.log(f"batch-size ramp-up: the global batch starts at {start} and grows by {increment} over the "
                      f"first {samples} samples to {train.global_batch_size}")
-        if train.calculate_per_token_loss:
-            self.log("--calculate-per-token-loss: megalite's loss always is Megatron's per-token loss (summed over "
-                     "the global batch's tokens, divided once by their count), so the flag changes nothing")
 
     def _build_profiler(self, run: RunConfig) -> StepProfiler:
         """--profile's profiler for this rank, said once at start-up with where the traces go."""

@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from megalite import kernels
+from megalite.config import TrainConfig
 from megalite.errors import UserError
 
 
@@ -24,7 +25,10 @@ def test_modes_pick_the_path():
         assert not kernels.use_triton(x)
         kernels.set_kernels("auto")
         assert kernels.use_triton(x) == (x.is_cuda and kernels.triton_available())
-        with pytest.raises(UserError, match="--kernels fast"):
-            kernels.set_kernels("fast")
     finally:
         kernels.set_kernels("auto")
+
+
+def test_an_unknown_mode_is_the_configs_to_refuse():
+    with pytest.raises(UserError, match="--kernels fast is not one of auto, triton, torch"):
+        TrainConfig(kernels="fast").validate()

@@ -1,6 +1,6 @@
-"""Megatron's --rampup-batch-size, --calculate-per-token-loss and --decoupled-lr/--decoupled-min-lr, by
-their behaviour: the batch ramp's schedule and resume, the per-token loss's gradients over uneven
-masks, and the embeddings' and output layer's own learning rate (one process, ZeRO, checkpoints)."""
+"""Megatron's --rampup-batch-size, per-token loss and --decoupled-lr/--decoupled-min-lr, by their
+behaviour: the batch ramp's schedule and resume, the per-token loss's gradients over uneven masks, and
+the embeddings' and output layer's own learning rate (one process, ZeRO, checkpoints)."""
 
 import copy
 import json
@@ -129,13 +129,6 @@ def test_per_token_loss_sums_over_micro_batches_and_dp_ranks_and_divides_once():
     micro_means = [losses.sum() / mb["loss_mask"].sum() for losses, mb in zip(per_token, micro_batches)
                    if mb["loss_mask"].sum()]
     assert abs(float(sum(micro_means).detach()) / len(micro_means) - loss) > 1e-3  # Megatron's default differs
-
-
-def test_calculate_per_token_loss_is_accepted_and_says_it_changes_nothing():
-    _, with_flag, lines = train("--train-iters", "2", "--calculate-per-token-loss")
-    _, without, _ = train("--train-iters", "2")
-    assert with_flag.losses == without.losses
-    assert sum("--calculate-per-token-loss" in line and "changes nothing" in line for line in lines) == 1
 
 
 def test_decoupled_lr_steps_the_embeddings_and_output_layer_at_their_own_rate():

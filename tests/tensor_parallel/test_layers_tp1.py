@@ -1,13 +1,12 @@
 """The parallel layers at TP=1 equal nn.Linear / nn.Embedding; the init helpers are layout-free."""
 
-import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite.parallel_state import ONE_PROCESS, single_process_state
+from megalite.parallel_state import ONE_PROCESS
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              init_full_tensor, init_seed, initialize, shard_full_tensor,
                                              tensor_parallel_group)
@@ -96,9 +95,6 @@ def test_shards_reassemble_the_full_tensor():
 def test_parallel_state_accessors_and_size_checks():
     assert tensor_parallel_group(ONE_PROCESS) is None and not ONE_PROCESS.sequence_parallel
     assert ONE_PROCESS.tp_size == ONE_PROCESS.pp_size == ONE_PROCESS.dp_size == ONE_PROCESS.world_size == 1
-    # SP needs TP > 1: a state of one TP rank never claims it.
-    one = dataclasses.replace(single_process_state(), sequence_parallel=True)
-    assert not one.sequence_parallel and tensor_parallel_group(one) is None
     two = SimpleNamespace(tp_rank=1, tp_size=2, tp_group=None, sequence_parallel=True)
     with pytest.raises(ValueError, match="tensor-parallel size 2 needs a process group"):
         tensor_parallel_group(two)
