@@ -1,6 +1,7 @@
-"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point: `--kernels`
-auto (Triton on CUDA tensors), triton (also on a CPU, through Triton's slow interpreter,
-TRITON_INTERPRET=1) or torch, set once per process (`set_kernels`) and asked by `use_triton(x)`.
+"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point: each op takes
+the `--kernels` mode, auto (Triton on CUDA tensors), triton (also on a CPU, through Triton's slow
+interpreter, TRITON_INTERPRET=1) or torch, which the model holds from when it is built, and asks
+`use_triton(x, kernels)`. No mode is kept here: two models in one process may use different ones.
 """
 
 import os
@@ -14,8 +15,6 @@ try:
     import triton.language as tl
 except ImportError:  # the PyTorch paths need no Triton
     triton = tl = None
-
-_mode = "auto"
 
 
 def triton_available() -> bool:
@@ -37,24 +36,9 @@ def check_kernels(mode: str) -> None:
                         "Triton's (slow) CPU interpreter; use --kernels auto or torch on this machine")
 
 
-def set_kernels(mode: str) -> None:
-    """Choose this process's kernels; UserError when `--kernels mode` cannot run here."""
-    global _mode
-    check_kernels(mode)
-    _mode = mode
-
-
-def kernels_mode() -> str:
-    return _mode
-
-
-def use_triton(x: torch.Tensor) -> bool:
-    """Whether the op on `x` runs the Triton kernel under the current mode."""
-    if _mode == "torch":
-        return False
-    if _mode == "triton":
-        return True
-    return x.is_cuda and triton_available()
+def use_triton(x: torch.Tensor, kernels: str) -> bool:
+    """Whether the op on `x` runs the Triton kernel under `--kernels kernels` (auto, triton or torch)."""
+    return kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available())
 
 
 def backward_programs(rows: int, device: torch.device) -> int:

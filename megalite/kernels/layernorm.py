@@ -16,9 +16,12 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return F.layer_norm(x, x.shape[-1:], weight, bias, eps)
 
 
-def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
-    """LayerNorm of `x` over its last dimension; Triton or PyTorch per `--kernels`."""
-    return _LayerNorm.apply(x, weight, bias, eps) if use_triton(x) else layer_norm_reference(x, weight, bias, eps)
+def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
+               kernels: str = "auto") -> torch.Tensor:
+    """LayerNorm of `x` over its last dimension; Triton or PyTorch per `--kernels kernels`."""
+    if use_triton(x, kernels):
+        return _LayerNorm.apply(x, weight, bias, eps)
+    return layer_norm_reference(x, weight, bias, eps)
 
 
 if triton is not None:

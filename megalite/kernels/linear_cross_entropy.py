@@ -37,7 +37,7 @@ class _LinearCrossEntropy(torch.autograd.Function):
     """hidden `[N, h]`, weight `[V_padded, h]` (rows from `vocab` on: padding), labels `[N]` -> losses `[N]` fp32."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, labels, vocab, z_loss_weight, ignore_index, chunk_elements):
+    def forward(ctx, hidden, weight, labels, vocab, z_loss_weight, ignore_index, chunk_elements, kernels):
         lse = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
         losses = torch.empty_like(lse)
         rows = chunk_size(hidden.shape[0], vocab, chunk_elements)
@@ -45,18 +45,18 @@ class _LinearCrossEntropy(torch.autograd.Function):
         for start in range(0, hidden.shape[0], rows):
             end = min(start + rows, hidden.shape[0])
             logits = torch.mm(hidden[start:end], weight[:vocab].t(), out=chunk[:end - start])  # [c, V]
-            m, s, target = row_stats(logits, labels[start:end], 0, vocab, ignore_index)
+            m, s, target = row_stats(logits, labels[start:end], 0, vocab, ignore_index, kernels=kernels)
             lse[start:end] = m + s.log()
             losses[start:end] = losses_from_stats(lse[start:end], target, labels[start:end], z_loss_weight,
                                                   ignore_index)
         ctx.save_for_backward(hidden, weight, labels, lse)
-        ctx.args = (vocab, z_loss_weight, ignore_index, chunk_elements)
+        ctx.args = (vocab, z_loss_weight, ignore_index, chunk_elements, kernels)
         return losses
 
     @staticmethod
     def backward(ctx, grad_losses):
         hidden, weight, labels, lse = ctx.saved_tensors
-        vocab, z_loss_weight, ignore_index, chunk_elements = ctx.args
+        vocab, z_loss_weight, ignore_index, chunk_elements, kernels = ctx.args
         grad_losses = grad_losses.float().masked_fill(labels == ignore_index, 0.0)
         grad_hidden = torch.zeros(hidden.shape, dtype=torch.float32, device=hidden.device)
         grad_weight = torch.empty_like(weight)
@@ -69,22 +69,23 @@ class _LinearCrossEntropy(torch.autograd.Function):
             # recomputed [N, Vc], then overwritten by its grad
             logits = torch.mm(hidden, weight_block.t(), out=chunk[:, :end - start])
             grad_logits = logit_grads(logits, labels, lse, grad_losses, z_loss_weight, start, end - start,
-                                      ignore_index, out=logits)
+                                      ignore_index, out=logits, kernels=kernels)
             torch.mm(grad_logits.t(), hidden, out=grad_weight[start:end])
             _accumulate_mm(grad_hidden, grad_logits, weight_block)
-        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None
+        return grad_hidden.to(hidden.dtype), grad_weight, None, None, None, None, None, None
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
                          real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
-                         ignore_index: int = IGNORE_INDEX, chunk_elements: int = CHUNK_ELEMENTS) -> torch.Tensor:
+                         ignore_index: int = IGNORE_INDEX, chunk_elements: int = CHUNK_ELEMENTS,
+                         kernels: str = "auto") -> torch.Tensor:
     """Per-token fp32 losses of `hidden @ weight^T` against `labels`, equal to the unfused cross-entropy.
 
     hidden: `[..., h]`; weight: `[V, h]`, rows from `real_vocab_size` (None: V) on are padding;
     labels: `[...]`, ids or `ignore_index`; returns losses shaped like labels.
-    chunk_elements: logits per chunk (forward: whole rows; backward: whole columns).
+    chunk_elements: logits per chunk (forward: whole rows; backward: whole columns). kernels: the `--kernels` mode.
     """
     vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
     losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), vocab,
-                                       z_loss_weight, ignore_index, chunk_elements)
+                                       z_loss_weight, ignore_index, chunk_elements, kernels)
     return losses.view(labels.shape)

@@ -17,9 +17,9 @@ def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> tor
     return weight * normed.to(x.dtype)
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm of `x` over its last dimension; Triton or PyTorch per `--kernels`."""
-    return _RMSNorm.apply(x, weight, eps) if use_triton(x) else rms_norm_reference(x, weight, eps)
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, kernels: str = "auto") -> torch.Tensor:
+    """RMSNorm of `x` over its last dimension; Triton or PyTorch per `--kernels kernels`."""
+    return _RMSNorm.apply(x, weight, eps) if use_triton(x, kernels) else rms_norm_reference(x, weight, eps)
 
 
 if triton is not None:

@@ -35,9 +35,9 @@ def apply_rotary_reference(q, k, cos, sin):
     return apply_rotary_pos_emb(q, cos, sin), apply_rotary_pos_emb(k, cos, sin)
 
 
-def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
-    """(rotated q, rotated k); Triton or PyTorch per `--kernels`."""
-    return _Rotary.apply(q, k, cos, sin) if use_triton(q) else apply_rotary_reference(q, k, cos, sin)
+def apply_rotary(q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, kernels: str = "auto"):
+    """(rotated q, rotated k); Triton or PyTorch per `--kernels kernels`."""
+    return _Rotary.apply(q, k, cos, sin) if use_triton(q, kernels) else apply_rotary_reference(q, k, cos, sin)
 
 
 if triton is not None:

@@ -17,9 +17,9 @@ def swiglu_reference(x: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def swiglu(x: torch.Tensor) -> torch.Tensor:
-    """silu(gate) * up of the fused `[..., 2 * ffn]` tensor; Triton or PyTorch per `--kernels`."""
-    return _SwiGLU.apply(x) if use_triton(x) else swiglu_reference(x)
+def swiglu(x: torch.Tensor, kernels: str = "auto") -> torch.Tensor:
+    """silu(gate) * up of the fused `[..., 2 * ffn]` tensor; Triton or PyTorch per `--kernels kernels`."""
+    return _SwiGLU.apply(x) if use_triton(x, kernels) else swiglu_reference(x)
 
 
 if triton is not None:

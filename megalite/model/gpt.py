@@ -54,13 +54,14 @@ class Embedding(nn.Module):
 
 class GPTModel(nn.Module):
     """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the
-    embedding if `pre_process`, the final norm, output layer and loss if `post_process`."""
+    embedding if `pre_process`, the final norm, output layer and loss if `post_process`; its fused ops
+    (norms, rotary, SwiGLU, the loss) on the path `kernels` (`--kernels`) picks."""
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
-                 post_process: bool = True, parallel: ParallelState = ONE_PROCESS):
+                 post_process: bool = True, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
         super().__init__()
         config.validate()
-        self.config, self.parallel = config, parallel
+        self.config, self.parallel, self.kernels = config, parallel, kernels
         self.pre_process, self.post_process = pre_process, post_process
         self.tied = not config.untie_embeddings_and_output_weights
         layer_ids = range(config.num_layers) if layer_ids is None else sorted(layer_ids)
@@ -83,11 +84,11 @@ class GPTModel(nn.Module):
                                           config.rope_scaling_factor if config.use_rope_scaling else None,
                                           config.rotary_percent)
 
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel, kernels) for i in layer_ids})
 
         self.final_layernorm = self.output_layer = None
         if post_process:
-            self.final_layernorm = Norm(config)
+            self.final_layernorm = Norm(config, kernels)
             # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
@@ -117,7 +118,7 @@ class GPTModel(nn.Module):
         if labels is not None and self.config.fused_output_cross_entropy:  # TP = 1: no logits at all
             weight = self.output_layer.weight if weight is None else weight
             losses = linear_cross_entropy(hidden, weight, labels.t(), self.config.real_vocab_size,
-                                          self.config.z_loss_weight).t()  # [b, s] fp32
+                                          self.config.z_loss_weight, kernels=self.kernels).t()  # [b, s] fp32
         else:
             logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
             group = tensor_parallel_group(self.parallel)
@@ -127,7 +128,7 @@ class GPTModel(nn.Module):
             vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
             # The logits are this forward's own: the loss may overwrite them with their grad.
             losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                                  self.config.z_loss_weight, inplace=True).t()  # [b, s] fp32
+                                                  self.config.z_loss_weight, inplace=True, kernels=self.kernels).t()
         return (losses if loss_mask is None else losses * loss_mask).contiguous()
 
     def run_layers(self, hidden: torch.Tensor, rotary) -> torch.Tensor:
@@ -140,10 +141,11 @@ class GPTModel(nn.Module):
 
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
                 layer_ids=None, pre_process: bool = True, post_process: bool = True,
-                parallel: ParallelState = ONE_PROCESS) -> GPTModel:
-    """GPTModel on `device` in `dtype`; 'meta' gives shapes only (no memory, no init). Weights are
-    drawn on the CPU in fp32, then copied and cast, so a GPU model starts from exactly the CPU model."""
+                parallel: ParallelState = ONE_PROCESS, kernels: str = "auto") -> GPTModel:
+    """GPTModel on `device` in `dtype`, its fused ops per `--kernels kernels`; 'meta' gives shapes only (no
+    memory, no init). Weights are drawn on the CPU in fp32, then copied and cast, so a GPU model starts
+    from exactly the CPU model."""
     # Built directly on the device: Module.to_empty would drop the parameters' TP attributes.
     with torch.device(device):
-        model = GPTModel(config, seed, layer_ids, pre_process, post_process, parallel)
+        model = GPTModel(config, seed, layer_ids, pre_process, post_process, parallel, kernels)
     return model.to(dtype)

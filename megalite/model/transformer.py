@@ -1,6 +1,7 @@
 """The transformer layer: pre-norm attention (GQA, RoPE) and MLP (GELU or SwiGLU) on `[s, b, h]`.
 
 Every projection is a tensor-parallel layer, so head and feature counts are per TP partition.
+`kernels` (`--kernels`: auto, triton or torch) picks, when a module is built, its fused ops' path.
 """
 
 import contextlib
@@ -43,9 +44,9 @@ class Norm(nn.Module):
     and returned in x's dtype, as LLaMA does), replicated on every TP rank. With --apply-layernorm-1p the
     weight is stored as w - 1 and applied as 1 + w (Megatron's zero-centred gamma)."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, kernels: str = "auto"):
         super().__init__()
-        self.eps = config.norm_epsilon
+        self.eps, self.kernels = config.norm_epsilon, kernels
         self.one_plus = config.apply_layernorm_1p
         self.weight = _norm_parameter(config.hidden_size)
         self.bias = _norm_parameter(config.hidden_size) if config.normalization == "LayerNorm" else None
@@ -56,20 +57,20 @@ class Norm(nn.Module):
             if self.bias is not None:
                 self.bias.zero_()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:  # Triton or PyTorch per --kernels
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight + 1 if self.one_plus else self.weight
         if self.bias is None:
-            return rms_norm(x, weight, self.eps)
-        return layer_norm(x, weight, self.bias, self.eps)
+            return rms_norm(x, weight, self.eps, self.kernels)
+        return layer_norm(x, weight, self.bias, self.eps, self.kernels)
 
 
 class Attention(nn.Module):
     """Causal self-attention with grouped-query heads and optional RoPE. The fused QKV output holds, group
     by group, its query heads, key and value (Megatron's layout): TP row blocks give whole groups."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
         super().__init__()
-        self.tp_size = parallel.tp_size
+        self.tp_size, self.kernels = parallel.tp_size, kernels
         self.head_dim = config.head_dim
         self.num_heads = config.num_attention_heads // self.tp_size
         self.num_groups = config.query_groups // self.tp_size
@@ -100,7 +101,7 @@ class Attention(nn.Module):
         q, k, v = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
         if rotary is not None:
-            q, k = apply_rotary(q, k, *rotary)  # Triton or PyTorch per --kernels
+            q, k = apply_rotary(q, k, *rotary, self.kernels)
         return self.linear_proj(self.core_attention(q, k, v))
 
 
@@ -108,9 +109,9 @@ class MLP(nn.Module):
     """fc1 -> GELU (exact, or tanh with openai_gelu) -> fc2; or SwiGLU: silu(gate) * up -> fc2, fc1
     then being one fused [gate; up] projection sharded block by block (matching slices per TP rank)."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
         super().__init__()
-        self.swiglu = config.swiglu
+        self.swiglu, self.kernels = config.swiglu, kernels
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
         fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_size, bias=config.add_bias_linear,
@@ -121,20 +122,20 @@ class MLP(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         x = self.linear_fc1(hidden)
-        x = swiglu(x) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)  # swiglu: Triton or PyTorch
+        x = swiglu(x, self.kernels) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)
         return self.linear_fc2(x)
 
 
 class TransformerLayer(nn.Module):
     """x + drop(attn(norm(x))), then + drop(mlp(norm(.))): `[s, b, h]` in and out."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
         super().__init__()
         self.hidden_dropout, self.parallel = config.hidden_dropout, parallel
-        self.input_layernorm = Norm(config)
-        self.self_attention = Attention(config, parallel)
-        self.pre_mlp_layernorm = Norm(config)
-        self.mlp = MLP(config, parallel)
+        self.input_layernorm = Norm(config, kernels)
+        self.self_attention = Attention(config, parallel, kernels)
+        self.pre_mlp_layernorm = Norm(config, kernels)
+        self.mlp = MLP(config, parallel, kernels)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         attention = self.self_attention(self.input_layernorm(hidden), rotary)

@@ -39,8 +39,9 @@ class ModelChunks(nn.ModuleList):
 
 def build_model_chunks(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
                        parallel: ParallelState = ONE_PROCESS, vp: int = 1, first: int | None = None,
-                       last: int | None = None) -> ModelChunks:
-    """This rank's (`parallel.pp_rank`'s) `vp` chunks of the model, one GPTModel each, in chunk order."""
+                       last: int | None = None, kernels: str = "auto") -> ModelChunks:
+    """This rank's (`parallel.pp_rank`'s) `vp` chunks of the model, one GPTModel each, in chunk order,
+    their fused ops per `--kernels kernels`."""
     pp, pp_rank = parallel.pp_size, parallel.pp_rank
     layers = chunk_layers(config.num_layers, pp, pp_rank, vp, first, last)
     last_stage = pp * vp - 1
@@ -48,5 +49,5 @@ def build_model_chunks(config: ModelConfig, seed: int, device="cpu", dtype: torc
     for chunk, layer_ids in enumerate(layers):
         stage = chunk * pp + pp_rank
         chunks.append(build_model(config, seed, device, dtype, layer_ids=layer_ids, pre_process=stage == 0,
-                                  post_process=stage == last_stage, parallel=parallel))
+                                  post_process=stage == last_stage, parallel=parallel, kernels=kernels))
     return ModelChunks(chunks)

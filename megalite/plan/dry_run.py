@@ -245,7 +245,7 @@ def _memory_warning(report: DryRunReport) -> list[str]:
 
 def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:
     """Plan `run` and print the report."""
-    check_kernels(run.train.kernels)  # as a run's start-up would (kernels.set_kernels): --kernels on this machine
+    check_kernels(run.train.kernels)  # as a run's start-up would: --kernels on this machine
     report = plan(run)
     print_fn(format_report(report))
     return report

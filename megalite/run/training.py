@@ -27,7 +27,7 @@ from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossS
                                               NonFiniteGradError)
 from megalite.errors import UserError
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.kernels import set_kernels
+from megalite.kernels import check_kernels
 from megalite.run.flops import DTYPE_NAMES
 from megalite.run.housekeeping import ManualGC, StepProfiler, empty_unused_memory, profile_folder
 from megalite.run.logger import TrainingLogger
@@ -126,7 +126,7 @@ class Trainer:
         random.seed(train.seed + 100 * self.parallel.pp_rank)
         np.random.seed(train.seed + 100 * self.parallel.pp_rank)
         model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
-        set_kernels(train.kernels)
+        check_kernels(train.kernels)  # before any work: --kernels triton on a machine that cannot run it
         run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
         data = run.data
         self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, data.vocab_file,
@@ -137,7 +137,7 @@ class Trainer:
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
                                         parallel.virtual_pipeline_model_parallel_size,
                                         parallel.decoder_first_pipeline_num_layers,
-                                        parallel.decoder_last_pipeline_num_layers)
+                                        parallel.decoder_last_pipeline_num_layers, train.kernels)
         for chunk in self.model:  # the one dispatch point of the device's speed path and the model options
             if self.device.type == "cpu":
                 cpu.apply(chunk)

@@ -29,34 +29,37 @@ class VocabParallelCrossEntropy(torch.autograd.Function):
     exponentials and become the grad (one buffer in all)."""
 
     @staticmethod
-    def forward(ctx, logits, labels, group, vocab_start, real_vocab_size, z_loss_weight, ignore_index, inplace):
+    def forward(ctx, logits, labels, group, vocab_start, real_vocab_size, z_loss_weight, ignore_index, inplace,
+                kernels):
         shape, local_vocab = labels.shape, logits.shape[-1]
         rows_logits, rows_labels = logits.detach().reshape(-1, local_vocab), labels.reshape(-1)
         if rows_logits.stride(-1) != 1:  # the kernels need unit column stride
             rows_logits = rows_logits.contiguous()
         real_columns = local_vocab if real_vocab_size is None else \
             min(max(real_vocab_size - vocab_start, 0), local_vocab)
-        keep_exp = inplace and rows_logits.dtype == torch.float32 and not use_triton(rows_logits)
-        m, s, t = row_stats(rows_logits, rows_labels, vocab_start, real_columns, ignore_index, keep_exp)
+        triton = use_triton(rows_logits, kernels)
+        keep_exp = inplace and rows_logits.dtype == torch.float32 and not triton
+        m, s, t = row_stats(rows_logits, rows_labels, vocab_start, real_columns, ignore_index, keep_exp, kernels)
         lse, target = combine_stats(m, s, t, group)
         # The PyTorch path exponentiates against the row max in both passes (Triton needs only lse).
-        ctx.save_for_backward(rows_logits, rows_labels, lse, None if use_triton(rows_logits) else m)
-        ctx.args = (logits.shape, z_loss_weight, vocab_start, real_columns, ignore_index, keep_exp)
+        ctx.save_for_backward(rows_logits, rows_labels, lse, None if triton else m)
+        ctx.args = (logits.shape, z_loss_weight, vocab_start, real_columns, ignore_index, keep_exp, kernels)
         return losses_from_stats(lse, target, rows_labels, z_loss_weight, ignore_index).view(shape)
 
     @staticmethod
     def backward(ctx, grad_losses):
         rows_logits, rows_labels, lse, row_max = ctx.saved_tensors
-        shape, z_loss_weight, vocab_start, real_columns, ignore_index, keep_exp = ctx.args
+        shape, z_loss_weight, vocab_start, real_columns, ignore_index, keep_exp, kernels = ctx.args
         grad_losses = grad_losses.reshape(-1).float().masked_fill(rows_labels == ignore_index, 0.0)
         grad = logit_grads(rows_logits, rows_labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                           ignore_index, shift=row_max, exp_in_logits=keep_exp)
-        return grad.view(shape), None, None, None, None, None, None, None
+                           ignore_index, shift=row_max, exp_in_logits=keep_exp, kernels=kernels)
+        return grad.view(shape), None, None, None, None, None, None, None, None
 
 
 def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, group, vocab_start_index: int,
                                  real_vocab_size: int | None = None, z_loss_weight: float = 0.0,
-                                 ignore_index: int = IGNORE_INDEX, inplace: bool = False) -> torch.Tensor:
+                                 ignore_index: int = IGNORE_INDEX, inplace: bool = False,
+                                 kernels: str = "auto") -> torch.Tensor:
     """Per-token fp32 losses `[s, b]` of vocab-sharded `logits` `[s, b, v/tp]` against global ids `labels`.
 
     logits: this rank's slice from column `vocab_start_index`, any float dtype (computed in fp32).
@@ -66,6 +69,7 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     full_logits[..., :real_vocab_size], labels, reduction="none", ignore_index=ignore_index).
     inplace: `logits` may be overwritten (by the exponentials, then their grad), as Megatron does,
     for logits nothing else reads (else autograd stops with "modified by an inplace operation").
+    kernels: the `--kernels` mode (Triton or PyTorch blocks).
     """
     return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size,
-                                           z_loss_weight, ignore_index, inplace)
+                                           z_loss_weight, ignore_index, inplace, kernels)

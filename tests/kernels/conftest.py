@@ -16,14 +16,6 @@ def cpu_unless_marked_gpu():
 
 
 @pytest.fixture
-def mode():
-    """Restore the process-wide kernel mode after the test."""
-    before = kernels.kernels_mode()
-    yield kernels.set_kernels
-    kernels.set_kernels(before)
-
-
-@pytest.fixture
 def device() -> torch.device:
     """The GPU when there is one, else the CPU with Triton's interpreter."""
     if DEVICE.type == "cpu" and kernels.triton_available() and not kernels.interpreting():

@@ -38,13 +38,13 @@ def reference_losses(logits, labels, real_vocab, z_loss_weight):
     return losses.view(labels.shape)
 
 
-def run(logits, labels, grad, dtype, real_vocab, z_loss_weight, use_reference=False):
-    """(losses, logit grad) in float64; padding columns of the grad included."""
+def run(logits, labels, grad, dtype, real_vocab, z_loss_weight, use_reference=False, kernels="auto"):
+    """(losses, logit grad) in float64; padding columns of the grad included; `kernels`: the --kernels mode."""
     leaf = logits.detach().clone().to(dtype).requires_grad_()
     if use_reference:
         losses = reference_losses(leaf, labels, real_vocab, z_loss_weight)
     else:
-        losses = vocab_parallel_cross_entropy(leaf, labels, None, 0, real_vocab, z_loss_weight)
+        losses = vocab_parallel_cross_entropy(leaf, labels, None, 0, real_vocab, z_loss_weight, kernels=kernels)
         assert losses.dtype == torch.float32
     losses.backward(grad.to(losses.dtype))
     assert leaf.grad.dtype == dtype
@@ -67,14 +67,12 @@ def problem(rows, vocab, seed, ignored=2):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("vocab,real_vocab,z_loss_weight", [(1000, 1000, 0.0), (1003, 997, 1e-3), (7, 5, 0.1)])
 def test_triton_cross_entropy_matches_float64_within_twice_torch_error(vocab, real_vocab, z_loss_weight, dtype,
-                                                                       small_blocks, mode, one_thread, device):
+                                                                       small_blocks, one_thread, device):
     logits, labels, grad = (t.to(device) for t in problem(6, vocab, seed=vocab))
     logits[:, real_vocab:] = 40.0  # padding would dominate if it were not excluded
     expected = run(logits, labels, grad, torch.float64, real_vocab, z_loss_weight, use_reference=True)
-    mode("torch")
-    torch_path = run(logits, labels, grad, dtype, real_vocab, z_loss_weight)
-    mode("triton")
-    triton_path = run(logits, labels, grad, dtype, real_vocab, z_loss_weight)
+    torch_path = run(logits, labels, grad, dtype, real_vocab, z_loss_weight, kernels="torch")
+    triton_path = run(logits, labels, grad, dtype, real_vocab, z_loss_weight, kernels="triton")
     for name, reference, ours, theirs in zip(("losses", "dlogits"), expected, triton_path, torch_path):
         assert relative_error(ours, reference) <= 2 * max(relative_error(theirs, reference), FLOOR[dtype]), name
     for path in (torch_path, triton_path):
@@ -83,12 +81,11 @@ def test_triton_cross_entropy_matches_float64_within_twice_torch_error(vocab, re
 
 
 @pytest.mark.parametrize("kernel_mode", ["torch", "triton"])
-def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, mode, one_thread, device):
+def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, one_thread, device):
     """reduction="none" losses are 0 with zero grads; the mean over no tokens is NaN, as in PyTorch."""
-    mode(kernel_mode)
     logits = torch.randn(4, 33, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
     labels = torch.full((4,), IGNORE_INDEX, device=device)
-    losses = vocab_parallel_cross_entropy(logits, labels, None, 0, 33, 1e-4)
+    losses = vocab_parallel_cross_entropy(logits, labels, None, 0, 33, 1e-4, kernels=kernel_mode)
     assert torch.equal(losses, torch.zeros(4, device=device))
     mask = labels != IGNORE_INDEX
     mean = losses.sum() / mask.sum()
@@ -98,13 +95,12 @@ def test_every_target_ignored_gives_pytorch_semantics(kernel_mode, mode, one_thr
     assert torch.equal(logits.grad, torch.zeros_like(logits))
 
 
-def test_triton_saves_no_softmax(mode, one_thread, device):
+def test_triton_saves_no_softmax(one_thread, device):
     """The Triton path keeps the logits (no copy) and one fp32 number per row, nothing vocab-sized else."""
-    mode("triton")
     logits = torch.randn(5, 40, generator=torch.Generator().manual_seed(0)).to(device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        vocab_parallel_cross_entropy(logits, torch.arange(5, device=device), None, 0)
+        vocab_parallel_cross_entropy(logits, torch.arange(5, device=device), None, 0, kernels="triton")
     vocab_sized = [t for t in saved if t.numel() >= logits.numel()]
     assert len(vocab_sized) == 1 and vocab_sized[0].data_ptr() == logits.data_ptr()
     assert sum(t.numel() for t in saved) == logits.numel() + 2 * 5  # logits, labels, lse
@@ -121,10 +117,9 @@ def check_sharded(rank, world_size):
     logits[:, 11:] = 40.0
     results = {}
     for kernel_mode in ("torch", "triton"):
-        kernels.set_kernels(kernel_mode)
         for dtype in (torch.float32, torch.bfloat16):
             leaf = logits[:, start:start + per_rank].to(dtype).requires_grad_()
-            losses = vocab_parallel_cross_entropy(leaf, labels, group, start, 11, 1e-2)
+            losses = vocab_parallel_cross_entropy(leaf, labels, group, start, 11, 1e-2, kernels=kernel_mode)
             losses.backward(grad.float())
             results[kernel_mode, dtype] = (losses.detach().double().numpy(), leaf.grad.double().numpy())  # by value
     return results
@@ -151,9 +146,8 @@ def test_sharded_cross_entropy_in_a_four_rank_world():
 
 
 @pytest.mark.parametrize("z_loss_weight", [0.0, 1e-2])
-def test_inplace_torch_path_equals_the_copying_one_and_reuses_the_logits(z_loss_weight, mode, one_thread):
+def test_inplace_torch_path_equals_the_copying_one_and_reuses_the_logits(z_loss_weight, one_thread):
     """inplace=True (the model's own logits): same losses and grads, bitwise; the grad is the logits' storage."""
-    mode("torch")
     logits, labels, grad = problem(6, 50, seed=3)
     logits[:, 45:] = 40.0
     results = []
@@ -161,7 +155,8 @@ def test_inplace_torch_path_equals_the_copying_one_and_reuses_the_logits(z_loss_
         produced = logits.float().requires_grad_()
         private = produced * 1.0  # a non-leaf nothing else reads, as the output layer's logits
         storage = private.data_ptr()
-        losses = vocab_parallel_cross_entropy(private, labels, None, 0, 45, z_loss_weight, inplace=inplace)
+        losses = vocab_parallel_cross_entropy(private, labels, None, 0, 45, z_loss_weight, inplace=inplace,
+                                              kernels="torch")
         seen = []
         private.register_hook(lambda g: seen.append(g.data_ptr()))
         losses.backward(grad.float())
@@ -170,30 +165,29 @@ def test_inplace_torch_path_equals_the_copying_one_and_reuses_the_logits(z_loss_
     assert torch.equal(results[0][0], results[1][0]) and torch.equal(results[0][1], results[1][1])
 
 
-def test_inplace_torch_path_refuses_logits_another_op_saved(mode, one_thread):
+def test_inplace_torch_path_refuses_logits_another_op_saved(one_thread):
     """Were the logits saved for another backward, autograd stops loudly instead of using clobbered values."""
-    mode("torch")
     logits = torch.randn(4, 9, requires_grad=True)
     private = logits * 1.0
     other = private.sin()  # saves `private` for its backward
-    losses = vocab_parallel_cross_entropy(private, torch.arange(4), None, 0, inplace=True)
+    losses = vocab_parallel_cross_entropy(private, torch.arange(4), None, 0, inplace=True, kernels="torch")
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         (losses.sum() + other.sum()).backward()
 
 
 @pytest.mark.parametrize("z_loss_weight, real_vocab", [(0.0, 45), (1e-2, 45), (0.0, 50)])
-def test_inplace_pass_with_padding_and_an_ignored_token(z_loss_weight, real_vocab, mode, one_thread):
+def test_inplace_pass_with_padding_and_an_ignored_token(z_loss_weight, real_vocab, one_thread):
     """inplace=True (the model's own logits): with and without vocabulary padding and with an ignored
     token, the grad is written over the logits, zero on the padding and the ignored row, and the
     losses match float64."""
-    mode("torch")
     logits, labels, grad = problem(6, 50, seed=5, ignored=1)
     labels = torch.where(labels >= real_vocab, labels - 10, labels)  # ids below the real vocabulary
     labels[2] = IGNORE_INDEX
     produced = logits.float().requires_grad_()
     private = produced * 1.0
     storage = private.data_ptr()
-    losses = vocab_parallel_cross_entropy(private, labels, None, 0, real_vocab, z_loss_weight, inplace=True)
+    losses = vocab_parallel_cross_entropy(private, labels, None, 0, real_vocab, z_loss_weight, inplace=True,
+                                          kernels="torch")
     seen = []
     private.register_hook(lambda g: seen.append(g.data_ptr()))
     losses.backward(grad.float())

@@ -36,7 +36,6 @@ def test_the_triton_column_runs_in_the_interpreter_on_a_cpu(one_thread):
     lines = bench.kernel_rows("rmsnorm", TINY, torch.float32, results, bandwidth=10.0)
     assert [line.split()[2] for line in lines] == ["eager", "triton"]
     assert lines[1].split()[-1] == "-"  # no peak memory in the interpreter
-    assert kernels.kernels_mode() == "auto"  # the row's mode is restored after it
 
 
 def test_the_bench_runs_end_to_end_on_a_cpu(capsys, one_thread):
@@ -52,7 +51,6 @@ def test_the_bench_runs_end_to_end_on_a_cpu(capsys, one_thread):
     for path in ("unfused", "unfused-torch", "fused"):
         assert f" {path} " in out
     assert "fused peak memory over the unfused path's" in out
-    assert kernels.kernels_mode() == "auto"
 
 
 @pytest.mark.slow

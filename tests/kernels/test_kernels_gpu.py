@@ -173,16 +173,14 @@ def labels_for(tokens: int, real_vocab: int, seed: int) -> torch.Tensor:
     (4096, 50304, 50257, 1e-4),  # GPT-2's vocabulary and its padding
     (1024, 128256, 128256, 1e-4),  # LLaMA 3's: 0.5 GB of fp32 logits at 1024 tokens
 ])
-def test_cross_entropy_at_model_shapes(tokens, vocab, real_vocab, z_loss_weight, dtype, mode, cuda):
+def test_cross_entropy_at_model_shapes(tokens, vocab, real_vocab, z_loss_weight, dtype, cuda):
     logits = randn(tokens, vocab, seed=vocab, scale=3.0)
     logits[:, real_vocab:] = 40.0  # padding would dominate if it were not excluded
     labels = labels_for(tokens, real_vocab, seed=vocab + 1)
     grad = torch.rand(tokens, generator=generator(vocab + 2), dtype=torch.float64, device="cuda")
     expected = run_cross_entropy(logits, labels, grad, torch.float64, real_vocab, z_loss_weight, use_reference=True)
-    mode("torch")
-    torch_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight)
-    mode("triton")
-    triton_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight)
+    torch_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight, kernels="torch")
+    triton_path = run_cross_entropy(logits, labels, grad, dtype, real_vocab, z_loss_weight, kernels="triton")
     check(("losses", "dlogits"), expected, triton_path, torch_path, dtype)
     ignored = labels == IGNORE_INDEX
     assert torch.all(triton_path[0][ignored] == 0) and torch.all(triton_path[1][ignored] == 0)
@@ -202,8 +200,7 @@ def unfused(hidden, weight, labels, real_vocab, z_loss_weight):
     (4096, 2048, 32000, 32000, 0.0),
     (2048, 4096, 128256, 128256, 1e-4),  # chunks of 261 tokens forward, 16384 vocabulary columns backward
 ])
-def test_linear_cross_entropy_at_model_shapes(tokens, hidden_size, vocab, real_vocab, z_loss_weight, dtype,
-                                              mode, cuda):
+def test_linear_cross_entropy_at_model_shapes(tokens, hidden_size, vocab, real_vocab, z_loss_weight, dtype, cuda):
     hidden = randn(tokens, hidden_size, seed=hidden_size)
     weight = randn(vocab, hidden_size, seed=vocab, scale=0.02)  # the init std: logits of std ~1
     labels = labels_for(tokens, real_vocab, seed=vocab + 1)
@@ -217,8 +214,7 @@ def test_linear_cross_entropy_at_model_shapes(tokens, hidden_size, vocab, real_v
 
     expected = run(unfused, torch.float64, real_vocab=real_vocab, z_loss_weight=z_loss_weight)
     torch_path = run(unfused, dtype, real_vocab=real_vocab, z_loss_weight=z_loss_weight)
-    mode("triton")
-    fused = run(linear_cross_entropy, dtype, real_vocab_size=real_vocab, z_loss_weight=z_loss_weight)
+    fused = run(linear_cross_entropy, dtype, real_vocab_size=real_vocab, z_loss_weight=z_loss_weight, kernels="triton")
     assert fused[0].dtype == torch.float32 and fused[1].dtype == fused[2].dtype == dtype
     check(("losses", "dhidden", "dweight"), expected, fused, torch_path, dtype)
     ignored = labels == IGNORE_INDEX

@@ -7,7 +7,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from megalite import kernels
 from megalite.arguments import parse_args
 from megalite.config import ModelConfig
 from megalite.errors import UserError
@@ -20,11 +19,9 @@ FLOOR = {torch.float32: 1e-6, torch.bfloat16: 4e-3}
 
 
 @pytest.fixture
-def mode(monkeypatch):
+def small_blocks(monkeypatch):
+    """32-column blocks, so that tiny vocabularies still take several loop steps."""
     monkeypatch.setattr(ce_module, "BLOCK", 32)
-    before = kernels.kernels_mode()
-    yield kernels.set_kernels
-    kernels.set_kernels(before)
 
 
 def unfused(hidden, weight, labels, z_loss_weight, real_vocab):
@@ -46,7 +43,7 @@ def relative_error(actual, expected):
 
 @pytest.mark.parametrize("kernel_mode", ["torch", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, mode, one_thread, device):
+def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, small_blocks, one_thread, device):
     generator = torch.Generator().manual_seed(3)
     rows, hidden_size, vocab, real_vocab, z_loss_weight = 10, 24, 80, 75, 1e-3
     hidden = torch.randn(rows, hidden_size, generator=generator, dtype=torch.float64)
@@ -58,10 +55,9 @@ def test_fused_output_cross_entropy_matches_unfused_float64(kernel_mode, dtype, 
     expected = run(unfused, hidden, weight, labels, grad, torch.float64, z_loss_weight=z_loss_weight,
                    real_vocab=real_vocab)
     eager = run(unfused, hidden, weight, labels, grad, dtype, z_loss_weight=z_loss_weight, real_vocab=real_vocab)
-    mode(kernel_mode)
     # 3 rows per forward chunk (the last one short); 30 vocabulary columns per backward chunk.
     fused = run(linear_cross_entropy, hidden, weight, labels, grad, dtype, real_vocab_size=real_vocab,
-                z_loss_weight=z_loss_weight, chunk_elements=300)
+                z_loss_weight=z_loss_weight, chunk_elements=300, kernels=kernel_mode)
     for name, reference, ours, theirs in zip(("losses", "dhidden", "dweight"), expected, fused, eager):
         assert relative_error(ours, reference) <= 2 * max(relative_error(theirs, reference), FLOOR[dtype]), name
     assert fused[0][4] == 0 and torch.all(fused[1][4] == 0)  # the ignored token
@@ -75,7 +71,8 @@ def test_fused_path_keeps_no_logits(one_thread, device):
     weight = torch.randn(50, 8, generator=generator).to(device).requires_grad_()
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
-        _LinearCrossEntropy.apply(hidden, weight, torch.arange(12, device=device), 50, 0.0, IGNORE_INDEX, 200)
+        _LinearCrossEntropy.apply(hidden, weight, torch.arange(12, device=device), 50, 0.0, IGNORE_INDEX, 200,
+                                  "auto")
     assert sorted(t.numel() for t in saved) == sorted([12, 12, weight.numel(), hidden.numel()])
     assert {t.data_ptr() for t in saved} >= {hidden.data_ptr(), weight.data_ptr()}
 

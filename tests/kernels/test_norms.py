@@ -60,11 +60,7 @@ def test_non_contiguous_input_and_dispatch(one_thread, device):
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(6, 4, 24, generator=generator).to(device).transpose(0, 1)  # not contiguous
     weight = torch.randn(24, generator=generator).to(device)
-    kernels.set_kernels("triton")
-    try:
-        fused = rms_norm(x, weight, 1e-6)
-    finally:
-        kernels.set_kernels("auto")
-    assert kernels.use_triton(x.cpu()) is False  # auto on a CPU tensor: PyTorch, on any machine
-    assert kernels.use_triton(x) is (x.is_cuda and kernels.triton_available())  # and Triton on a GPU
+    fused = rms_norm(x, weight, 1e-6, kernels="triton")
+    assert kernels.use_triton(x.cpu(), "auto") is False  # auto on a CPU tensor: PyTorch, on any machine
+    assert kernels.use_triton(x, "auto") is (x.is_cuda and kernels.triton_available())  # and Triton on a GPU
     torch.testing.assert_close(fused, rms_norm_reference(x, weight, 1e-6), rtol=1e-6, atol=1e-6)

@@ -9,10 +9,11 @@ from megalite.arguments import parse_args
 from megalite.config import model_config_from_preset
 from megalite.plan.dry_run import dry_run, format_ranks, plan
 from megalite.errors import UserError
-from megalite.kernels import kernels_mode, set_kernels, triton_available
+from megalite.kernels import triton_available
 from megalite.plan.memory import ActivationModel, chunk_activation_bytes
 from megalite.model.gpt import build_model
 from megalite.model.options import apply_options
+from megalite.pipeline_parallel.stages import build_model_chunks
 from tests.distributed import run_world
 
 # A GPT-2-shaped model small enough for 4 CPU ranks, TP 2 (SP) x DP 2: odd head size (11) and FFN
@@ -63,13 +64,15 @@ def _live_rank(rank, world_size, flags):
     model, optimizer = trainer.model, trainer.optimizer
     live = {"params": sum(tensor_bytes(param) for param in model.parameters()),
             "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
-    # What autograd keeps of one micro-batch, on the GPU code path (Triton kernels, here in the interpreter).
-    set_kernels("triton")
-    config, micro_batch_size = run.model, run.train.micro_batch_size
+    # What autograd keeps of one micro-batch, on the GPU code path: this rank's chunk built again with
+    # --kernels triton (here in the interpreter; the step above took the quicker PyTorch path).
+    config, micro_batch_size = trainer.run.model, run.train.micro_batch_size
+    chunk = build_model_chunks(config, run.train.seed, trainer.device, run.train.params_dtype, trainer.parallel,
+                               kernels="triton")[0]
     tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
     positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as batches hold
-    saved = _saved_bytes(lambda: model[0](tokens, positions, tokens))
-    params = {param.untyped_storage().data_ptr() for param in model.parameters()}
+    saved = _saved_bytes(lambda: chunk(tokens, positions, tokens))
+    params = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
     live["activations"] = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     trainer.logger.close()
     return live
@@ -143,18 +146,12 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
                                       ffn_hidden_size=48, seq_length=8, max_position_embeddings=8,
                                       hidden_dropout=0.0, attention_dropout=0.0, vocab_size=100,
                                       recompute_granularity=recompute)
-    previous = kernels_mode()
-    set_kernels("triton")
-    try:
-        model = apply_options(build_model(config, seed=1, dtype=torch.bfloat16),
-                              recompute_granularity=config.recompute_granularity,
-                              recompute_method=config.recompute_method,
-                              recompute_num_layers=config.recompute_num_layers)
-        tokens = torch.randint(0, 100, (3, 8))
-        positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
-        saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
-    finally:
-        set_kernels(previous)
+    model = apply_options(build_model(config, seed=1, dtype=torch.bfloat16, kernels="triton"),
+                          recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
+                          recompute_num_layers=config.recompute_num_layers)
+    tokens = torch.randint(0, 100, (3, 8))
+    positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
+    saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
     measured = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     estimate = ActivationModel(config, micro_batch_size=3, element_size=2)

@@ -143,20 +143,22 @@ def minimum_bytes(kernel: str, shape: ModelShape, dtype) -> int:
     raise ValueError(kernel)
 
 
-IMPLEMENTATIONS = {  # kernel -> (dispatching function, PyTorch reference)
-    "rmsnorm": (lambda x, w: rms_norm(x, w, 1e-5), lambda x, w: rms_norm_reference(x, w, 1e-5)),
-    "layernorm": (lambda x, w, b: layer_norm(x, w, b, 1e-5), lambda x, w, b: layer_norm_reference(x, w, b, 1e-5)),
+IMPLEMENTATIONS = {  # kernel -> (dispatching function, taking `kernels=` the --kernels mode; PyTorch reference)
+    "rmsnorm": (lambda x, w, kernels="auto": rms_norm(x, w, 1e-5, kernels),
+                lambda x, w: rms_norm_reference(x, w, 1e-5)),
+    "layernorm": (lambda x, w, b, kernels="auto": layer_norm(x, w, b, 1e-5, kernels),
+                  lambda x, w, b: layer_norm_reference(x, w, b, 1e-5)),
     "rotary": (apply_rotary, apply_rotary_reference),
     "swiglu": (swiglu, swiglu_reference),
-    "cross_entropy": (lambda z, y: vocab_parallel_cross_entropy(z, y, None, 0),
+    "cross_entropy": (lambda z, y, kernels="auto": vocab_parallel_cross_entropy(z, y, None, 0, kernels=kernels),
                       lambda z, y: torch.nn.functional.cross_entropy(z.float(), y, reduction="none")),
 }
 
 
 @dataclass
 class Implementation:
-    """One column: `function(*leaves, *others)`; `mode`: the --kernels mode it runs under (None: as set);
-    `adapt(leaves, others, grads) -> (leaves, others, grads)`: its own inputs (another library's layout)."""
+    """One column: `function(*leaves, *others)`; `mode`: the --kernels mode it runs under, passed as
+    `kernels=mode` (None: not passed); `adapt(leaves, others, grads) -> (leaves, others, grads)`: its own inputs (another library's layout)."""
     name: str
     function: object
     mode: str | None = None
@@ -278,30 +280,18 @@ def _synchronize(device):
         torch.cuda.synchronize()
 
 
-@contextlib.contextmanager
-def kernels_mode(mode: str | None):
-    """Run the block under `--kernels mode` (None: leave it), restoring the previous mode after."""
-    if mode is None:
-        yield
-        return
-    previous = kernels.kernels_mode()
-    kernels.set_kernels(mode)
-    try:
-        yield
-    finally:
-        kernels.set_kernels(previous)
-
-
 def make_step(function, leaves, others, grads, mode: str | None = None):
     """Forward + backward of `function` on fixed tensors, as one closure returning the input grads
-    (torch.autograd.grad: nothing accumulates, so it can be called, captured and replayed at will)."""
+    (torch.autograd.grad: nothing accumulates, so it can be called, captured and replayed at will).
+    mode: the --kernels mode, passed as `kernels=mode` (None: not passed)."""
+    options = {} if mode is None else {"kernels": mode}
+
     def step():
-        with kernels_mode(mode):
-            outputs = function(*leaves, *others)
-            outputs = outputs if isinstance(outputs, tuple) else (outputs,)
-            # (a library's loss may come in the logits' dtype: its scalar grad follows)
-            output_grads = [g if g.dtype == o.dtype else g.to(o.dtype) for o, g in zip(outputs, grads)]
-            return torch.autograd.grad(outputs, leaves, output_grads, allow_unused=True)
+        outputs = function(*leaves, *others, **options)
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        # (a library's loss may come in the logits' dtype: its scalar grad follows)
+        output_grads = [g if g.dtype == o.dtype else g.to(o.dtype) for o, g in zip(outputs, grads)]
+        return torch.autograd.grad(outputs, leaves, output_grads, allow_unused=True)
     return step
 
 
