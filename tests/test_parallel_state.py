@@ -9,7 +9,7 @@ from megalite.config import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, group_ranks, initialize,
                                      rank_grid)
-from tests.distributed import run_world
+from tests.helpers.distributed import run_world
 
 LAYOUTS = [(8, 2, 2), (8, 4, 1), (8, 1, 8), (4, 1, 1), (1, 1, 1)]  # (world, tp, pp)
 

@@ -20,7 +20,7 @@ import pytest
 from megalite.arguments import parse_args
 from megalite.plan.dry_run import dry_run
 from megalite.run.training import pretrain
-from tests.data.conftest import _make_texts, _write_jsonl
+from tests.helpers.corpus import make_texts, write_jsonl
 from tools.fork_ranks import cpu_world_environment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -150,7 +150,7 @@ def _prepare(tmp_path, tool: str) -> None:
     """The files a tool's README command reads that no earlier README command writes."""
     if tool == "tools/train_tokenizer.py":
         os.makedirs(tmp_path / "corpus")
-        _write_jsonl(tmp_path / "corpus" / "code.jsonl", [{"text": text} for text in _make_texts(150)])
+        write_jsonl(tmp_path / "corpus" / "code.jsonl", [{"text": text} for text in make_texts(150)])
     elif tool == "tools/merge_datasets.py":
         for name in ("a", "b"):
             for suffix in (".bin", ".idx"):
