@@ -131,8 +131,14 @@ def test_pretrain_commands_pass_a_dry_run(words, capsys):
     assert report.run.parallel.world_size == world_size and "dry run:" in capsys.readouterr().out
 
 
+# The flags of the README's data fragments today: the test must not pass on a README without them.
+FRAGMENT_FLAGS = {"--data-path", "--split", "--train-data-path", "--valid-data-path"}
+
+
 def test_flag_fragments_parse():
-    for words in commands_of("fragment"):
+    fragments = commands_of("fragment")
+    assert len(fragments) >= 3 and FRAGMENT_FLAGS <= {word for words in fragments for word in words}, fragments
+    for words in fragments:
         parse_args([*words, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--dry-run"])
 
 
