@@ -88,14 +88,6 @@ class ParallelState:
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
 
     @property
-    def is_first_stage(self) -> bool:
-        return self.pp_rank == 0
-
-    @property
-    def is_last_stage(self) -> bool:
-        return self.pp_rank == self.pp_size - 1
-
-    @property
     def is_logging_rank(self) -> bool:
         """The last rank of the world: a last pipeline stage, where the loss is (as Megatron logs)."""
         return self.rank == self.world_size - 1
@@ -103,16 +95,6 @@ class ParallelState:
     @property
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
-
-    @property
-    def next_stage_rank(self) -> int:
-        """Global rank of the next pipeline stage of this pipeline (the first after the last)."""
-        return self.stage_rank((self.pp_rank + 1) % self.pp_size)
-
-    @property
-    def prev_stage_rank(self) -> int:
-        """Global rank of the previous pipeline stage of this pipeline (the last before the first)."""
-        return self.stage_rank((self.pp_rank - 1) % self.pp_size)
 
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same dp and tp rank)."""

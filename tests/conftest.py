@@ -3,7 +3,7 @@
 The suite passes on a machine without a GPU and on one with a CUDA GPU:
 - Triton kernels run in Triton's CPU interpreter where there is no GPU (set below), and
   compiled on CUDA tensors where there is one (tests/kernels/conftest.py picks the device);
-- CPU worlds (tests/distributed.py, tools/fork_ranks.py, tools/check_layouts.py) hide the
+- CPU worlds (tests/helpers/distributed.py, tools/fork_ranks.py, tools/check_layouts.py) hide the
   GPU from their ranks, so they are CPU worlds on any machine;
 - every other test that is not marked `gpu` and not a kernel test sees no GPU either (the
   `cpu_unless_marked_gpu` fixture): an in-process world of one is a CPU world too, so its
@@ -69,6 +69,20 @@ def deterministic():
     torch.use_deterministic_algorithms(before[0], warn_only=before[1])
 
 
+
+@pytest.fixture
+def llama_config():
+    """llama_config(**overrides) -> a small validated LLaMA-style ModelConfig (tests/helpers/configs.py)."""
+    from tests.helpers import configs  # here: megalite is imported after TRITON_INTERPRET is set above
+    return configs.llama_config
+
+
+@pytest.fixture
+def gpt2_config():
+    """gpt2_config(**overrides) -> a small validated GPT-2-style ModelConfig (tests/helpers/configs.py)."""
+    from tests.helpers import configs
+    return configs.gpt2_config
+
 # The longest test files, longest first. The suite's two workers each take whole files (pytest.ini's --dist
 # loadfile), so these start first: otherwise one of them, started last, runs on alone while the other idles.
 LONGEST_FILES = ("tests/test_compositions.py", "tests/test_readme_commands.py", "tests/run/test_resilience.py",
@@ -79,11 +93,11 @@ LONGEST_FILES = ("tests/test_compositions.py", "tests/test_readme_commands.py", 
 
 def pytest_collection_modifyitems(config, items):
     """Tests marked gpu are skipped where CUDA is not available, and tests marked interpreter where
-    Triton's CPU interpreter cannot run the kernels (tests/triton_interpreter.py); the longest files
+    Triton's CPU interpreter cannot run the kernels (tests/helpers/triton_interpreter.py); the longest files
     go first."""
     rank = {name: index for index, name in enumerate(LONGEST_FILES)}
     items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(LONGEST_FILES)))
-    from tests import triton_interpreter  # here: it defines a kernel, after TRITON_INTERPRET is set above
+    from tests.helpers import triton_interpreter  # here: it defines a kernel, after TRITON_INTERPRET is set above
     for marker, reason in (("gpu", lambda: None if torch.cuda.is_available() else GPU_SKIP_REASON),
                            ("interpreter", triton_interpreter.problem)):
         marked = [item for item in items if item.get_closest_marker(marker) is not None]

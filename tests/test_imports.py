@@ -7,7 +7,9 @@ relative imports resolved. The rules:
 - there is no cycle among modules;
 - nothing in megalite imports `tools` or `tests`;
 - `megalite.cpu` (an opt-in backend, if one exists) is imported only by `megalite.run`;
-- every megalite module is placed in LAYERS, so a new top-level module has to be placed.
+- every megalite module is placed in LAYERS, so a new top-level module has to be placed;
+- a test file takes what it shares with others from tests/helpers/, never from another test
+  file or a conftest.
 
 When a module moves, update LAYERS: the longest matching prefix places a module.
 """
@@ -20,6 +22,7 @@ import pytest
 import megalite
 
 PACKAGE_DIR = os.path.dirname(os.path.abspath(megalite.__file__))
+TESTS_DIR = os.path.dirname(os.path.abspath(__file__))
 
 # Module prefix -> layer, lowest first.
 LAYERS = {
@@ -210,6 +213,22 @@ def test_no_import_of_tools_or_tests():
     lines = [f"{module}, line {line}: imports {name}" for module, line, name in import_graph()[1]]
     if lines:
         pytest.fail("megalite imports tools or tests:\n  " + "\n  ".join(lines), pytrace=False)
+
+
+def test_tests_share_code_only_through_helpers():
+    """Imports of `tests.*` outside tests.helpers: a test module or conftest used as a library."""
+    lines = []
+    for folder, dirs, files in os.walk(TESTS_DIR):
+        dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+        for name in sorted(f for f in files if f.endswith(".py")):
+            path = os.path.join(folder, name)
+            module = "tests." + os.path.relpath(path, TESTS_DIR)[: -len(".py")].replace(os.sep, ".")
+            lines += [f"{os.path.relpath(path, TESTS_DIR)}, line {line}: imports {imported}"
+                      for line, imported in imported_names(module, path, is_package=False)
+                      if _under(imported, "tests") and not _under(imported, "tests.helpers")]
+    if lines:
+        pytest.fail("tests import other test files; move what they share to tests/helpers/:\n  "
+                    + "\n  ".join(lines), pytrace=False)
 
 
 def test_no_import_cycles():

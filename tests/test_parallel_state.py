@@ -9,7 +9,7 @@ from megalite.config import ParallelConfig
 from megalite.errors import UserError
 from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, group_ranks, initialize,
                                      rank_grid)
-from tests.distributed import run_world
+from tests.helpers.distributed import run_world
 
 LAYOUTS = [(8, 2, 2), (8, 4, 1), (8, 1, 8), (4, 1, 1), (1, 1, 1)]  # (world, tp, pp)
 
@@ -83,7 +83,7 @@ def test_world_of_one_without_torch_distributed():
     assert all(group is None for group in (state.tp_group, state.pp_group, state.dp_group,
                                            state.mp_group, state.embedding_group))
     assert state.embedding_ranks == [0] and state.in_embedding_group
-    assert state.is_first_stage and state.is_last_stage and state.is_logging_rank
+    assert state.is_logging_rank
     if torch.cuda.is_available():  # a world of one takes the GPU when there is one
         assert state.device == torch.device("cuda", torch.cuda.current_device()) and state.backend == "nccl"
     else:
@@ -147,8 +147,9 @@ def _groups_seen(state) -> dict:
 def _state_summary(state) -> dict:
     return dict(coords=(state.pp_rank, state.dp_rank, state.tp_rank),
                 sizes=(state.pp_size, state.dp_size, state.tp_size), groups=_groups_seen(state),
-                first=state.is_first_stage, last=state.is_last_stage, logging=state.is_logging_rank,
-                embedding_ranks=state.embedding_ranks, next=state.next_stage_rank, prev=state.prev_stage_rank,
+                logging=state.is_logging_rank, embedding_ranks=state.embedding_ranks,
+                next=state.stage_rank((state.pp_rank + 1) % state.pp_size),
+                prev=state.stage_rank((state.pp_rank - 1) % state.pp_size),
                 device=str(state.device), backend=state.backend)
 
 
@@ -168,7 +169,6 @@ def test_groups_in_a_gloo_world_of_4():
     for layout, (tp, pp) in enumerate([(2, 2), (1, 4)]):
         expected = group_ranks(4, tp, pp)
         for rank, summary in enumerate(r[layout] for r in results):
-            pp_rank = coordinates(rank, 4, tp, pp)[0]
             assert summary["coords"] == coordinates(rank, 4, tp, pp)
             assert summary["sizes"] == (pp, 4 // (tp * pp), tp)
             for kind in GROUP_KINDS:
@@ -177,7 +177,6 @@ def test_groups_in_a_gloo_world_of_4():
                     assert kind == "embedding" and summary["groups"][kind] is None
                     continue
                 assert summary["groups"][kind] == (mine[0], mine[0]), (layout, rank, kind)
-            assert summary["first"] == (pp_rank == 0) and summary["last"] == (pp_rank == pp - 1)
             assert summary["logging"] == (rank == 3)
             stride = 4 // pp
             assert summary["next"] == (rank + stride) % 4 and summary["prev"] == (rank - stride) % 4

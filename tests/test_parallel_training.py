@@ -2,30 +2,15 @@
 process, and checkpoints move between layouts. tools/check_layouts.py runs the full layout
 matrix."""
 
-import os
 import shutil
 
 import pytest
 
-from tools.check_layouts import COMMON, LAYOUTS, MODELS, run
-from tools.loss_compare import compare, read_losses
+from tests.helpers.runs import assert_matches, train, train_logged
+from tools.check_layouts import COMMON, LAYOUTS, MODELS
 
-FLAGS = [*COMMON, *MODELS["llama"], "--train-iters", "4", "--eval-interval", "2"]
 TP2 = ["--tensor-model-parallel-size", "2"]
 PP2_VP2 = LAYOUTS["pp2-vp2"][1]
-
-
-def train_logged(folder, processes: int, *flags: str, load: bool = False, base: list[str] = FLAGS) -> tuple[dict, str]:
-    """Run pretrain_gpt.py with `base` + `flags` saving into `folder` (resuming from it with `load`);
-    its losses and standard output."""
-    out = run(processes, [*base, *flags, "--save", str(folder), *(["--load", str(folder)] if load else [])],
-              os.path.join(folder, "metrics.jsonl"))
-    return read_losses(os.path.join(folder, "metrics.jsonl")), out
-
-
-def train(folder, processes: int, *flags: str, load: bool = False, base: list[str] = FLAGS) -> dict:
-    """train_logged's losses."""
-    return train_logged(folder, processes, *flags, load=load, base=base)[0]
 
 
 def startup_line(out: str) -> str:
@@ -55,12 +40,6 @@ def single_logged(tmp_path_factory):
 @pytest.fixture(scope="module")
 def single(single_logged):
     return single_logged[0]
-
-
-def assert_matches(reference: dict, losses: dict, records: int, tolerance: float = 1e-5) -> None:
-    rows, worst = compare({key: reference[key] for key in losses}, losses)
-    assert len(rows) == records and worst <= tolerance
-    assert len({row[2] for row in rows}) == records  # the losses move: a real comparison
 
 
 def test_tp2_with_sp_matches_one_process_and_its_checkpoint_resumes_at_tp1(single, tmp_path):

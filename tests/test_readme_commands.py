@@ -20,7 +20,7 @@ import pytest
 from megalite.arguments import parse_args
 from megalite.plan.dry_run import dry_run
 from megalite.run.training import pretrain
-from tests.data.conftest import _make_texts, _write_jsonl
+from tests.helpers.corpus import make_texts, write_jsonl
 from tools.fork_ranks import cpu_world_environment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -131,8 +131,14 @@ def test_pretrain_commands_pass_a_dry_run(words, capsys):
     assert report.run.parallel.world_size == world_size and "dry run:" in capsys.readouterr().out
 
 
+# The flags of the README's data fragments today: the test must not pass on a README without them.
+FRAGMENT_FLAGS = {"--data-path", "--split", "--train-data-path", "--valid-data-path"}
+
+
 def test_flag_fragments_parse():
-    for words in commands_of("fragment"):
+    fragments = commands_of("fragment")
+    assert len(fragments) >= 3 and FRAGMENT_FLAGS <= {word for words in fragments for word in words}, fragments
+    for words in fragments:
         parse_args([*words, "--tokenizer-type", "NullTokenizer", "--vocab-size", "100", "--dry-run"])
 
 
@@ -150,7 +156,7 @@ def _prepare(tmp_path, tool: str) -> None:
     """The files a tool's README command reads that no earlier README command writes."""
     if tool == "tools/train_tokenizer.py":
         os.makedirs(tmp_path / "corpus")
-        _write_jsonl(tmp_path / "corpus" / "code.jsonl", [{"text": text} for text in _make_texts(150)])
+        write_jsonl(tmp_path / "corpus" / "code.jsonl", [{"text": text} for text in make_texts(150)])
     elif tool == "tools/merge_datasets.py":
         for name in ("a", "b"):
             for suffix in (".bin", ".idx"):

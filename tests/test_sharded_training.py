@@ -8,8 +8,8 @@ import shutil
 import pytest
 
 from megalite.run.metrics import read_metrics_records
+from tests.helpers.runs import assert_matches, train
 from tools.check_layouts import COMMON, LAYOUTS, MODELS, ZERO2, ZERO3
-from tests.test_parallel_training import assert_matches, train
 
 SIX = [*COMMON, *MODELS["llama"], "--train-iters", "6", "--eval-interval", "3"]
 TEN = [*COMMON, *MODELS["llama"], "--train-iters", "10", "--eval-interval", "5"]  # fp16 needs its first steps to settle

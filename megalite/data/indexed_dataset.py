@@ -178,17 +178,6 @@ class IndexedDatasetBuilder:
         self._document_ends.append(self._num_sequences + np.arange(1, len(lengths) + 1))
         self._num_sequences += len(lengths)
 
-    def add_item(self, tokens) -> None:
-        """Append one sequence to the current document (Megatron's sentence-split API)."""
-        tokens = np.asarray(tokens)
-        self._write_tokens(tokens)
-        self._lengths.append(np.array([len(tokens)], dtype=np.int32))
-        self._num_sequences += 1
-
-    def end_document(self) -> None:
-        """Close the current document after the sequences added with `add_item`."""
-        self._document_ends.append(np.array([self._num_sequences]))
-
     def add_index(self, other_prefix: str) -> None:
         """Append every sequence and document of another pair (what Megatron's merge does)."""
         other = IndexedDataset(other_prefix)

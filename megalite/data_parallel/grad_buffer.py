@@ -76,13 +76,12 @@ class GradBuffer:
         self.param_data = None  # hold_params(): the parameters' values, laid out as the grads
         self.before_grad = None  # called with a bucket before a grad is added into it (DDP: wait for its reduction)
         self.on_grad_ready = None
-        self._hooks = []
         for param in self.params:
             offset, numel = self.offsets[param]
             bucket = self.bucket_of[param]
             whole, offset = (bucket.grad, offset - bucket.start) if sharded else (self.data, offset)
             param.main_grad = whole[offset:offset + numel].view(param.shape)
-            self._hooks.append(param.register_post_accumulate_grad_hook(self._accumulate))
+            param.register_post_accumulate_grad_hook(self._accumulate)
         for bucket in self.buckets if sharded else ():
             free(bucket.grad)  # after the main_grad views were cut from it
 
@@ -163,12 +162,6 @@ class GradBuffer:
         self.shards.zero_()
         for bucket in self.buckets:
             free(bucket.grad)
-
-    def remove_hooks(self) -> None:
-        """Stop accumulating into this buffer: later backwards leave grads in `param.grad`."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
 
     def _accumulate(self, param: nn.Parameter) -> None:
         """Add this backward's `param.grad` (a tied weight's uses summed) into the fp32 `main_grad`; free it."""

@@ -16,8 +16,8 @@ from megalite.checkpoint.pieces import first_gap
 from megalite.checkpoint.saving import IncompleteCheckpointError
 from megalite.parallel_state import ParallelState
 from megalite.run.training import TrainState, build_lr_schedule
-from tests.checkpoint.helpers import ShardedOptimizer, WholeOptimizer, small_config
-from tests.distributed import run_world
+from tests.helpers.checkpoint import ShardedOptimizer, WholeOptimizer, small_config
+from tests.helpers.distributed import run_world
 
 VALUES = torch.arange(24, dtype=torch.float32).view(6, 4)  # the moment whose rows [3r, 3r+3) rank r holds
 

@@ -8,7 +8,7 @@ import pytest
 from megalite.checkpoint import load_checkpoint, read_latest_iteration
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
-from tests.checkpoint.helpers import assert_same_tensors, save, small_config
+from tests.helpers.checkpoint import assert_same_tensors, save, small_config
 
 
 class SimulatedCrash(BaseException):

@@ -11,7 +11,7 @@ from megalite.checkpoint import (FORMAT_VERSION, CheckpointReader, Piece, checkp
                                  read_latest_iteration, read_metadata)
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
-from tests.checkpoint.helpers import FakeAdamW, save, save_pieces, small_config
+from tests.helpers.checkpoint import FakeAdamW, save, save_pieces, small_config
 
 
 def test_folder_and_latest_file_follow_megatron(tmp_path):

@@ -7,7 +7,7 @@ import torch
 from megalite.checkpoint import (CheckpointReader, flat_range_pieces, load_checkpoint, read_metadata,
                                  tensor_parallel_pieces)
 from megalite.tensor_parallel.layers import mark_parameter, shard_full_tensor
-from tests.checkpoint.helpers import ShardedOptimizer, WholeOptimizer, run_ranks, save, save_pieces, small_config
+from tests.helpers.checkpoint import ShardedOptimizer, WholeOptimizer, run_ranks, save, save_pieces, small_config
 
 
 def test_tensor_parallel_shards_of_chunked_weights_load_into_any_tp_size(tmp_path):

@@ -7,7 +7,7 @@ import torch
 
 from megalite.checkpoint import load_checkpoint
 from megalite.model.gpt import build_model
-from tests.checkpoint.helpers import save, small_config
+from tests.helpers.checkpoint import save, small_config
 
 
 def test_rng_draws_after_load_equal_draws_after_save(tmp_path):

@@ -8,7 +8,7 @@ import torch
 from megalite.checkpoint import load_checkpoint, read_metadata
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
-from tests.checkpoint.helpers import FakeAdamW, assert_same_tensors, run_ranks, save, small_config, train
+from tests.helpers.checkpoint import FakeAdamW, assert_same_tensors, run_ranks, save, small_config, train
 
 
 def test_round_trip_restores_model_optimizer_and_counters_bitwise(tmp_path):

@@ -54,12 +54,24 @@ def test_golden_idx_bytes_built_by_hand(tmp_path):
     assert open(prefix + ".bin", "rb").read() == struct.pack(f"<{len(tokens)}H", *tokens)
 
 
+def write_by_hand(prefix, sequences, document_indices) -> str:
+    """An int32 .bin/.idx pair (dtype code 4) in Megatron's layout, where a document may hold several sequences
+    (as Megatron's --split-sentences writes): document_indices [0, ..., len(sequences)]."""
+    lengths = [len(sequence) for sequence in sequences]
+    pointers = np.concatenate([[0], np.cumsum(lengths)[:-1] * 4])
+    with open(prefix + ".idx", "wb") as file:
+        file.write(b"MMIDIDX\x00\x00" + struct.pack("<QBQQ", 1, 4, len(sequences), len(document_indices)))
+        file.write(b"".join(struct.pack("<i", n) for n in lengths))
+        file.write(b"".join(struct.pack("<q", int(p)) for p in pointers))
+        file.write(b"".join(struct.pack("<q", d) for d in document_indices))
+    tokens = [token for sequence in sequences for token in sequence]
+    with open(prefix + ".bin", "wb") as file:
+        file.write(struct.pack(f"<{len(tokens)}i", *tokens))
+    return prefix
+
+
 def test_multi_sequence_documents(tmp_path):
-    prefix = str(tmp_path / "d")
-    with IndexedDatasetBuilder(prefix, np.int32) as builder:
-        builder.add_item([1, 2]); builder.add_item([3]); builder.end_document()
-        builder.add_item([4]); builder.end_document()
-    ds = IndexedDataset(prefix)
+    ds = IndexedDataset(write_by_hand(str(tmp_path / "d"), [[1, 2], [3], [4]], [0, 2, 3]))
     assert len(ds) == 3 and ds.num_documents == 2
     np.testing.assert_array_equal(ds.document_indices, [0, 2, 3])
 

@@ -25,9 +25,8 @@ from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.stages import build_model_chunks
 from megalite.plan.dry_run import plan
 from megalite.run.training import forward_backward
-from tests.distributed import run_world
-from tests.pipeline_parallel.test_pipeline_worlds import MICRO, SEQ, config
-from tests.pipeline_parallel.test_pipeline_worlds import micro_batches as global_batch
+from tests.helpers.distributed import run_world
+from tests.helpers.pipeline import MICRO, SEQ, config, micro_batches as global_batch
 from tools.bench.memory import PeakSampler, random_micro_batch
 from tools.check_layouts import COMMON, MODELS
 

@@ -1,12 +1,12 @@
 """The `device` every kernel test builds its tensors on: the GPU when there is one, else the CPU
-with Triton's interpreter (tests/kernels/device.py says how and why)."""
+with Triton's interpreter (tests/helpers/kernel_device.py says how and why)."""
 
 import pytest
 import torch
 
 from megalite import kernels
-from tests import triton_interpreter
-from tests.kernels.device import DEVICE
+from tests.helpers import triton_interpreter
+from tests.helpers.kernel_device import DEVICE
 
 
 @pytest.fixture(autouse=True)

@@ -16,7 +16,8 @@ from megalite import kernels
 from megalite.kernels import cross_entropy as ce_module
 from megalite.kernels.cross_entropy import IGNORE_INDEX
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
-from tests.distributed import run_world
+from tests.helpers.cross_entropy import losses_and_grad as run, reference_losses
+from tests.helpers.distributed import run_world
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
@@ -27,28 +28,6 @@ FLOOR = {torch.float32: 1e-6, torch.bfloat16: 4e-3}
 def small_blocks(monkeypatch):
     """64-column blocks, so that tiny vocabularies still take several loop steps."""
     monkeypatch.setattr(ce_module, "BLOCK", 64)
-
-
-def reference_losses(logits, labels, real_vocab, z_loss_weight):
-    """float64 F.cross_entropy (+ z-loss), padding columns dropped, ignored labels 0."""
-    logits = logits[..., :real_vocab].double()
-    losses = F.cross_entropy(logits.flatten(0, -2), labels.flatten(), reduction="none", ignore_index=IGNORE_INDEX)
-    lse = logits.logsumexp(-1).flatten()
-    losses = losses + z_loss_weight * lse.square() * (labels.flatten() != IGNORE_INDEX)
-    return losses.view(labels.shape)
-
-
-def run(logits, labels, grad, dtype, real_vocab, z_loss_weight, use_reference=False, kernels="auto"):
-    """(losses, logit grad) in float64; padding columns of the grad included; `kernels`: the --kernels mode."""
-    leaf = logits.detach().clone().to(dtype).requires_grad_()
-    if use_reference:
-        losses = reference_losses(leaf, labels, real_vocab, z_loss_weight)
-    else:
-        losses = vocab_parallel_cross_entropy(leaf, labels, None, 0, real_vocab, z_loss_weight, kernels=kernels)
-        assert losses.dtype == torch.float32
-    losses.backward(grad.to(losses.dtype))
-    assert leaf.grad.dtype == dtype
-    return losses.detach().double(), leaf.grad.double()
 
 
 def relative_error(actual, expected):

@@ -23,8 +23,7 @@ from megalite.kernels.rmsnorm import _RMSNorm, rms_norm_reference
 from megalite.kernels.rotary import _Rotary, apply_rotary_reference
 from megalite.kernels.swiglu import _SwiGLU, swiglu_reference
 from megalite.model.rotary import RotaryEmbedding
-from tests.kernels.test_cross_entropy import reference_losses
-from tests.kernels.test_cross_entropy import run as run_cross_entropy
+from tests.helpers.cross_entropy import losses_and_grad as run_cross_entropy, reference_losses
 
 pytestmark = [pytest.mark.gpu,
               pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")]

@@ -12,11 +12,11 @@ import torch
 from megalite import kernels
 from megalite.kernels.layernorm import _LayerNorm, layer_norm_reference
 from megalite.kernels.rmsnorm import _RMSNorm, rms_norm, rms_norm_reference
-from tests.kernels.device import FP32_FLOOR
+from tests.helpers.kernel_device import FP32_FLOOR
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
-FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/kernels/device.py
+FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/helpers/kernel_device.py
 
 
 NORMS = {  # name -> (PyTorch reference, Triton Function, has bias)

@@ -7,11 +7,11 @@ import torch
 from megalite import kernels
 from megalite.kernels.rotary import _Rotary, apply_rotary_reference
 from megalite.model.rotary import RotaryEmbedding
-from tests.kernels.device import FP32_FLOOR
+from tests.helpers.kernel_device import FP32_FLOOR
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
-FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/kernels/device.py
+FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/helpers/kernel_device.py
 
 
 def run(function, q, k, cos, sin, grads, dtype):

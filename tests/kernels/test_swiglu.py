@@ -6,11 +6,11 @@ import torch
 
 from megalite import kernels
 from megalite.kernels.swiglu import _SwiGLU, swiglu_reference
-from tests.kernels.device import FP32_FLOOR
+from tests.helpers.kernel_device import FP32_FLOOR
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
 
-FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/kernels/device.py
+FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/helpers/kernel_device.py
 
 
 def run(function, x, grad, dtype):

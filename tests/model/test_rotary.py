@@ -13,8 +13,8 @@ from megalite.kernels.rotary import apply_rotary_pos_emb, rotate_half
 from megalite.model.gpt import build_model
 from megalite.model.rotary import RotaryEmbedding
 from megalite.parallel_state import build_parallel_state
-from tests.distributed import run_world
-from tests.pipeline_parallel.test_pipeline_worlds import config, full_grads, micro_batches
+from tests.helpers.distributed import run_world
+from tests.helpers.pipeline import config, full_grads, micro_batches
 
 HEAD_DIM = 16
 

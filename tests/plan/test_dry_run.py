@@ -14,7 +14,7 @@ from megalite.plan.memory import ActivationModel, chunk_activation_bytes
 from megalite.model.gpt import build_model
 from megalite.model.options import apply_options
 from megalite.pipeline_parallel.stages import build_model_chunks
-from tests.distributed import run_world
+from tests.helpers.distributed import run_world
 
 # A GPT-2-shaped model small enough for 4 CPU ranks, TP 2 (SP) x DP 2: odd head size (11) and FFN
 # share (125) give odd bias lengths, so the small buckets need padding under the distributed
@@ -78,7 +78,7 @@ def _live_rank(rank, world_size, flags):
     return live
 
 
-# The ranks are a CPU world with Triton in its interpreter on any machine (tests/distributed.py).
+# The ranks are a CPU world with Triton in its interpreter on any machine (tests/helpers/distributed.py).
 @pytest.mark.skipif(not triton_available(), reason="needs Triton's CPU interpreter: triton is not installed")
 @pytest.mark.interpreter
 def test_dry_run_figures_equal_a_live_tp2_dp2_run():

@@ -7,7 +7,7 @@ import torch
 
 from megalite.run.flops import flops_per_iteration, gpu_peak_flops
 from megalite.run.logger import TrainingLogger
-from tests.run.test_flops import llama_config
+from tests.helpers.configs import llama_config
 
 # ARCHITECTURE.md, "Metrics file": written out here rather than imported, so that the
 # test fails if the module's list drifts from the documented one.
@@ -15,11 +15,12 @@ TRAINING_KEYS = {"iteration", "consumed_samples", "lm_loss", "lr", "grad_norm", 
                  "tokens_per_sec", "tflops_per_device", "mfu", "iteration_time_ms", "mem_peak_bytes"}
 EVALUATION_KEYS = {"iteration", "split", "lm_loss"}
 KNOWN_PEAK = (100e12, "test peak")
+CONFIG = llama_config(num_layers=2)
 
 
 def make_logger(tmp_path=None, lines=None, **overrides) -> TrainingLogger:
     """A logger of a 10-iteration run (batch 4 x 16 tokens) printing into `lines`."""
-    values = dict(config=llama_config(), global_batch_size=4, seq_length=16, train_iters=10,
+    values = dict(config=CONFIG, global_batch_size=4, seq_length=16, train_iters=10,
                   log_interval=2, peak=KNOWN_PEAK, progress_bar=False,
                   print_fn=(lines if lines is not None else []).append)
     if tmp_path is not None:
@@ -55,7 +56,7 @@ def test_startup_line_names_device_dtype_peak_and_flops():
     lines = []
     make_logger(lines=lines)
     first = "\n".join(lines).splitlines()[0]
-    flops = flops_per_iteration(llama_config(), 4, 16)
+    flops = flops_per_iteration(CONFIG, 4, 16)
     for part in ("cpu (", "dtype fp32", "test peak", f"{flops:.4E}", "3 x forward"):
         assert part in first, part
 
@@ -78,7 +79,7 @@ def test_metrics_lines_have_exactly_the_documented_keys(tmp_path):
 
 
 def test_values_are_averages_over_the_interval():
-    config = llama_config()
+    config = CONFIG
     logger = make_logger(config=config, global_batch_size=4, log_interval=2, num_devices=2)
     assert logger.log_iteration(1, 4, 0.1, 1e-3, 2.0, 1.0, 0.9) is None  # not due yet
     record = logger.log_iteration(2, 8, 0.3, 2e-3, 4.0, 1.0, 0.7)
@@ -109,7 +110,7 @@ def test_mfu_unknown_for_an_unknown_device(tmp_path):
 def test_a_cpu_peak_is_measured_again_at_the_first_log_lines_and_the_best_kept(monkeypatch):
     import megalite.run.logger as logger_module
 
-    flops = flops_per_iteration(llama_config(), 4, 16)  # one iteration's, at 1 s an iteration: the FLOP/s
+    flops = flops_per_iteration(CONFIG, 4, 16)  # one iteration's, at 1 s an iteration: the FLOP/s
     measured = iter([flops / 2, flops * 4, flops * 3])  # start-up (cores busy), then the two log lines
     calls = []
     monkeypatch.setattr(logger_module, "peak_flops",
@@ -124,7 +125,7 @@ def test_a_cpu_peak_is_measured_again_at_the_first_log_lines_and_the_best_kept(m
 
 
 def test_mfu_never_reads_above_100_percent():
-    flops = flops_per_iteration(llama_config(), 4, 16)
+    flops = flops_per_iteration(CONFIG, 4, 16)
     lines = []
     logger = make_logger(lines=lines, peak=(flops / 2, "a peak too low"), log_interval=1)
     records = [logger.log_iteration(i, 4 * i, seconds, 1e-3, 3.0) for i, seconds in ((1, 1.0), (2, 4.0))]

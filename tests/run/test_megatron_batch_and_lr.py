@@ -15,9 +15,9 @@ from megalite.errors import UserError
 from megalite.parallel_state import build_parallel_state
 from megalite.run.lr_schedule import LRSchedule
 from megalite.run.training import forward_backward, pretrain
-from tests.data_parallel.test_optimizer import HYPER, backward_iteration, params_of, tiny_llama
-from tests.distributed import run_world
-from tests.run.test_training import MOCK, SMALL
+from tests.helpers.distributed import run_world
+from tests.helpers.optimizer import HYPER, backward_iteration, params_of, tiny_llama
+from tests.helpers.runs import MOCK, SMALL
 from tools.check_layouts import COMMON, MODELS, run
 from tools.loss_compare import compare, read_losses
 

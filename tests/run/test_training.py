@@ -13,12 +13,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.run.training import pretrain
-
-SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--group-query-attention",
-         "--num-query-groups", "2", "--ffn-hidden-size", "64", "--seq-length", "16", "--micro-batch-size", "2",
-         "--global-batch-size", "4", "--lr", "3e-3", "--lr-warmup-iters", "2", "--eval-interval", "3",
-         "--eval-iters", "1", "--log-interval", "2"]
-MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"]
+from tests.helpers.runs import MOCK, SMALL
 
 
 # On a GPU, bitwise resume needs deterministic kernels (attention and embedding grads use atomics).

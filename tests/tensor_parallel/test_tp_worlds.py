@@ -21,7 +21,7 @@ from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              initialize, mark_parameter, shard_full_tensor)
 from megalite.tensor_parallel.random import model_parallel_rng_tracker, model_parallel_seed
-from tests.distributed import run_world
+from tests.helpers.distributed import run_world
 
 SEQ, BATCH = 8, 2  # SEQ divisible by every TP size tested
 

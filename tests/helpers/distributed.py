@@ -1,6 +1,6 @@
 """Run a function in a gloo world of N CPU processes, one thread each, and collect the results.
 
-    from tests.distributed import run_world
+    from tests.helpers.distributed import run_world
 
     def body(rank, world_size, scale):          # runs in every process, after init_process_group
         x = torch.full((2,), float(rank)) * scale
@@ -55,7 +55,7 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
 
 
 # Imported by the fork server before its first fork; a rank then imports only its test module.
-PRELOAD = ["torch", "torch.distributed", "megalite.run.training", "tests.distributed"]
+PRELOAD = ["torch", "torch.distributed", "megalite.run.training", "tests.helpers.distributed"]
 
 
 def _start_fork_server() -> None:
