@@ -63,8 +63,8 @@ def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrec
     """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the distributed
     one when the sharding strategy shards anything (ZeRO-1/2/3); fp16 gets a dynamic loss scaler."""
     train, layout = run.train, run.parallel
-    kind = DistributedOptimizer if layout.sharding != "no_shard" else MixedPrecisionOptimizer
-    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, strategy=layout.sharding,
+    kind = DistributedOptimizer if layout.sharding.optimizer_state else MixedPrecisionOptimizer
+    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, sharding=layout.sharding,
                             overlap=layout.overlap_grad_reduce, grad_reduce_in_bf16=layout.grad_reduce_in_bf16)
     scaler = None
     if train.fp16:
@@ -72,7 +72,7 @@ def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrec
                                    growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
     optimizer = kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                      eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
-    if layout.overlap_param_gather and ddp.param_shards is None:  # ZeRO-3 gathers ahead of use anyway
+    if layout.overlap_param_gather and not layout.sharding.params:  # ZeRO-3 gathers ahead of use anyway
         optimizer.overlap_param_gather()
     return optimizer
 
