@@ -8,34 +8,22 @@ from megalite.errors import UserError
 
 
 class Sharding(Enum):
-    """What data-parallel ranks shard, by ZeRO stage; each value is Megatron's --data-parallel-sharding-strategy."""
+    """What data-parallel ranks shard, by ZeRO `stage` (0-3); each value is Megatron's
+    --data-parallel-sharding-strategy. Read `optimizer_state`, `grads`, `params`: whether that is sharded."""
 
     NO_SHARD = "no_shard"
     OPTIM = "optim"  # the optimizer state (ZeRO-1, the distributed optimizer)
     OPTIM_GRADS = "optim_grads"  # + gradients (ZeRO-2)
     OPTIM_GRADS_PARAMS = "optim_grads_params"  # + parameters (ZeRO-3)
 
-    @property
-    def stage(self) -> int:
-        return list(Sharding).index(self)
-
-    @property
-    def optimizer_state(self) -> bool:
-        return self.stage >= 1
-
-    @property
-    def grads(self) -> bool:
-        return self.stage >= 2
-
-    @property
-    def params(self) -> bool:
-        return self.stage == 3
+    stage = property(lambda self: list(Sharding).index(self))
+    optimizer_state = property(lambda self: self.stage >= 1)
+    grads = property(lambda self: self.stage >= 2)
+    params = property(lambda self: self.stage == 3)
 
 
 SHARDING_STRATEGIES = tuple(sharding.value for sharding in Sharding)
-SHARDING_NAMES = {Sharding.NO_SHARD: None, Sharding.OPTIM: "distributed optimizer",
-                  Sharding.OPTIM_GRADS: "ZeRO-2 (optim_grads)",
-                  Sharding.OPTIM_GRADS_PARAMS: "ZeRO-3 (optim_grads_params)"}
+SHARDING_NAMES = (None, "distributed optimizer", "ZeRO-2 (optim_grads)", "ZeRO-3 (optim_grads_params)")  # by stage
 
 
 @dataclass(frozen=True)
@@ -93,7 +81,7 @@ class ParallelConfig:
         parts = [f"{self.world_size} rank{'s' * (self.world_size > 1)} = TP {self.tensor_model_parallel_size} x "
                  f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}",
                  f"{vp} virtual stages per pipeline rank" if vp > 1 else None,
-                 "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding]]
+                 "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding.stage]]
         return ", ".join(part for part in parts if part)
 
     def validate(self) -> "ParallelConfig":

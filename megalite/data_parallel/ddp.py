@@ -54,11 +54,9 @@ class DataParallelGrads:
         self.buffer = GradBuffer(buffer_groups(chunks, sharding), bucket_size=None if sharding.params else bucket_size,
                                  shard_count=parallel.dp_size if self.shard else 1,
                                  shard_rank=parallel.dp_rank if self.shard else 0, sharded=self.sharded_grads)
-        self.param_shards = None
-        if sharding.params:
-            # The attribute tells checkpoints (and readers of the weights) that the model is sharded.
-            self.param_shards = model.param_shards = ParamShards(chunks, self.buffer, parallel)
-        elif self.shard:
+        # ZeRO-3's stored shards, which checkpoints take explicitly (None: the parameters hold the weights).
+        self.param_shards = ParamShards(chunks, self.buffer, parallel) if sharding.params else None
+        if self.param_shards is None and self.shard:
             self.buffer.hold_params()  # the optimizer's all-gather lands in the parameters themselves
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
         # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
@@ -75,6 +73,12 @@ class DataParallelGrads:
             self.buffer.on_grad_ready = self._grad_ready
         if self.sharded_grads:
             self.buffer.before_grad = self._before_grad
+
+    def param_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
+        """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view; ZeRO-3: of its shard)."""
+        if self.param_shards is not None:
+            return self.param_shards.owned_values(param, start, end)
+        return param.detach().view(-1)[start:end]
 
     def zero_grad(self) -> None:
         """Zero the grad buffer, before an iteration's first backward."""

@@ -44,17 +44,16 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, shar
     owned = [high - low for _, _, (low, high), _ in buffer.owned(shard)]
     grad_elements, elements, pieces = sum(bucket_sizes), sum(owned), len(owned)
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
-    sharded_grads, sharded_params = sharding.grads, sharding.params
     working = 0
     tied = any(getattr(param, "shared_embedding", False) for param in buffer.params)
-    if sharded_params:
+    if sharding.params:
         working += element_bytes(params_dtype) * sum(bucket_sizes[-(max(2, recomputed_unit) + tied):])
-    if sharded_grads:
+    if sharding.grads:
         working += GRAD_BYTES * sum(bucket_sizes[-(2 + tied):])
     if bf16_reduce is not None:
         working += element_bytes(torch.bfloat16) * sum(bucket_sizes if bf16_reduce == "all" else bucket_sizes[-1:])
-    return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
-            "grads": GRAD_BYTES * (grad_elements // shards if sharded_grads else grad_elements),
+    return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharding.params else buffer.numel),
+            "grads": GRAD_BYTES * (grad_elements // shards if sharding.grads else grad_elements),
             "optimizer": (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces, "working": working}
 
 

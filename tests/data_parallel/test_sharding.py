@@ -207,12 +207,13 @@ def test_zero3_keeps_a_recomputed_group_gathered_through_its_backward(single, ea
 
 
 def test_zero3_moves_every_parameter_into_its_units_shards():
-    """Built on one process (DP 1), ZeRO-3 keeps each parameter's values, laid out by unit."""
+    """Built on one process (DP 1), ZeRO-3 keeps each parameter's values, laid out by unit, in the DDP's
+    ParamShards, which checkpoints take from it explicitly: nothing is written onto the model."""
     model = build_model_chunks(config(False), seed=11)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     ddp = DataParallelGrads(model, sharding=Sharding.OPTIM_GRADS_PARAMS)
     shards: ParamShards = ddp.param_shards
-    assert model.param_shards is shards
+    assert not hasattr(model, "param_shards") and not any(hasattr(chunk, "param_shards") for chunk in model)
     assert len(shards.units) == 4 + 2  # each layer, the embedding, the head
     assert shards.shards.numel() == sum(param.numel() for param in before.values())
     with shards.gathered():
