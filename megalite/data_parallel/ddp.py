@@ -54,8 +54,7 @@ class DataParallelGrads:
         self.buffer = GradBuffer(buffer_groups(chunks, sharding), bucket_size=None if sharding.params else bucket_size,
                                  shard_count=parallel.dp_size if self.shard else 1,
                                  shard_rank=parallel.dp_rank if self.shard else 0, sharded=self.sharded_grads)
-        # ZeRO-3's stored shards, which checkpoints take explicitly (None: the parameters hold the weights).
-        self.param_shards = ParamShards(chunks, self.buffer, parallel) if sharding.params else None
+        self.param_shards = ParamShards(chunks, self.buffer, parallel) if sharding.params else None  # for checkpoints
         if self.param_shards is None and self.shard:
             self.buffer.hold_params()  # the optimizer's all-gather lands in the parameters themselves
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
