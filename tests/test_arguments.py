@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.arguments import GROUPS, list_models, parse_args
-from megalite.config import ParallelConfig, TrainConfig, with_tokenizer_vocab
+from megalite.config import ParallelConfig, Sharding, TrainConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 
@@ -28,6 +28,18 @@ def test_explicit_flags_override_the_preset():
     assert not model.add_bias_linear and model.num_query_groups == 4 and model.swiglu
     assert model.seq_length == 128 and model.max_position_embeddings == 1024  # the preset's table stays
     assert run.checkpoint.save is None  # only the default run saves by default
+
+
+@pytest.mark.parametrize("flags, stage", [
+    ([], 0), (["--use-distributed-optimizer"], 1), (["--data-parallel-sharding-strategy", "optim"], 1),
+    (["--data-parallel-sharding-strategy", "optim_grads"], 2),
+    (["--use-distributed-optimizer", "--data-parallel-sharding-strategy", "optim_grads"], 2),
+    (["--data-parallel-sharding-strategy", "optim_grads_params"], 3)])
+def test_the_sharding_flags_decide_one_typed_value(flags, stage):
+    """Consumers read ParallelConfig.sharding (what is sharded, by ZeRO stage), never the strategy string."""
+    sharding = parse_args(flags).parallel.sharding
+    assert isinstance(sharding, Sharding) and sharding.stage == stage
+    assert (sharding.optimizer_state, sharding.grads, sharding.params) == (stage >= 1, stage >= 2, stage == 3)
 
 
 @pytest.mark.parametrize("flags", [["--num-layers", "2"], ["--lr", "3e-3"], ["--train-iters", "20"]])

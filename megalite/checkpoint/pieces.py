@@ -70,12 +70,11 @@ def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_
     return pieces
 
 
-def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int) -> dict[str, list[Piece]]:
+def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shards=None) -> dict[str, list[Piece]]:
     """Every tensor of `model.state_dict()` (global names) as pieces of views of the live tensors; under
-    ZeRO-3 (`model.param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards."""
-    shards = getattr(model, "param_shards", None)
-    if shards is not None:
-        names = {id(param): name for name, param in model.named_parameters()}
+    ZeRO-3 (`param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards."""
+    if param_shards is not None:
+        names, shards = {id(param): name for name, param in model.named_parameters()}, param_shards
         return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
                                                     tp_size) for param, (start, end) in shards.owned_ranges().items()}
     params = dict(model.named_parameters())

@@ -37,11 +37,12 @@ def _no_barrier() -> None:
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
                     extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS,
-                    barrier=_no_barrier, failed_ranks=None, gather=None) -> str:
+                    barrier=_no_barrier, failed_ranks=None, gather=None, param_shards=None) -> str:
     """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder. Every rank
     calls this. `extra`: JSON that `load_checkpoint` hands back. `failed_ranks(ok)` returns the ranks whose
     step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure.
-    `gather(report)` returns every rank's report on rank 0 (default: `gathered_at_rank_0(parallel)`)."""
+    `gather(report)` returns every rank's report on rank 0 (default: `gathered_at_rank_0(parallel)`).
+    `param_shards`: ZeRO-3's ParamShards, which hold the model's weights."""
     failed_ranks = failed_ranks or _own_failures(barrier, rank)
     if gather is None:
         if rank >= parallel.world_size:
@@ -66,7 +67,6 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
     # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
     # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shards.
     replica = parallel.dp_rank > 0
-    sharded_model = getattr(model, "param_shards", None) is not None
     optim_pieces = optim_meta = None
     # What this rank holds: every one of these tensors must be covered by some rank's pieces.
     holds = {"model": list(model.state_dict()), "optimizer": []}
@@ -75,7 +75,7 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
         optim_meta, holds["optimizer"] = optim_state["meta"], list(optim_state["tensors"])
         optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
             optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
-    model_part = {} if replica and not sharded_model else model_pieces(model, tp_rank, tp_size)
+    model_part = {} if replica and param_shards is None else model_pieces(model, tp_rank, tp_size, param_shards)
     report = {"holds": holds}
     step("write its files", lambda: report.update(write_rank_files(staging, rank, model_part, optim_pieces)))
     reports = gather(report)  # one gather of small metadata: file names, sizes, piece places

@@ -5,11 +5,11 @@ what spans them and derives what several decide. megalite/arguments.py generates
 from megalite.config.data import DataConfig
 from megalite.config.model import (ModelConfig, num_parameters, pad_vocab_size, recompute_segments,
                                    with_tokenizer_vocab)
-from megalite.config.parallel import ParallelConfig
+from megalite.config.parallel import ParallelConfig, Sharding
 from megalite.config.presets import MODEL_PRESETS, describe_model, model_config_from_preset
 from megalite.config.run import DEFAULT_RUN_SAVE, CheckpointConfig, LoggingConfig, RunConfig
 from megalite.config.train import TrainConfig
 
 __all__ = ["DEFAULT_RUN_SAVE", "CheckpointConfig", "DataConfig", "LoggingConfig", "MODEL_PRESETS", "ModelConfig",
-           "ParallelConfig", "RunConfig", "TrainConfig", "describe_model", "model_config_from_preset",
+           "ParallelConfig", "RunConfig", "Sharding", "TrainConfig", "describe_model", "model_config_from_preset",
            "num_parameters", "pad_vocab_size", "recompute_segments", "with_tokenizer_vocab"]

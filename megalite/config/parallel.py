@@ -1,14 +1,29 @@
 """ParallelConfig: how the world is cut, TP x PP x DP = world size (DP is what remains)."""
 
 from dataclasses import dataclass
+from enum import Enum
 
 from megalite.config.options import derived, option
 from megalite.errors import UserError
 
-# Megatron's names: nothing, + optimizer state (ZeRO-1), + gradients (ZeRO-2), + parameters (ZeRO-3).
-SHARDING_STRATEGIES = ("no_shard", "optim", "optim_grads", "optim_grads_params")
-SHARDING_NAMES = {"no_shard": None, "optim": "distributed optimizer", "optim_grads": "ZeRO-2 (optim_grads)",
-                  "optim_grads_params": "ZeRO-3 (optim_grads_params)"}
+
+class Sharding(Enum):
+    """What data-parallel ranks shard, by ZeRO `stage` (0-3); each value is Megatron's
+    --data-parallel-sharding-strategy. Read `optimizer_state`, `grads`, `params`: whether that is sharded."""
+
+    NO_SHARD = "no_shard"
+    OPTIM = "optim"  # the optimizer state (ZeRO-1, the distributed optimizer)
+    OPTIM_GRADS = "optim_grads"  # + gradients (ZeRO-2)
+    OPTIM_GRADS_PARAMS = "optim_grads_params"  # + parameters (ZeRO-3)
+
+    stage = property(lambda self: list(Sharding).index(self))
+    optimizer_state = property(lambda self: self.stage >= 1)
+    grads = property(lambda self: self.stage >= 2)
+    params = property(lambda self: self.stage == 3)
+
+
+SHARDING_STRATEGIES = tuple(sharding.value for sharding in Sharding)
+SHARDING_NAMES = (None, "distributed optimizer", "ZeRO-2 (optim_grads)", "ZeRO-3 (optim_grads_params)")  # by stage
 
 
 @dataclass(frozen=True)
@@ -49,12 +64,11 @@ class ParallelConfig:
             object.__setattr__(self, "sequence_parallel", False)
 
     @property
-    def sharding(self) -> str:
-        """The sharding strategy in force: --data-parallel-sharding-strategy, at least `optim` with
-        --use-distributed-optimizer."""
-        if self.use_distributed_optimizer and self.data_parallel_sharding_strategy == "no_shard":
-            return "optim"
-        return self.data_parallel_sharding_strategy
+    def sharding(self) -> Sharding:
+        """The sharding in force, the one place the two flags are read: --data-parallel-sharding-strategy, at
+        least `optim` with --use-distributed-optimizer."""
+        chosen = Sharding(self.data_parallel_sharding_strategy)
+        return Sharding.OPTIM if self.use_distributed_optimizer and chosen is Sharding.NO_SHARD else chosen
 
     @property
     def data_parallel_size(self) -> int:
@@ -67,12 +81,12 @@ class ParallelConfig:
         parts = [f"{self.world_size} rank{'s' * (self.world_size > 1)} = TP {self.tensor_model_parallel_size} x "
                  f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}",
                  f"{vp} virtual stages per pipeline rank" if vp > 1 else None,
-                 "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding]]
+                 "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding.stage]]
         return ", ".join(part for part in parts if part)
 
     def validate(self) -> "ParallelConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""
-        if self.overlap_param_gather and self.sharding == "no_shard":
+        if self.overlap_param_gather and not self.sharding.optimizer_state:
             raise UserError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather, so it "
                             "needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy); add one")
         tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size

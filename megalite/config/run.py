@@ -143,7 +143,7 @@ class RunConfig:
                              parallel.decoder_first_pipeline_num_layers, parallel.decoder_last_pipeline_num_layers)
         if train.compile and model.recompute_granularity:
             raise UserError("--compile with --recompute-* is not supported; drop one of them")
-        if train.compile and parallel.sharding == "optim_grads_params":
+        if train.compile and parallel.sharding.params:
             raise UserError("--compile with --data-parallel-sharding-strategy optim_grads_params is not supported "
                             "(its gather hooks run around each compiled layer); use optim_grads, or drop --compile")
         check_batch_sizes(train.global_batch_size, train.micro_batch_size, parallel.data_parallel_size)

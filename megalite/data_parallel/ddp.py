@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from megalite.config.parallel import SHARDING_STRATEGIES
+from megalite.config.parallel import Sharding
 from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, free
 from megalite.data_parallel.param_shards import ParamShards, unit_params
 from megalite.parallel_state import ONE_PROCESS, ParallelState
@@ -38,31 +38,24 @@ from megalite.tensor_parallel.comm import all_reduce_together, allreduce_sequenc
 class DataParallelGrads:
     """The grad buffer of `model`'s (or ModelChunks') trainable parameters and its reduction over `parallel`.
 
-    strategy: one of SHARDING_STRATEGIES; all but no_shard reduce-scatter into dp_size shards for the
-    distributed optimizer. overlap: start each bucket's collective from the backward hooks (always,
+    sharding: what DP ranks shard (ParallelConfig.sharding); all but NO_SHARD reduce-scatter into dp_size
+    shards for the distributed optimizer. overlap: start each bucket's collective from the backward hooks (always,
     when the grads are sharded). Per iteration: `zero_grad()`, `start_iteration(...)`, the backwards,
     `finish_grad_sync()`.
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
-                 strategy: str = "no_shard", overlap: bool = False, grad_reduce_in_bf16: bool = False):
-        if strategy not in SHARDING_STRATEGIES:
-            raise ValueError(f"unknown sharding strategy {strategy!r}; pick one of {', '.join(SHARDING_STRATEGIES)}")
-        self.model, self.parallel, self.strategy = model, parallel, strategy
+                 sharding: Sharding = Sharding.NO_SHARD, overlap: bool = False, grad_reduce_in_bf16: bool = False):
+        self.model, self.parallel, self.sharding = model, parallel, sharding
         self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
-        self.shard = strategy != "no_shard"
-        self.sharded_grads = strategy in ("optim_grads", "optim_grads_params")
+        self.shard, self.sharded_grads = sharding.optimizer_state, sharding.grads
         self.overlap = (overlap and parallel.dp_size > 1) or self.sharded_grads
         chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        self.buffer = GradBuffer(buffer_groups(chunks, strategy),
-                                 bucket_size=None if strategy == "optim_grads_params" else bucket_size,
+        self.buffer = GradBuffer(buffer_groups(chunks, sharding), bucket_size=None if sharding.params else bucket_size,
                                  shard_count=parallel.dp_size if self.shard else 1,
                                  shard_rank=parallel.dp_rank if self.shard else 0, sharded=self.sharded_grads)
-        self.param_shards = None
-        if strategy == "optim_grads_params":
-            # The attribute tells checkpoints (and readers of the weights) that the model is sharded.
-            self.param_shards = model.param_shards = ParamShards(chunks, self.buffer, parallel)
-        elif self.shard:
+        self.param_shards = ParamShards(chunks, self.buffer, parallel) if sharding.params else None  # for checkpoints
+        if self.param_shards is None and self.shard:
             self.buffer.hold_params()  # the optimizer's all-gather lands in the parameters themselves
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
         # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
@@ -79,6 +72,12 @@ class DataParallelGrads:
             self.buffer.on_grad_ready = self._grad_ready
         if self.sharded_grads:
             self.buffer.before_grad = self._before_grad
+
+    def param_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
+        """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view; ZeRO-3: of its shard)."""
+        if self.param_shards is not None:
+            return self.param_shards.owned_values(param, start, end)
+        return param.detach().view(-1)[start:end]
 
     def zero_grad(self) -> None:
         """Zero the grad buffer, before an iteration's first backward."""
@@ -222,10 +221,10 @@ class _Reduction:
         self.work = self.source = self.output = self.target = self.release = None
 
 
-def buffer_groups(chunks: list[nn.Module], strategy: str) -> list[list[nn.Parameter]]:
+def buffer_groups(chunks: list[nn.Module], sharding: Sharding) -> list[list[nn.Parameter]]:
     """The trainable parameters the grad buffer lays out range after range: each model chunk's, or
     under ZeRO-3 each unit's (param_shards.py), since a unit is gathered and reduced as one bucket."""
-    if strategy == "optim_grads_params":
+    if sharding.params:
         groups = [params for chunk in chunks for params, _, _ in unit_params(chunk)]
     else:
         groups = [list(chunk.parameters()) for chunk in chunks]

@@ -287,18 +287,12 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, param, local, in_shard in buffer.owned():
             self.model_params.append(param)
             self.names.append(self.name_of[id(param)])
-            self.main_params.append(_main_param(self._values(param, *local)))
+            self.main_params.append(_main_param(self.ddp.param_values(param, *local)))
             self.main_grads.append(buffer.shard_view(bucket)[slice(*in_shard)])
             self.ranges.append(local)
 
-    def _values(self, param, start: int, end: int) -> torch.Tensor:
-        """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view)."""
-        if self.ddp.param_shards is not None:
-            return self.ddp.param_shards.owned_values(param, start, end)
-        return param.detach().view(-1)[start:end]
-
     def _model_values(self) -> list[torch.Tensor]:
-        return [self._values(param, *local) for param, local in zip(self.model_params, self.ranges)]
+        return [self.ddp.param_values(param, *local) for param, local in zip(self.model_params, self.ranges)]
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
@@ -307,7 +301,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for main, values in zip(self.main_params, self._model_values()):
             if main.dtype != values.dtype:
                 values.copy_(main)
-        if self.dp_size == 1 or self.ddp.param_shards is not None:
+        if self.dp_size == 1 or self.ddp.sharding.params:
             return
         for bucket in reversed(self.grad_buffer.buckets):  # forward order: the first needed first
             self._all_gather_bucket(bucket)

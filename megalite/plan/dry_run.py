@@ -109,11 +109,11 @@ def plan(run: RunConfig) -> DryRunReport:
     vp, dtype = layout.virtual_pipeline_model_parallel_size, train.params_dtype
     first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
-    strategy = layout.sharding
-    shards = dp if strategy != "no_shard" else 1
+    sharding = layout.sharding
+    shards = dp if sharding.optimizer_state else 1
     bf16_reduce = None  # the bf16 copies of buckets in flight (ddp.py): one at a time, or every bucket's
     if layout.grad_reduce_in_bf16 and dp > 1:
-        overlapped = layout.overlap_grad_reduce and strategy in ("no_shard", "optim")
+        overlapped = layout.overlap_grad_reduce and not sharding.grads
         bf16_reduce = "all" if overlapped else "one"
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
@@ -122,8 +122,8 @@ def plan(run: RunConfig) -> DryRunReport:
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
         # The grad buffer as MixedPrecisionOptimizer lays it out: building the optimizer itself would import
         # torch's compiler, seconds for nothing (tests/plan/test_dry_run.py checks the two agree).
-        buffer = GradBuffer(buffer_groups(list(chunks), strategy), shard_count=shards,
-                            bucket_size=None if strategy == "optim_grads_params" else layout.ddp_bucket_size)
+        buffer = GradBuffer(buffer_groups(list(chunks), sharding), shard_count=shards,
+                            bucket_size=None if sharding.params else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
         layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
@@ -133,9 +133,9 @@ def plan(run: RunConfig) -> DryRunReport:
         recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
         activation = peak_activation_bytes(ops, chunk_bytes, recomputed_unit * activations.layer_bytes())
         for dp_rank in range(dp):
-            shard = dp_rank if strategy != "no_shard" else 0
-            figures = state_bytes(buffer, dtype, shard, shards, strategy, bf16_reduce, recomputed_unit)
-            param_bytes = figures["params"] if strategy == "optim_grads_params" else params * element_bytes(dtype)
+            shard = dp_rank if sharding.optimizer_state else 0
+            figures = state_bytes(buffer, dtype, shard, shards, sharding, bf16_reduce, recomputed_unit)
+            param_bytes = figures["params"] if sharding.params else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])
             # The rest is the pipeline rank's: DP ranks differ only in their optimizer shard.

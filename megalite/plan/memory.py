@@ -6,7 +6,7 @@ against live tensors.
 
 import torch
 
-from megalite.config import ModelConfig, recompute_segments
+from megalite.config import ModelConfig, Sharding, recompute_segments
 
 GRAD_BYTES = 4  # the grad buffer is fp32 whatever the model's dtype
 MAIN_PARAM_BYTES = 4  # fp32 main params of a bf16 / fp16 model
@@ -22,10 +22,10 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, strategy: str = "no_shard",
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, sharding: Sharding = Sharding.NO_SHARD,
                 bf16_reduce: str | None = None, recomputed_unit: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
-    when the strategy shards, else 1) of every bucket of `buffer`, a GradBuffer, under the sharding `strategy`.
+    when the optimizer state is sharded, else 1) of every bucket of `buffer`, a GradBuffer, under `sharding`.
 
     The buffer pads each bucket to a multiple of `shards`; the optimizer keeps a step counter per parameter,
     or per piece of one inside the shard. ZeRO-2/3 keep the shard of the grads, ZeRO-3 of the params (as
@@ -44,17 +44,16 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, stra
     owned = [high - low for _, _, (low, high), _ in buffer.owned(shard)]
     grad_elements, elements, pieces = sum(bucket_sizes), sum(owned), len(owned)
     main = 0 if params_dtype == torch.float32 else MAIN_PARAM_BYTES
-    sharded_grads, sharded_params = strategy in ("optim_grads", "optim_grads_params"), strategy == "optim_grads_params"
     working = 0
     tied = any(getattr(param, "shared_embedding", False) for param in buffer.params)
-    if sharded_params:
+    if sharding.params:
         working += element_bytes(params_dtype) * sum(bucket_sizes[-(max(2, recomputed_unit) + tied):])
-    if sharded_grads:
+    if sharding.grads:
         working += GRAD_BYTES * sum(bucket_sizes[-(2 + tied):])
     if bf16_reduce is not None:
         working += element_bytes(torch.bfloat16) * sum(bucket_sizes if bf16_reduce == "all" else bucket_sizes[-1:])
-    return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharded_params else buffer.numel),
-            "grads": GRAD_BYTES * (grad_elements // shards if sharded_grads else grad_elements),
+    return {"params": element_bytes(params_dtype) * (grad_elements // shards if sharding.params else buffer.numel),
+            "grads": GRAD_BYTES * (grad_elements // shards if sharding.grads else grad_elements),
             "optimizer": (main + ADAM_MOMENT_BYTES) * elements + STEP_COUNTER_BYTES * pieces, "working": working}
 
 

@@ -59,20 +59,18 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def build_optimizer(model, run: RunConfig, parallel: ParallelState) -> MixedPrecisionOptimizer:
-    """The model's DDP (its grad buffer, `.ddp`) and the mixed-precision optimizer on it, or the distributed
-    one when the sharding strategy shards anything (ZeRO-1/2/3); fp16 gets a dynamic loss scaler."""
+def build_optimizer(ddp: DataParallelGrads, run: RunConfig) -> MixedPrecisionOptimizer:
+    """The mixed-precision optimizer on the model's DDP (its grad buffer), or the distributed one when the
+    optimizer state is sharded (ZeRO-1/2/3); fp16 gets a dynamic loss scaler."""
     train, layout = run.train, run.parallel
-    kind = DistributedOptimizer if layout.sharding != "no_shard" else MixedPrecisionOptimizer
-    ddp = DataParallelGrads(model, parallel, bucket_size=layout.ddp_bucket_size, strategy=layout.sharding,
-                            overlap=layout.overlap_grad_reduce, grad_reduce_in_bf16=layout.grad_reduce_in_bf16)
+    kind = DistributedOptimizer if layout.sharding.optimizer_state else MixedPrecisionOptimizer
     scaler = None
     if train.fp16:
         scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
                                    growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
     optimizer = kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                      eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
-    if layout.overlap_param_gather and ddp.param_shards is None:  # ZeRO-3 gathers ahead of use anyway
+    if layout.overlap_param_gather and not layout.sharding.params:  # ZeRO-3 gathers ahead of use anyway
         optimizer.overlap_param_gather()
     return optimizer
 
@@ -150,7 +148,10 @@ class Trainer:
             self.comm = PipelineComm(self.parallel, (tokens, train.micro_batch_size, run.model.hidden_size),
                                      train.params_dtype)
         self.schedule_log = print_flushed if run.logging.debug_pipeline_schedule else None  # on every rank
-        self.optimizer = build_optimizer(self.model, run, self.parallel)
+        self.ddp = DataParallelGrads(self.model, self.parallel, bucket_size=parallel.ddp_bucket_size,
+                                     sharding=parallel.sharding, overlap=parallel.overlap_grad_reduce,
+                                     grad_reduce_in_bf16=parallel.grad_reduce_in_bf16)
+        self.optimizer = build_optimizer(self.ddp, run)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.checkpointer = Checkpointer(run, self.parallel, log=self.log)
@@ -220,7 +221,7 @@ class Trainer:
 
     def load(self) -> None:
         """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
-        resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule)
+        resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule, self.ddp.param_shards)
         if resumed is None:
             return
         self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
@@ -234,7 +235,7 @@ class Trainer:
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
         if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending,
-                                  self.evaluations_logged):
+                                  self.evaluations_logged, self.ddp.param_shards):
             self.tracker.log_checkpoint(self.state.iteration)
 
     def train_step(self) -> tuple[float, float, bool, float]:
@@ -245,12 +246,12 @@ class Trainer:
         position = (self.state.iteration, consumed, self.run.global_batch_at(consumed))
         lr = self.schedule.lr_at(*position)
         self.optimizer.zero_grad()
-        self.optimizer.ddp.start_iteration(num_microbatches)
+        self.ddp.start_iteration(num_microbatches)
         batch = next_global_batch(self.train_iterator, num_microbatches)
         loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
         empty_unused_memory(self.run.train.empty_unused_memory_level, 1)  # Megatron's two points, by level
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
-        self.optimizer.ddp.finish_grad_sync()
+        self.ddp.finish_grad_sync()
         # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
         iteration, check = self.state.iteration + 1, self.run.train.check_for_nan_in_loss_and_grad
         if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:

@@ -30,7 +30,8 @@ class Run:
         if layout is not None:  # what the saved run record says about the parallel layout
             self.run = dataclasses.replace(self.run, parallel=dataclasses.replace(self.run.parallel, **layout))
         self.model = build_model(self.run.model, seed=seed, dtype=dtype)
-        self.optimizer = MixedPrecisionOptimizer(DataParallelGrads(self.model), lr=1e-2)
+        self.ddp = DataParallelGrads(self.model)
+        self.optimizer = MixedPrecisionOptimizer(self.ddp, lr=1e-2)
         self.schedule = build_lr_schedule(self.run)
         self.lines = []
         self.checkpointer = Checkpointer(self.run, build_parallel_state(), log=self.lines.append)
@@ -38,9 +39,9 @@ class Run:
     def step(self):
         tokens = torch.randint(0, 99, (2, 16), generator=torch.Generator().manual_seed(0))
         self.optimizer.zero_grad()
-        self.optimizer.ddp.start_iteration(1)
+        self.ddp.start_iteration(1)
         self.optimizer.scale_loss(self.model(tokens, labels=tokens.roll(-1, dims=1)).float().mean()).backward()
-        self.optimizer.ddp.finish_grad_sync()
+        self.ddp.finish_grad_sync()
         self.optimizer.step(1e-2)
 
     def save(self, iteration, evaluation_pending=False):

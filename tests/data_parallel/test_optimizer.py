@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from megalite.config import Sharding
 from megalite.data_parallel.ddp import DataParallelGrads
 from megalite.data_parallel.optimizer import DynamicLossScaler, MixedPrecisionOptimizer, NonFiniteGradError
 from megalite.errors import UserError
@@ -299,8 +300,8 @@ def test_reload_model_params_restarts_bf16_main_params_from_newly_loaded_weights
     from megalite.data_parallel import optimizer as module
 
     model = tiny_llama(dtype=torch.bfloat16)
-    strategy = "optim" if kind == "DistributedOptimizer" else "no_shard"
-    optimizer = getattr(module, kind)(DataParallelGrads(model, strategy=strategy), lr=1e-3)
+    sharding = Sharding.OPTIM if kind == "DistributedOptimizer" else Sharding.NO_SHARD
+    optimizer = getattr(module, kind)(DataParallelGrads(model, sharding=sharding), lr=1e-3)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)  # what loading other weights does

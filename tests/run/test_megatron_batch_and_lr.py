@@ -91,11 +91,12 @@ def per_token_world(rank, world_size, batches):
     """This DP rank's micro-batches through forward_backward: (loss, every param's grad)."""
     parallel = build_parallel_state(1, 1)
     model = tiny_llama()
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model, parallel), lr=1e-3, **HYPER)
+    ddp = DataParallelGrads(model, parallel)
+    optimizer = MixedPrecisionOptimizer(ddp, lr=1e-3, **HYPER)
     optimizer.zero_grad()
-    optimizer.ddp.start_iteration(len(batches[rank]))
+    ddp.start_iteration(len(batches[rank]))
     loss = forward_backward(model, batches[rank], optimizer, parallel)
-    optimizer.ddp.finish_grad_sync()
+    ddp.finish_grad_sync()
     return loss, {name: param.main_grad.clone() for name, param in model.named_parameters()}
 
 

@@ -54,7 +54,7 @@ import tempfile
 import torch
 
 from megalite.config import ModelConfig, num_parameters
-from megalite.config.parallel import SHARDING_STRATEGIES
+from megalite.config.parallel import SHARDING_STRATEGIES, Sharding
 from megalite.plan.memory import element_bytes, state_bytes
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -159,21 +159,21 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, mi
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
     bucket_size = -(-num_parameters(config) // BUCKETS)
-    optimizer = kind(DataParallelGrads(model, parallel, bucket_size=bucket_size, strategy=strategy, overlap=True),
-                     lr=1e-3)
+    ddp = DataParallelGrads(model, parallel, bucket_size=bucket_size, sharding=Sharding(strategy), overlap=True)
+    optimizer = kind(ddp, lr=1e-3)
     sampler = PeakSampler(model, optimizer)
     optimizer.zero_grad()
-    optimizer.ddp.start_iteration(micro_batches)
+    ddp.start_iteration(micro_batches)
     batch = [random_micro_batch(config, parallel.dp_rank * micro_batches + i) for i in range(micro_batches)]
     forward_backward(model, batch, optimizer, parallel)
-    optimizer.ddp.finish_grad_sync()
+    ddp.finish_grad_sync()
     optimizer.step(1e-3)
     sampler.sample()
     sampler.remove()
     measured = model_state_bytes(model, optimizer)
     # Without sharding every rank updates all of it: shard 0 of 1.
     shard, shards = (parallel.dp_rank, parallel.dp_size) if strategy != "no_shard" else (0, 1)
-    expected = state_bytes(optimizer.grad_buffer, dtype, shard, shards, strategy)
+    expected = state_bytes(optimizer.grad_buffer, dtype, shard, shards, Sharding(strategy))
     if strategy != "optim_grads_params":
         expected["params"] = num_parameters(config) * element_bytes(dtype)
     return {"measured": measured, "expected": {key: expected[key] for key in measured}, "peak": sampler.peak,

@@ -24,7 +24,7 @@ import sys
 
 import torch
 
-from megalite.config.parallel import SHARDING_STRATEGIES
+from megalite.config.parallel import SHARDING_STRATEGIES, Sharding
 from tools.bench.memory import gather_to_file, model_config, random_micro_batch, run_under_torchrun
 
 MB = 2 ** 20
@@ -72,15 +72,15 @@ def measure(strategy: str, dtype: torch.dtype, parallel, small: bool, grad_reduc
     config = model_config(small)
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
-    optimizer = kind(DataParallelGrads(model, parallel, strategy=strategy, grad_reduce_in_bf16=grad_reduce_in_bf16),
-                     lr=1e-3)
+    ddp = DataParallelGrads(model, parallel, sharding=Sharding(strategy), grad_reduce_in_bf16=grad_reduce_in_bf16)
+    optimizer = kind(ddp, lr=1e-3)
     batch = random_micro_batch(config, parallel.dp_rank)
     for step in range(2):
         traffic = DataParallelTraffic(parallel.dp_group, parallel.dp_size) if step == 1 else None
         optimizer.zero_grad()
-        optimizer.ddp.start_iteration(1)
+        ddp.start_iteration(1)
         forward_backward(model, [batch], optimizer, parallel)
-        optimizer.ddp.finish_grad_sync()
+        ddp.finish_grad_sync()
         optimizer.step(1e-3)
     traffic.remove()
     return traffic.bytes
