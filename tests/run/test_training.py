@@ -218,5 +218,6 @@ def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, pre
     for how in HOST_READS:
         monkeypatch.setattr(torch.Tensor, how, counted(how))
     train(*MOCK, "--train-iters", "8", "--log-interval", "4", "--eval-interval", "0", *precision)
-    assert {iteration: reads.get(iteration, []) for iteration in (1, 2, 3, 5, 6, 7)} == dict.fromkeys((1, 2, 3, 5, 6, 7), [])
+    between_log_lines = (1, 2, 3, 5, 6, 7)
+    assert {i: reads.get(i, []) for i in between_log_lines} == dict.fromkeys(between_log_lines, [])
     assert len(reads[4]) == 1, reads[4]
