@@ -232,8 +232,11 @@ def buffer_groups(chunks: list[nn.Module], sharding: Sharding) -> list[list[nn.P
 
 
 def global_token_count(micro_batches, parallel: ParallelState, device) -> float:
-    """Unmasked tokens of the whole global batch: this rank's micro-batches, summed over DP."""
-    count = torch.tensor(sum(float(mb["loss_mask"].sum()) for mb in micro_batches), dtype=torch.float64, device=device)
-    if parallel.dp_size > 1:
-        dist.all_reduce(count, group=parallel.dp_group)
+    """Unmasked tokens of the whole global batch: this rank's micro-batches (the loader's, in host memory),
+    summed over DP; only that sum waits for the device."""
+    count = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
+    if parallel.dp_size == 1:
+        return count
+    count = torch.tensor(count, dtype=torch.float64, device=device)
+    dist.all_reduce(count, group=parallel.dp_group)
     return float(count)

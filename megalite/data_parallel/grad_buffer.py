@@ -151,7 +151,7 @@ class GradBuffer:
         return self.data[slice(*bucket.shard(self.shard_rank, self.shard_count))]
 
     def step_grads(self) -> torch.Tensor:
-        """The flat tensor whose values the optimizer reads (unscale, clip): `data`, or `shards`."""
+        """The flat tensor whose values the optimizer clips: `data`, or `shards`."""
         return self.shards if self.sharded else self.data
 
     def zero(self) -> None:

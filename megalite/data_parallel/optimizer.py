@@ -1,7 +1,9 @@
 """The mixed-precision optimizer (Megatron's order), on the grads DDP's `finish_grad_sync` made whole:
-unscale the fp32 grad buffer (with a scaler, inf/nan on any rank skips the step and backs the
-scale off), clip by the global L2 norm, AdamW on fp32 main params (an fp32 model's own params,
-else fp32 clones), copy them into the model. `DistributedOptimizer` (every sharding strategy,
+unscale the fp32 grad buffer (with a scaler, inf/nan on any rank backs the scale off), clip by the
+global L2 norm, AdamW on fp32 main params (an fp32 model's own params, else fp32 clones), copy them
+into the model. A step whose grads hold inf or nan is skipped. All of it stays on the device, as
+torch.amp's GradScaler does: the step never waits for the device, and the caller reads the grad norm
+and whether the step was applied when it needs them. `DistributedOptimizer` (every sharding strategy,
 ZeRO-1/2/3) keeps main params and moments for this DP rank's shard only. State is keyed by global
 names: checkpoints fit any layout.
 """
@@ -22,56 +24,51 @@ STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 DECOUPLED_PARAM_SUFFIXES = ("word_embeddings.weight", "output_layer.weight")
 
 
-class NonFiniteGradError(RuntimeError):
-    """The gradient norm is inf or nan and no loss scaler may skip the step; nothing was updated."""
-
-
 class DynamicLossScaler:
     """Megatron's DynamicGradScaler: after `hysteresis` overflows each further one multiplies the scale by
     `backoff_factor` (down to `min_scale`); `growth_interval` clean steps in a row grow it by
-    `growth_factor` and refill the hysteresis count. TrainConfig.validate checks the flags' settings."""
+    `growth_factor` and refill the hysteresis count. TrainConfig.validate checks the flags' settings. The scale
+    (float64, as Python computes it) and both trackers are 0-dim tensors on `device`, updated there: no step
+    waits for the device."""
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
-                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2):
+                 backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, device="cpu"):
         if not (growth_factor > 1 and 0 < backoff_factor < 1):
             raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
                              f"{backoff_factor}")
-        self.scale = float(initial_scale)
         self.min_scale, self.growth_factor, self.backoff_factor = float(min_scale), growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
-        self.growth_tracker = 0  # clean steps since the last overflow or growth
-        self.hysteresis_tracker = hysteresis  # overflows still tolerated before backing off
+        self.device = torch.device(device)
+        self.load_state_dict({"scale": initial_scale, "growth_tracker": 0, "hysteresis_tracker": hysteresis})
 
-    def update(self, found_inf: bool) -> None:
-        """Account for one step, which had inf/nan grads when `found_inf`."""
-        if found_inf:
-            self.growth_tracker = 0
-            self.hysteresis_tracker -= 1
-            if self.hysteresis_tracker <= 0:
-                self.scale = max(self.scale * self.backoff_factor, self.min_scale)
-            return
-        self.growth_tracker += 1
-        if self.growth_tracker == self.growth_interval:
-            self.growth_tracker = 0
-            self.hysteresis_tracker = self.hysteresis
-            self.scale *= self.growth_factor
+    def update(self, found_inf) -> None:
+        """Account for one step, which had inf/nan grads where `found_inf` (a bool, or a 0-dim tensor) is true."""
+        found = torch.as_tensor(found_inf, device=self.device).bool()
+        hysteresis = torch.where(found, self.hysteresis_tracker - 1, self.hysteresis_tracker)
+        growth = torch.where(found, 0, self.growth_tracker + 1)
+        grow = growth == self.growth_interval
+        backed_off = (self.scale * self.backoff_factor).clamp(min=self.min_scale)
+        grown = torch.where(grow, self.scale * self.growth_factor, self.scale)
+        self.scale = torch.where(found & (hysteresis <= 0), backed_off, grown)
+        self.growth_tracker = torch.where(grow, 0, growth)
+        self.hysteresis_tracker = torch.where(grow, self.hysteresis, hysteresis)
 
     def state_dict(self) -> dict:
         """JSON-able: the scale and both trackers (the settings come from this run's flags)."""
-        return {"scale": self.scale, "growth_tracker": self.growth_tracker,
-                "hysteresis_tracker": self.hysteresis_tracker}
+        return {"scale": float(self.scale), "growth_tracker": int(self.growth_tracker),
+                "hysteresis_tracker": int(self.hysteresis_tracker)}
 
     def load_state_dict(self, state: dict) -> None:
-        self.scale = float(state["scale"])
-        self.growth_tracker = int(state["growth_tracker"])
-        self.hysteresis_tracker = int(state["hysteresis_tracker"])
+        self.scale = torch.tensor(float(state["scale"]), dtype=torch.float64, device=self.device)
+        self.growth_tracker = torch.tensor(int(state["growth_tracker"]), device=self.device)
+        self.hysteresis_tracker = torch.tensor(int(state["hysteresis_tracker"]), device=self.device)
 
 
 class StepResult(NamedTuple):
-    """What `MixedPrecisionOptimizer.step` did: unpacks as `updated, grad_norm`."""
+    """What `MixedPrecisionOptimizer.step` did, as 0-dim tensors on the device: unpacks as `updated, grad_norm`."""
 
-    updated: bool  # False: inf/nan grads, the step was skipped (params and Adam state untouched)
-    grad_norm: float  # global L2 norm of the unscaled grads before clipping; nan when skipped
+    updated: torch.Tensor  # bool; False: the step was skipped (params, Adam's moments and step count untouched)
+    grad_norm: torch.Tensor  # fp32: global L2 norm of the unscaled grads before clipping; nan when skipped
 
 
 class MixedPrecisionOptimizer:
@@ -79,7 +76,7 @@ class MixedPrecisionOptimizer:
 
     ddp: the DataParallelGrads owning the grad buffer (sharding for a DistributedOptimizer only).
     weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: 0 disables clipping.
-    loss_scaler: dynamic loss scaling (fp16); None means a scale of 1 and no skipping.
+    loss_scaler: dynamic loss scaling (fp16); None means a scale of 1.
     Per iteration: `zero_grad()`, `ddp.start_iteration(...)`, `scale_loss(loss).backward()` per
     micro-batch, `ddp.finish_grad_sync()`, `step(lr)` (or `step(lr, decoupled_lr)`: the word embeddings and
     the output layer at their own rate, DECOUPLED_PARAM_SUFFIXES).
@@ -123,48 +120,49 @@ class MixedPrecisionOptimizer:
 
     @property
     def loss_scale(self) -> float:
-        """The factor `scale_loss` multiplies by: the scaler's scale, or 1.0 without one."""
-        return 1.0 if self.loss_scaler is None else self.loss_scaler.scale
+        """The factor `scale_loss` multiplies by: the scaler's scale, or 1.0 without one (waits for the device)."""
+        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
 
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
         """`loss * loss_scale` (the loss itself without a scaler); call backward on the result."""
-        return loss if self.loss_scaler is None else loss * self.loss_scale
+        return loss if self.loss_scaler is None else loss * self.loss_scaler.scale.to(loss.dtype)
 
     def zero_grad(self) -> None:
         """Zero the grad buffer (the DDP's), before an iteration's first backward."""
         self.ddp.zero_grad()
 
     @torch.no_grad()
-    def step(self, lr: float, decoupled_lr: float | None = None) -> StepResult:
+    def step(self, lr: float, decoupled_lr: float | None = None, skip: torch.Tensor | None = None) -> StepResult:
         """Unscale, check, clip, AdamW at `lr` (the word embeddings and output layer at `decoupled_lr` when
-        given), refresh the model params. With a loss scaler inf/nan grads skip the step; without one a
-        non-finite grad norm raises NonFiniteGradError on every rank."""
+        given), refresh the model params. Inf/nan grads (on any rank: every rank decides alike), or `skip` (a
+        0-dim bool tensor: the caller's reason, say a non-finite loss), skip the update on the device; a loss
+        scaler backs off for inf/nan grads. Nothing here waits for the device."""
         self.finish_param_sync()  # no step writes main params (an fp32 model's own values) under a pending gather
         found_inf = self._unscale_and_check_grads()
-        if self.loss_scaler is not None:
-            self.loss_scaler.update(found_inf)
-            if found_inf:
-                return StepResult(False, math.nan)
         grad_norm = self._grad_norm()
-        if not math.isfinite(grad_norm):
-            raise NonFiniteGradError(f"the gradient norm is {grad_norm} and no loss scaler may skip the step, so the "
-                                     f"update was not applied; the run diverged or met bad data: resume from an "
-                                     f"earlier checkpoint, perhaps with a lower --lr")
+        skipped = ~torch.isfinite(grad_norm)
+        if found_inf is not None:
+            self.loss_scaler.update(found_inf)
+            skipped |= found_inf
+        if skip is not None:
+            skipped |= skip
         self._clip_grads(grad_norm)
-        self._adam_step(lr, decoupled_lr)
+        self._adam_step(lr, decoupled_lr, skipped)
         self._copy_main_params_to_model_params()
-        return StepResult(True, grad_norm)
+        return StepResult(~skipped, torch.where(skipped, math.nan, grad_norm))
 
-    def _unscale_and_check_grads(self) -> bool:
-        """With a scaler, divide the grad buffer by the loss scale; True when any rank's grads hold inf or nan."""
+    def _unscale_and_check_grads(self) -> torch.Tensor | None:
+        """With a scaler, divide the grads by the loss scale; a 0-dim bool tensor, true when any rank's grads
+        hold inf or nan (None without a scaler)."""
         if self.loss_scaler is None:
-            return False
-        self.grad_buffer.step_grads().mul_(1.0 / self.loss_scaler.scale)
-        finite = all(bool(torch.isfinite(grad).all()) for grad in self.main_grads)
-        found_inf = torch.tensor(0.0 if finite else 1.0, device=self.grad_buffer.step_grads().device)
+            return None
+        found_inf = torch.zeros((), device=self.loss_scaler.device)
+        inverse_scale = (1.0 / self.loss_scaler.scale).float()  # Python's 1 / scale, as the fp32 grads take it
+        if self.main_grads:  # torch.amp's one pass per tensor that unscales and checks
+            torch._amp_foreach_non_finite_check_and_unscale_(self.main_grads, found_inf, inverse_scale)
         if self.world:
             torch.distributed.all_reduce(found_inf, torch.distributed.ReduceOp.MAX)
-        return bool(found_inf > 0)
+        return found_inf > 0
 
     def _counted(self, param) -> bool:
         """Whether this rank counts `param`'s grad in the global norm, so each counts once overall:
@@ -173,7 +171,8 @@ class MixedPrecisionOptimizer:
         return ((self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
                 and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False)))
 
-    def _grad_norm(self) -> float:
+    def _grad_norm(self) -> torch.Tensor:
+        """The global L2 norm of the grads, a 0-dim fp32 tensor."""
         grads = [grad for grad, param in zip(self.main_grads, self.model_params) if self._counted(param)]
         norms = torch._foreach_norm(grads, 2.0) if grads else []
         device = self.grad_buffer.step_grads().device
@@ -182,21 +181,24 @@ class MixedPrecisionOptimizer:
             torch.distributed.all_reduce(squared_norm)
         elif self.model_parallel_group is not None:
             torch.distributed.all_reduce(squared_norm, group=self.model_parallel_group)
-        return float(squared_norm.sqrt())
+        return squared_norm.sqrt()
 
-    def _clip_grads(self, grad_norm: float) -> None:
-        """Scale every grad by clip_grad / grad_norm when that is below 1."""
-        clip_coefficient = self.clip_grad / (grad_norm + 1e-6)
-        if self.clip_grad > 0 and clip_coefficient < 1.0:
-            self.grad_buffer.step_grads().mul_(clip_coefficient)
+    def _clip_grads(self, grad_norm: torch.Tensor) -> None:
+        """Scale every grad by clip_grad / grad_norm when that is below 1, the factor computed in float64 as
+        Python would (a factor clamped to 1 leaves every grad as it was)."""
+        if self.clip_grad > 0:
+            clip_coefficient = (self.clip_grad / (grad_norm.double() + 1e-6)).clamp(max=1.0)
+            self.grad_buffer.step_grads().mul_(clip_coefficient.float())
 
-    def _adam_step(self, lr: float, decoupled_lr: float | None) -> None:
+    def _adam_step(self, lr: float, decoupled_lr: float | None, skipped: torch.Tensor) -> None:
         for group in self.adam.param_groups:
             group["lr"] = decoupled_lr if group["decoupled"] and decoupled_lr is not None else lr
         # Grads are lent only for the step: on an fp32 model the main params are the model
         # params, whose `.grad` must be None again before the next backward.
         for main, grad in zip(self.main_params, self.main_grads):
             main.grad = grad
+        # torch.amp's protocol for fused AdamW: where found_inf is 1 it leaves params, moments and step count.
+        self.adam.found_inf = skipped.float()
         self.adam.step()
         for main in self.main_params:
             main.grad = None

@@ -151,7 +151,7 @@ class TrainingLogger:
             interval.losses += 1
         if self._bar is not None:
             self._bar.update(1)
-        if not (force or iteration % self.log_interval == 0 or iteration >= self.train_iters):
+        if not (force or self.logs_at(iteration)):
             return None
         mean_loss = interval.loss_sum / interval.losses if interval.losses else None
         seconds = max(interval.seconds, 1e-12)
@@ -176,6 +176,10 @@ class TrainingLogger:
         self._emit(record)
         self._interval = _Interval()
         return record
+
+    def logs_at(self, iteration: int) -> bool:
+        """Whether `log_iteration` writes a line at `iteration` (on the logging rank, unless forced)."""
+        return iteration % self.log_interval == 0 or iteration >= self.train_iters
 
     def _update_peak(self, flops_per_device: float) -> None:
         """Keep the best peak seen, so that MFU never reads above 100%. A CPU's start-up matmul may share the

@@ -253,10 +253,11 @@ class SkippedSteps:
     def __init__(self):
         self.in_a_row = 0
 
-    def check(self, updated: bool, scaler, iteration: int, last_checkpoint: str | None) -> None:
+    def check(self, updated: bool, scaler, scale: float, iteration: int, last_checkpoint: str | None) -> None:
         """Count iteration `iteration`'s step (`updated`: it was applied; `scaler`: the optimizer's
-        DynamicLossScaler or None); UserError once MAX_SKIPPED_AT_MIN_SCALE came in a row."""
-        stuck = not updated and (scaler is None or scaler.scale <= scaler.min_scale)
+        DynamicLossScaler or None, `scale`: its scale after the step); UserError once MAX_SKIPPED_AT_MIN_SCALE
+        came in a row."""
+        stuck = not updated and (scaler is None or scale <= scaler.min_scale)
         self.in_a_row = self.in_a_row + 1 if stuck else 0
         if self.in_a_row < MAX_SKIPPED_AT_MIN_SCALE:
             return

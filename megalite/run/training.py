@@ -23,8 +23,7 @@ from megalite.config import RunConfig, describe_model, num_parameters
 from megalite.data.loader import build_data_loader, iterate, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
-from megalite.data_parallel.optimizer import (DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer,
-                                              NonFiniteGradError)
+from megalite.data_parallel.optimizer import DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.kernels import check_kernels
@@ -54,6 +53,19 @@ class TrainState:
     exit_reason: str = "finished"
 
 
+@dataclass
+class PendingIteration:
+    """An iteration whose results are still on the device: the loop reads them at its next log line, or
+    where it must decide before that (an evaluation, a save, the end)."""
+
+    iteration: int
+    consumed_samples: int
+    seconds: float
+    lr: float
+    global_batch_size: int
+    results: torch.Tensor  # Trainer.train_step's
+
+
 def print_flushed(line: str) -> None:
     """Console lines appear at once, also when stdout is a file or a pipe (tee, SLURM logs)."""
     print(line, flush=True)
@@ -67,7 +79,8 @@ def build_optimizer(ddp: DataParallelGrads, run: RunConfig) -> MixedPrecisionOpt
     scaler = None
     if train.fp16:
         scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
-                                   growth_interval=train.loss_scale_window, hysteresis=train.hysteresis)
+                                   growth_interval=train.loss_scale_window, hysteresis=train.hysteresis,
+                                   device=ddp.parallel.device)
     optimizer = kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
                      eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
     if layout.overlap_param_gather and not layout.sharding.params:  # ZeRO-3 gathers ahead of use anyway
@@ -80,8 +93,9 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
 
 
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
-                     log=None) -> float:
-    """Mean loss over the global batch's unmasked tokens, on every pipeline rank; with `optimizer`, backward too.
+                     log=None) -> torch.Tensor:
+    """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
+    the device (nothing waits for the device until it is read); with `optimizer`, backward too.
     model: a GPTModel, or this pipeline rank's ModelChunks. micro_batches: dicts of [b, s] tensors, this DP
     rank's part of the global batch; each one's loss is divided by the token count of the whole global batch,
     so the gradients summed over DP are those of the global mean."""
@@ -102,7 +116,7 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_group, parallel.dp_size)):
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
-    return float(total_loss)  # one device sync per global batch
+    return total_loss
 
 
 class Trainer:
@@ -238,9 +252,11 @@ class Trainer:
                                   self.evaluations_logged, self.ddp.param_shards):
             self.tracker.log_checkpoint(self.state.iteration)
 
-    def train_step(self) -> tuple[float, float, bool, float]:
-        """One iteration: returns (lm loss, grad norm, whether the step was applied, lr). Its global batch is
-        `run.global_batch_at(consumed samples)`: --global-batch-size, or the ramp-up's size."""
+    def train_step(self) -> tuple[torch.Tensor, float]:
+        """One iteration, without waiting for the device: returns (results, lr). results: float64 [4] on the
+        device, the lm loss, the grad norm (nan when skipped), 1.0 when the step was applied (else 0.0) and the
+        loss scale after it. Its global batch is `run.global_batch_at(consumed samples)`: --global-batch-size, or
+        the ramp-up's size."""
         consumed = self.state.consumed_train_samples
         num_microbatches = self.run.num_microbatches_at(consumed)
         position = (self.state.iteration, consumed, self.run.global_batch_at(consumed))
@@ -252,19 +268,40 @@ class Trainer:
         empty_unused_memory(self.run.train.empty_unused_memory_level, 1)  # Megatron's two points, by level
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
         self.ddp.finish_grad_sync()
-        # Every rank holds the same global loss and grad norm, so all ranks stop (or skip) alike.
-        iteration, check = self.state.iteration + 1, self.run.train.check_for_nan_in_loss_and_grad
-        if check and not math.isfinite(loss) and self.optimizer.loss_scaler is None:
-            raise UserError(divergence_message(f"the lm loss is {loss}", iteration, self.checkpointer.last_checkpoint))
-        try:
-            updated, grad_norm = self.optimizer.step(lr, self.schedule.decoupled_lr_at(*position))
-        except NonFiniteGradError:
-            if check:
-                raise UserError(divergence_message("the gradient norm is not finite", iteration,
-                                                   self.checkpointer.last_checkpoint)) from None
-            updated, grad_norm = False, math.nan  # --no-check-for-nan-in-loss-and-grad: skip the step
+        # Every rank holds the same global loss and grad norm, so all ranks skip (and stop) alike. The NaN check
+        # skips a step with a non-finite loss too; `_account` stops the run when it reads the results.
+        skip = ~torch.isfinite(loss) if self._stops_on_nan() else None
+        updated, grad_norm = self.optimizer.step(lr, self.schedule.decoupled_lr_at(*position), skip)
         empty_unused_memory(self.run.train.empty_unused_memory_level, 2)
-        return loss, grad_norm, updated, lr
+        scaler = self.optimizer.loss_scaler
+        scale = scaler.scale if scaler is not None else torch.ones_like(loss)
+        return torch.stack([loss, grad_norm.double(), updated.double(), scale]), lr
+
+    def _stops_on_nan(self) -> bool:
+        """--check-for-nan-in-loss-and-grad stops the run at a skipped step, unless a loss scaler skips it (fp16)."""
+        return self.run.train.check_for_nan_in_loss_and_grad and self.optimizer.loss_scaler is None
+
+    def _account(self, pending: list[PendingIteration], spikes: LossSpikeDetector, skipped: SkippedSteps) -> None:
+        """Read the `pending` iterations' results (one wait for the device) and account for each in turn, as if
+        it had just run: the NaN check, the log, the skipped steps in a row and loss spikes. Empties `pending`."""
+        if not pending:
+            return
+        start = time.perf_counter()
+        rows = torch.stack([done.results for done in pending]).tolist()
+        pending[-1].seconds += time.perf_counter() - start  # the device's queued work, finished during the wait
+        for done, (loss, grad_norm, updated, scale) in zip(pending, rows):
+            if self._stops_on_nan() and not updated:  # the step was not applied, and no later one is saved
+                what = f"the lm loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
+                raise UserError(divergence_message(what, done.iteration, self.checkpointer.last_checkpoint))
+            self.state.losses.append(loss)
+            self.logger.log_iteration(done.iteration, done.consumed_samples, done.seconds, done.lr, loss, scale,
+                                      grad_norm, skipped=not updated, global_batch_size=done.global_batch_size)
+            skipped.check(updated, self.optimizer.loss_scaler, scale, done.iteration,
+                          self.checkpointer.last_checkpoint)
+            warning = spikes.check(done.iteration, loss)
+            if warning:
+                self.log(warning)
+        pending.clear()
 
     def agreed_stop(self, start_time: float | None = None) -> tuple[int, bool]:
         """(the exit signal any rank has received, 0 for none; whether any rank's clock is past
@@ -306,7 +343,7 @@ class Trainer:
             self.gc.after_evaluation()
         if split == "valid":
             self.state.consumed_valid_samples += train.eval_iters * train.global_batch_size
-        self.logger.log_evaluation(self.state.iteration, split, sum(losses) / len(losses))
+        self.logger.log_evaluation(self.state.iteration, split, sum(torch.stack(losses).tolist()) / len(losses))
         self.evaluations_logged.add(split)
         return True
 
@@ -323,6 +360,7 @@ class Trainer:
         start_time = time.time()
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
         spikes, skipped = LossSpikeDetector(run.train.loss_spike_threshold), SkippedSteps()
+        pending: list[PendingIteration] = []  # the iterations since the results were last read
         exit_code, failure = 0, None
         # The iteration a failure stops: the step of the next one, else the one that has just been counted (its
         # evaluation and save, the checks before the next step, and the end of the run).
@@ -339,27 +377,25 @@ class Trainer:
                 step_start = time.perf_counter()
                 global_batch = run.global_batch_at(state.consumed_train_samples)
                 running = state.iteration + 1
-                loss, grad_norm, updated, lr = self.train_step()
+                results, lr = self.train_step()
                 state.iteration += 1
                 state.consumed_train_samples += global_batch
                 self.evaluations_logged = set()
-                state.losses.append(loss)
-                self.logger.log_iteration(state.iteration, state.consumed_train_samples,
-                                          time.perf_counter() - step_start, lr, loss, self.optimizer.loss_scale,
-                                          grad_norm, skipped=not updated, global_batch_size=global_batch)
-                skipped.check(updated, self.optimizer.loss_scaler, state.iteration,
-                              self.checkpointer.last_checkpoint)
-                warning = spikes.check(state.iteration, loss)
-                if warning:
-                    self.log(warning)
-                if run.train.eval_interval and state.iteration % run.train.eval_interval == 0:
+                pending.append(PendingIteration(state.iteration, state.consumed_train_samples,
+                                                time.perf_counter() - step_start, lr, global_batch, results))
+                evaluate = run.train.eval_interval and state.iteration % run.train.eval_interval == 0
+                save = self.checkpointer.due(state.iteration)
+                if evaluate or save or self.logger.logs_at(state.iteration):  # else nothing waits for the device
+                    self._account(pending, spikes, skipped)
+                if evaluate:
                     # Cut short by a signal: the checkpoint below says so, and the resumed run evaluates first.
                     self.evaluation_pending = not self.evaluate_split("valid", self.valid_iterator)
-                if self.checkpointer.due(state.iteration):
+                if save:
                     self.save()
                     saved_at = state.iteration
                 self.gc.after_iteration(state.iteration)
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
+            self._account(pending, spikes, skipped)  # a stop between log lines: before the last evaluation and save
             self.profiler.close()  # a run that ends before --profile-step-end: the iterations it had
             self.optimizer.finish_param_sync()  # whoever reads the weights after the loop gets the whole ones
             if reason == "finished":  # validation, then test, each unless logged at this iteration (by the loop or a

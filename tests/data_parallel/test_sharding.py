@@ -74,7 +74,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     comm = PipelineComm(parallel, (SEQ // tp, MICRO, 32), torch.float32)
     optimizer.zero_grad()
     ddp.start_iteration(len(mine))
-    loss = forward_backward(model, mine, optimizer, parallel, comm)
+    loss = float(forward_backward(model, mine, optimizer, parallel, comm))
     ddp.finish_grad_sync()
     return loss, owned_grads(optimizer, strategy, parallel.tp_rank, tp), tuple(peak), unreleased_bytes(ddp)
 
@@ -112,7 +112,7 @@ def single():
         model = build_model_chunks(config(tied), seed=11)
         ddp = DataParallelGrads(model)
         ddp.zero_grad()
-        loss = forward_backward(model, global_batch(), MixedPrecisionOptimizer(ddp, lr=1e-3))
+        loss = float(forward_backward(model, global_batch(), MixedPrecisionOptimizer(ddp, lr=1e-3)))
         references[tied] = (loss, {name: param.main_grad.clone() for name, param in model.named_parameters()})
     return references
 
@@ -243,7 +243,7 @@ def budget_world(rank, world_size, strategy, budget, iterations):
     for _ in range(iterations):
         optimizer.zero_grad()
         ddp.start_iteration(1)
-        losses.append(forward_backward(model, [batch], optimizer, parallel))
+        losses.append(float(forward_backward(model, [batch], optimizer, parallel)))
         ddp.finish_grad_sync()
         optimizer.step(3e-3)
         sampler.sample()
@@ -282,7 +282,7 @@ def param_gather_world(rank, world_size, overlap, pp=1, tied=False, fused=False)
     for step in range(3):
         optimizer.zero_grad()
         ddp.start_iteration(len(mine))
-        losses.append(forward_backward(model, mine, optimizer, parallel, comm))
+        losses.append(float(forward_backward(model, mine, optimizer, parallel, comm)))
         ddp.finish_grad_sync()
         optimizer.step(1e-2)
         if step == 0:

@@ -48,7 +48,7 @@ def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
     original = training.ScheduleRunner
     training.ScheduleRunner = Watching
     try:
-        loss = forward_backward(model, micro_batches(), Unscaled(), parallel, comm)
+        loss = float(forward_backward(model, micro_batches(), Unscaled(), parallel, comm))
     finally:
         training.ScheduleRunner = original
     ddp.finish_grad_sync()  # the tied embedding's sum over its stages, SP grads over TP
@@ -63,7 +63,7 @@ def single():
     references = {}
     for tied in (False, True):
         model = build_model_chunks(config(tied), seed=11)
-        loss = forward_backward(model, micro_batches(), Unscaled())
+        loss = float(forward_backward(model, micro_batches(), Unscaled()))
         references[tied] = (loss, {name: param.grad.clone() for name, param in model.named_parameters()})
     return references
 

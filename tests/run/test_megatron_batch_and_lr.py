@@ -95,7 +95,7 @@ def per_token_world(rank, world_size, batches):
     optimizer = MixedPrecisionOptimizer(ddp, lr=1e-3, **HYPER)
     optimizer.zero_grad()
     ddp.start_iteration(len(batches[rank]))
-    loss = forward_backward(model, batches[rank], optimizer, parallel)
+    loss = float(forward_backward(model, batches[rank], optimizer, parallel))
     ddp.finish_grad_sync()
     return loss, {name: param.main_grad.clone() for name, param in model.named_parameters()}
 

@@ -430,7 +430,7 @@ def stop_messages(last_checkpoint: str | None, monkeypatch) -> list[str]:
     skipped = SkippedSteps()
     with pytest.raises(UserError) as too_many_skipped:
         for iteration in range(1, 11):
-            skipped.check(False, None, iteration, last_checkpoint)
+            skipped.check(False, None, 1.0, iteration, last_checkpoint)
     monkeypatch.setattr(PeerWatch, "peer_states", lambda self, wait: {1: "died"})
     peers = PeerWatch(type("OneRank", (), {"rank": 0, "world_size": 1}))
     return [divergence_message("the lm loss is nan", 3, last_checkpoint), str(too_many_skipped.value),

@@ -2,6 +2,7 @@
 
 import json
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -12,7 +13,7 @@ from megalite.checkpoint import load_checkpoint
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
-from megalite.run.training import pretrain
+from megalite.run.training import Trainer, pretrain
 from tests.helpers.runs import MOCK, SMALL
 
 
@@ -203,3 +204,47 @@ def test_finetune_continues_a_rope_model_at_a_longer_context(tmp_path):
     assert state.losses[0] == pytest.approx(first_batch_loss(trainer.run.model), rel=1e-6)
     head_dim = trainer.run.model.head_dim
     assert torch.equal(trainer.model[0].rotary.inv_freq, 1.0 / 500000.0 ** (torch.arange(0, head_dim, 2) / head_dim))
+
+
+# Every way a tensor's value reaches Python: on a GPU each one waits for the device's queued work.
+HOST_READS = ("item", "tolist", "numpy", "cpu", "__float__", "__int__", "__bool__", "__index__")
+
+
+def is_host_data_read(frame) -> bool:
+    """Whether `frame` reads the loader's micro-batches, which are in host memory on every device (the token-id
+    check, and the local sum of loss_mask in the token count): on a CPU those reads look like any other."""
+    name = frame.f_code.co_name
+    return name == "checked_token_ids" or (name == "<genexpr>" and frame.f_back.f_code.co_name == "global_token_count")
+
+
+@pytest.mark.parametrize("precision", [[], ["--fp16", "--initial-loss-scale", "4096"]], ids=["default", "fp16"])
+def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, precision):
+    """The default run (fp32, no loss scaler, the NaN check on, clipping at 1) on one process, and fp16 with its
+    loss scaler: with --log-interval 4, iterations 1-3 and 5-7 read no tensor value back; iteration 4 reads the
+    four iterations' results at once."""
+    monkeypatch.setattr("megalite.run.logger.peak_flops", lambda device, dtype: (None, "not what is tested"))
+    reads, running = {}, [0]  # iteration -> [(how, where)]; the iteration running
+    real_step = Trainer.train_step
+
+    def train_step(self):
+        running[0] = self.state.iteration + 1
+        return real_step(self)
+
+    def counted(how):
+        real = getattr(torch.Tensor, how)
+
+        def read(self, *args, **kwargs):
+            frame = sys._getframe(1)
+            if running[0] and not is_host_data_read(frame):
+                where = f"{os.path.basename(frame.f_code.co_filename)}:{frame.f_lineno} {frame.f_code.co_name}"
+                reads.setdefault(running[0], []).append(f"{how} in {where}")
+            return real(self, *args, **kwargs)
+        return read
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    for how in HOST_READS:
+        monkeypatch.setattr(torch.Tensor, how, counted(how))
+    train(*MOCK, "--train-iters", "8", "--log-interval", "4", "--eval-interval", "0", *precision)
+    between_log_lines = (1, 2, 3, 5, 6, 7)
+    assert {i: reads.get(i, []) for i in between_log_lines} == dict.fromkeys(between_log_lines, [])
+    assert len(reads[4]) == 1, reads[4]
