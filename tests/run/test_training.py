@@ -223,7 +223,7 @@ def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, pre
     loss scaler: with --log-interval 4, iterations 1-3 and 5-7 read no tensor value back; iteration 4 reads the
     four iterations' results at once."""
     monkeypatch.setattr("megalite.run.logger.peak_flops", lambda device, dtype: (None, "not what is tested"))
-    reads, running = {}, [0]  # iteration -> [(how, where)]; the iteration running
+    reads, running = {}, [0]  # iteration -> ["how in file:line function"]; the iteration running
     real_step = Trainer.train_step
 
     def train_step(self):
