@@ -24,6 +24,7 @@ interpreter), so a body's default device is the CPU and `--kernels triton` runs 
 a machine without a GPU, while the test process itself keeps the GPU.
 """
 
+import io
 import os
 import tempfile
 import time
@@ -47,7 +48,11 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
                                "before run_world, without its CPU world's environment")
         dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size)
         try:
-            results.put((rank, "ok", body(rank, world_size, *args)))
+            # By value: a queued tensor otherwise shares its storage through a file descriptor this process
+            # must still serve when the parent reads it, and a rank that has exited cannot.
+            payload = io.BytesIO()
+            torch.save(body(rank, world_size, *args), payload)
+            results.put((rank, "ok", payload.getvalue()))
         finally:
             dist.destroy_process_group()
     except BaseException:  # noqa: BLE001 - every failure must reach the parent
@@ -108,7 +113,7 @@ def _collect(results, processes, timeout: float) -> dict:
             rank, status, value = results.get()
             if status == "error":
                 raise AssertionError(f"rank {rank} failed:\n{value}")
-            outputs[rank] = value
+            outputs[rank] = torch.load(io.BytesIO(value), weights_only=False)
             continue
         dead = [rank for rank, p in enumerate(processes) if p.exitcode not in (None, 0) and rank not in outputs]
         if dead and results.empty():
