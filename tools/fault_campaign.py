@@ -35,6 +35,7 @@ import time
 from dataclasses import dataclass
 
 from megalite.checkpoint import LATEST_FILE, STAGING_SUFFIX, choose_checkpoint
+from megalite.run.resilience import LATE_SIGNAL_LINE
 from tools.fork_ranks import cpu_world_environment, free_port, rank_environment
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -46,7 +47,7 @@ FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "25
          "--log-interval", "1", "--eval-interval", "4", "--eval-iters", "1", "--save-interval", "2",
          "--use-distributed-optimizer", "--distributed-timeout-minutes", "1"]
 KINDS = ("sigkill-train", "sigkill-save", "sigterm")
-LATE_LINE = "SIGTERM came after the run's last save"  # what a rank says of a signal it had nothing left to stop for
+LATE_LINE = LATE_SIGNAL_LINE.format(name="SIGTERM")  # what a rank says of a signal it had nothing left to stop for
 EXIT_TIMEOUT_S = 90  # a survivor must stop well within this (it is not --distributed-timeout-minutes: it
 # sees a closed connection at once); a hang fails the trial
 

@@ -101,6 +101,9 @@ def hold_signals_until_exit(save_and_exit: bool) -> RunSignals:
     return _owner
 
 
+LATE_SIGNAL_LINE = "{name} came after the run's last save: nothing was left to stop"  # said at exit
+
+
 def _at_exit() -> None:
     """Say that a signal came too late to stop anything, and ignore SIGTERM from now on: the interpreter's
     shutdown puts every Python handler back to the default action, and tearing down torch then takes a while,
@@ -108,8 +111,7 @@ def _at_exit() -> None:
     setting the shutdown keeps."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _owner is not None and _owner.late is not None and _owner.save_and_exit:
-        print(f"{signal.Signals(_owner.late).name} came after the run's last save: nothing was left to stop",
-              flush=True)
+        print(LATE_SIGNAL_LINE.format(name=signal.Signals(_owner.late).name), flush=True)
 
 
 @contextlib.contextmanager
