@@ -74,19 +74,19 @@ def probed(*flags, planned=None, break_step=None):
     from tools.composition_probe import Probe
 
     run = parse_args([*SMALL, *flags])
-    trainer = Trainer(run, log=lambda line: None)
-    if break_step is not None:
-        step = trainer.optimizer.step
+    with Trainer(run, log=lambda line: None) as trainer:
+        if break_step is not None:
+            step = trainer.optimizer.step
 
-        def broken_step(*args, **kwargs):
-            result = step(*args, **kwargs)
-            break_step(trainer.optimizer)
-            return result
+            def broken_step(*args, **kwargs):
+                result = step(*args, **kwargs)
+                break_step(trainer.optimizer)
+                return result
 
-        trainer.optimizer.step = broken_step
-    plan = matrix.planned_bytes([*SMALL, *flags], 1)[0]
-    probe = Probe(trainer, planned or plan)
-    trainer.train()
+            trainer.optimizer.step = broken_step
+        plan = matrix.planned_bytes([*SMALL, *flags], 1)[0]
+        probe = Probe(trainer, planned or plan)
+        trainer.train()
     return probe.report()
 
 

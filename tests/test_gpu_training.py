@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
-from megalite.run.training import pretrain
+from megalite.run.training import Trainer, pretrain
 
 pytestmark = [pytest.mark.gpu, pytest.mark.usefixtures("deterministic")]
 
@@ -82,5 +82,24 @@ def test_each_sharding_strategy_on_one_gpu_tracks_no_shard(strategy):
     common = [*SMALL, "--bf16", "--train-iters", "6"]
     _, reference, _ = train(*common)
     trainer, state, _ = train(*common, "--data-parallel-sharding-strategy", strategy)
-    assert trainer.device.type == "cuda" and trainer.ddp.sharding.value == strategy
+    assert trainer.device.type == "cuda" and trainer.parallel_model.sharding.value == strategy
     np.testing.assert_allclose(state.losses, reference.losses, rtol=1e-2)
+
+
+@pytest.mark.parametrize("precision", [["--bf16"], ["--fp16"]])
+def test_a_step_makes_no_host_sync(monkeypatch, precision):
+    """CUDA's own detector raises on any call that waits for the device inside a training step after the first
+    (whose kernels' first launches may), log steps included: the loop reads the results outside the step.
+    The CPU test (tests/run/test_training.py) cannot tell a host batch from a device read."""
+    real_step = Trainer.train_step
+
+    def train_step(self):
+        torch.cuda.set_sync_debug_mode("error" if self.state.iteration else 0)
+        try:
+            return real_step(self)
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+
+    monkeypatch.setattr(Trainer, "train_step", train_step)
+    _, state, _ = train(*SMALL, *precision, "--train-iters", "6", "--log-interval", "3", "--eval-interval", "0")
+    assert state.iteration == 6

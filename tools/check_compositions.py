@@ -320,13 +320,13 @@ def _rank_main(argv: list[str], folder: str, planned: list[dict]) -> None:
         os.dup2(log, stream.fileno())
     run = parse_args(argv, world_size_from_env())
     cpu.set_up_process()
-    trainer = Trainer(run)
-    probe = Probe(trainer, planned[rank])
-    try:
-        trainer.train()
-    finally:
-        with open(os.path.join(folder, f"report-{rank}-{os.getpid()}.json"), "w", encoding="utf-8") as file:
-            json.dump({"rank": rank, **probe.report()}, file)
+    with Trainer(run) as trainer:
+        probe = Probe(trainer, planned[rank])
+        try:
+            trainer.train()
+        finally:
+            with open(os.path.join(folder, f"report-{rank}-{os.getpid()}.json"), "w", encoding="utf-8") as file:
+                json.dump({"rank": rank, **probe.report()}, file)
 
 
 def _launcher(world_size: int, argv: list[str], folder: str, planned: list[dict]) -> None:

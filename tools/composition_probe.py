@@ -20,7 +20,7 @@ bucket under ZeRO-1/2/3):
 
 import torch
 
-from megalite.data_parallel.param_shards import unit_params
+from megalite.data_parallel.param_shards import unit_modules
 from tools.bench.memory import PeakSampler, model_state_bytes
 
 MAX_VIOLATIONS = 20  # per rank: the first ones say what went wrong; a flood says nothing more
@@ -28,13 +28,12 @@ MAX_VIOLATIONS = 20  # per rank: the first ones say what went wrong; a flood say
 
 class _Measured:
     """What PeakSampler and model_state_bytes ask of a model, at less cost: the parameters, walked once,
-    and, as the modules to sample around, those where ZeRO-3 gathers or releases a unit (its entry and exit
-    modules, param_shards.unit_params). Nothing else changes the model state in a forward."""
+    and, as the modules to sample around, those where ZeRO-3 gathers or releases a unit (the modules of
+    each unit, param_shards.unit_modules). Nothing else changes the model state in a forward."""
 
     def __init__(self, chunks):
         self.params = list(chunks.parameters())
-        boundaries = {id(module): module for chunk in chunks for _, entries, exit_module in unit_params(chunk)
-                      for module in (*entries, exit_module)}
+        boundaries = {id(module): module for chunk in chunks for modules in unit_modules(chunk) for module in modules}
         self.boundaries = list(boundaries.values())
 
     def parameters(self):
@@ -58,7 +57,7 @@ class Probe:
         self.seen: set[int] = set()  # params whose first grad of this iteration was checked
         self.handles = [param.register_hook(lambda grad, param=param: self._check_values(param))
                         for param in {id(p): p for p in self.optimizer.model_params}.values()]
-        self.sampler = PeakSampler(_Measured(trainer.model), self.optimizer)
+        self.sampler = PeakSampler(_Measured(trainer.model), trainer.parallel_model, self.optimizer)
         self.steady: dict[str, int] = {}  # the most bytes of each kind seen after a step
         self.reported_peak = 0
         self._step = self.optimizer.step
@@ -118,7 +117,7 @@ class Probe:
         """After a step: each kind of state within its plan, and the peak so far within the plan's sum (each
         excess reported once: the first iteration it shows in)."""
         self.sampler.sample()
-        for kind, value in model_state_bytes(self.sampler.model, self.optimizer).items():
+        for kind, value in model_state_bytes(self.sampler.model, self.sampler.parallel_model, self.optimizer).items():
             if value > self.planned[kind] >= self.steady.get(kind, 0):
                 self._violation(f"{kind} take {value} bytes after the step, above the plan's {self.planned[kind]}")
             self.steady[kind] = max(self.steady.get(kind, 0), value)

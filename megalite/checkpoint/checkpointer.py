@@ -36,8 +36,8 @@ class Checkpointer:
         self.last_checkpoint: str | None = None
         self.resumed_from: int | None = None
 
-    def load(self, model, optimizer, schedule, param_shards=None) -> Resumed | None:
-        """Restore `model` (ZeRO-3: its `param_shards`), `optimizer`, `schedule` (an LRSchedule) and the RNG states
+    def load(self, model, optimizer, schedule) -> Resumed | None:
+        """Restore `model` (a ParallelModel: its chunks, or ZeRO-3's shards of them), `optimizer`, `schedule` (an LRSchedule) and the RNG states
         from the checkpoint `choose_checkpoint` picks; None when the run starts at iteration 0 (no checkpoint, or
         --finetune). --load defaults to --save when that exists, so a restarted job resumes by itself."""
         ckpt = self.run.checkpoint
@@ -58,10 +58,10 @@ class Checkpointer:
             self.log(f"warning: {load}: {note}")
         metadata = read_metadata(path)
         load_optim = not (ckpt.finetune or ckpt.no_load_optim)
-        loaded = load_checkpoint(load, model, optimizer if load_optim else None, model_config=self.run.model,
+        loaded = load_checkpoint(load, model.model, optimizer if load_optim else None, model_config=self.run.model,
                                  iteration=metadata["iteration"], rank=self.parallel.rank, parallel=self.parallel,
                                  load_rng=not (ckpt.finetune or ckpt.no_load_rng) and self._same_layout_as(metadata),
-                                 finetune=ckpt.finetune, param_shards=param_shards)
+                                 finetune=ckpt.finetune, param_shards=model.param_shards)
         if not load_optim:
             optimizer.reload_model_params()  # the fp32 main params start from the loaded weights
         if ckpt.finetune:
@@ -108,24 +108,24 @@ class Checkpointer:
         return bool(interval) and iteration % interval == 0
 
     def save(self, state, model, optimizer, schedule, evaluation_pending: bool = False,
-             evaluations_logged=(), param_shards=None) -> str | None:
-        """Save the run at `state` (a TrainState; ZeRO-3: the weights in `param_shards`), with the LR schedule and
+             evaluations_logged=()) -> str | None:
+        """Save the run at `state` (a TrainState) and `model` (a ParallelModel), with the LR schedule and
         the run config, into --save; then remove old checkpoints. Return the folder written, None without --save.
         evaluations_logged: the splits logged at this iteration so far (a resumed run logs the others)."""
         ckpt = self.run.checkpoint
         if ckpt.save is None:
             return None
         start = time.perf_counter()
-        optimizer.finish_param_sync()  # --overlap-param-gather: the weights saved must be the whole ones
+        model.finish_param_sync()  # --overlap-param-gather: the weights saved must be the whole ones
         extra = {"lr_schedule": schedule.state_dict(), "model_name": self.run.model_name,
                  "run": json_able(dataclasses.asdict(self.run)), "evaluation_pending": evaluation_pending,
                  "evaluations_logged": sorted(evaluations_logged)}
-        path = save_checkpoint(ckpt.save, state.iteration, model, optimizer,
+        path = save_checkpoint(ckpt.save, state.iteration, model.model, optimizer,
                                consumed_samples=state.consumed_train_samples,
                                consumed_valid_samples=state.consumed_valid_samples,
                                model_config=self.run.model, extra=extra, rank=self.parallel.rank,
                                parallel=self.parallel, failed_ranks=failed_ranks_across(self.parallel),
-                               param_shards=param_shards)
+                               param_shards=model.param_shards)
         self.last_checkpoint = path
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
         if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:

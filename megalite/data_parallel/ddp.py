@@ -15,8 +15,9 @@ the bucket's full grads, with one reduction in flight, so about two buckets of f
 whatever the number of micro-batches (Megatron-FSDP's shape; the bucket of an embedding tied over the
 pipeline waits for step (1) and accumulates whole); (3) then sums the own shard's SP parts over TP
 (TP peers own the same ranges); optim_grads_params (ZeRO-3) adds one bucket per unit and sharded
-parameters (param_shards.py). ZeRO-1/2 hold the parameters in the buffer's layout (`hold_params`), so the
-optimizer gathers them in place too.
+parameters (param_shards.py). Every strategy holds the parameters in the buffer's layout (`hold_params`):
+after the distributed optimizer's step, `start_param_sync` all-gathers each bucket's parameters in place
+(with --overlap-param-gather, each forward waits for the buckets it reads), and ZeRO-3 gathers a unit's.
 
 With `grad_reduce_in_bf16` (Megatron's --grad-reduce-in-bf16) step (2) sends half the bytes: each
 bucket is cast to a bf16 copy, the copy is all-reduced or reduce-scattered, and the result is cast back
@@ -30,33 +31,40 @@ from torch import nn
 
 from megalite.config.parallel import Sharding
 from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, free
-from megalite.data_parallel.param_shards import ParamShards, unit_params
+from megalite.data_parallel.param_shards import ParamShards, unit_modules, unit_params
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.comm import all_reduce_together, allreduce_sequence_parallel_grads, reduce_scatter_single
+from megalite.tensor_parallel.comm import (all_gather_single, all_reduce_together, allreduce_sequence_parallel_grads,
+                                           reduce_scatter_single)
 
 
-class DataParallelGrads:
-    """The grad buffer of `model`'s (or ModelChunks') trainable parameters and its reduction over `parallel`.
+class ParallelModel:
+    """`model` (a GPTModel or ModelChunks, tensor- and pipeline-parallel as built) made data-parallel over
+    `parallel`: the parameter-and-grad buffer of its trainable parameters, their reduction, their gathering.
 
     sharding: what DP ranks shard (ParallelConfig.sharding); all but NO_SHARD reduce-scatter into dp_size
-    shards for the distributed optimizer. overlap: start each bucket's collective from the backward hooks (always,
-    when the grads are sharded). Per iteration: `zero_grad()`, `start_iteration(...)`, the backwards,
-    `finish_grad_sync()`.
+    shards for the distributed optimizer. overlap_grad_reduce: start each bucket's collective from the backward
+    hooks (always, when the grads are sharded). overlap_param_gather: the step only starts the parameters'
+    all-gathers (ZeRO-1/2), and each forward waits for its own. Per iteration: `zero_grad()`,
+    `start_iteration(...)`, the backwards, `finish_grad_sync()`, the optimizer's step.
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
-                 sharding: Sharding = Sharding.NO_SHARD, overlap: bool = False, grad_reduce_in_bf16: bool = False):
+                 sharding: Sharding = Sharding.NO_SHARD, overlap_grad_reduce: bool = False,
+                 overlap_param_gather: bool = False, grad_reduce_in_bf16: bool = False):
         self.model, self.parallel, self.sharding = model, parallel, sharding
         self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
         self.shard, self.sharded_grads = sharding.optimizer_state, sharding.grads
-        self.overlap = (overlap and parallel.dp_size > 1) or self.sharded_grads
-        chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        self.buffer = GradBuffer(buffer_groups(chunks, sharding), bucket_size=None if sharding.params else bucket_size,
+        self.overlap = (overlap_grad_reduce and parallel.dp_size > 1) or self.sharded_grads
+        self.chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
+        self.buffer = GradBuffer(buffer_groups(self.chunks, sharding),
+                                 bucket_size=None if sharding.params else bucket_size,
                                  shard_count=parallel.dp_size if self.shard else 1,
                                  shard_rank=parallel.dp_rank if self.shard else 0, sharded=self.sharded_grads)
-        self.param_shards = ParamShards(chunks, self.buffer, parallel) if sharding.params else None  # for checkpoints
-        if self.param_shards is None and self.shard:
-            self.buffer.hold_params()  # the optimizer's all-gather lands in the parameters themselves
+        self.buffer.hold_params(sharded=sharding.params)
+        self.param_shards = ParamShards(self.chunks, self.buffer, parallel) if sharding.params else None
+        self._gathers = None  # overlap_param_gather: id(bucket) -> its parameters' all-gather in flight
+        if overlap_param_gather and self.gathers_params:
+            self._wait_for_params_in_forward()
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
         # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
         self._tied = [p for p in self.buffer.params if parallel.pp_size > 1 and getattr(p, "shared_embedding", False)]
@@ -73,11 +81,46 @@ class DataParallelGrads:
         if self.sharded_grads:
             self.buffer.before_grad = self._before_grad
 
+    @property
+    def gathers_params(self) -> bool:
+        """Whether the step's parameter all-gather runs here: ZeRO-1/2 over DP > 1 (ZeRO-3's forward gathers)."""
+        return self.shard and not self.sharding.params and self.parallel.dp_size > 1
+
     def param_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
         """The model's values of `param`'s local flat elements `[start, end)`, 1-D (a view; ZeRO-3: of its shard)."""
         if self.param_shards is not None:
             return self.param_shards.owned_values(param, start, end)
         return param.detach().view(-1)[start:end]
+
+    def start_param_sync(self) -> None:
+        """After the distributed optimizer wrote this rank's shard of every bucket's parameters: all-gather each
+        bucket in place over DP, in forward order (with overlap_param_gather started here and waited for by
+        the forward). ZeRO-3 gathers nothing here: the next forward does."""
+        if not self.gathers_params:
+            return
+        for bucket in reversed(self.buffer.buckets):
+            work = all_gather_single(bucket.param, self.buffer.param_shard(bucket), group=self.parallel.dp_group,
+                                     async_op=self._gathers is not None)
+            if self._gathers is not None:
+                self._gathers[id(bucket)] = work
+
+    def finish_param_sync(self, buckets=None) -> None:
+        """Wait for the parameter all-gathers still in flight (of the buckets with ids in `buckets`; all by
+        default): before anything reads or writes the weights."""
+        for key in [key for key in self._gathers or () if buckets is None or key in buckets]:
+            self._gathers.pop(key).wait()
+
+    def _wait_for_params_in_forward(self) -> None:
+        """overlap_param_gather: each unit of the model (the modules whose forward reads a group of parameters,
+        also weights read outside their own module's forward) waits for its parameters' buckets in a forward
+        pre-hook."""
+        self._gathers = {}
+        for chunk in self.chunks:
+            for modules in unit_modules(chunk):
+                buckets = {id(self.buffer.bucket_of[param]) for param in unit_params(modules)
+                           if param in self.buffer.bucket_of}
+                for module in modules:
+                    module.register_forward_pre_hook(lambda *_, buckets=buckets: self.finish_param_sync(buckets))
 
     def zero_grad(self) -> None:
         """Zero the grad buffer, before an iteration's first backward."""
@@ -225,7 +268,7 @@ def buffer_groups(chunks: list[nn.Module], sharding: Sharding) -> list[list[nn.P
     """The trainable parameters the grad buffer lays out range after range: each model chunk's, or
     under ZeRO-3 each unit's (param_shards.py), since a unit is gathered and reduced as one bucket."""
     if sharding.params:
-        groups = [params for chunk in chunks for params, _, _ in unit_params(chunk)]
+        groups = [unit_params(modules) for chunk in chunks for modules in unit_modules(chunk)]
     else:
         groups = [list(chunk.parameters()) for chunk in chunks]
     return [[param for param in params if param.requires_grad] for params in groups]

@@ -10,8 +10,11 @@ Sharded grads (ZeRO-2/3, `sharded=True`): no whole-model buffer. Each bucket has
 (`free`), and `shards` holds this rank's reduced shard of every bucket, one after the other, where
 each micro-batch's reduction is added.
 
-`hold_params()` lays the parameters' values out the same way in `param_data` (the model's dtype), so
-that a bucket's parameters are one contiguous tensor the distributed optimizer all-gathers into in place.
+`hold_params()` lays the parameters' values out the same way (the model's dtype): each bucket's
+`param` tensor holds its parameters, which become views of it, so that the distributed optimizer
+all-gathers into them in place. Whole, the buckets' values are views of one tensor `param_data`;
+sharded (ZeRO-3), each bucket's `param` has memory only while gathered, and `param_shards` holds this
+rank's shard of every bucket, laid out like the grads' `shards`.
 """
 
 from dataclasses import dataclass, field
@@ -28,7 +31,7 @@ class Bucket:
     end: int
     params: list[nn.Parameter] = field(default_factory=list)
     grad: torch.Tensor | None = None  # sharded grads: this bucket's full grads (no memory while freed)
-    shard_offset: int = 0  # sharded grads: where this rank's shard starts in `GradBuffer.shards`
+    param: torch.Tensor | None = None  # after hold_params(): its parameters' values, 1-D (padding included)
 
     def shard(self, rank: int, count: int) -> tuple[int, int]:
         """Buffer range `[start, end)` of shard `rank` of `count` equal shards."""
@@ -71,9 +74,8 @@ class GradBuffer:
         self.bucket_of = {param: bucket for bucket in self.buckets for param in bucket.params}
         for bucket in self.buckets if sharded else ():
             bucket.grad = torch.empty(bucket.end - bucket.start, device=device)
-            bucket.shard_offset = bucket.start // shard_count
 
-        self.param_data = None  # hold_params(): the parameters' values, laid out as the grads
+        self.param_data = self.param_shards = None  # hold_params(): the parameters' values, laid out as the grads
         self.before_grad = None  # called with a bucket before a grad is added into it (DDP: wait for its reduction)
         self.on_grad_ready = None
         for param in self.params:
@@ -107,19 +109,29 @@ class GradBuffer:
         return bucket.grad
 
     @torch.no_grad()
-    def hold_params(self) -> None:
-        """Move every parameter's values into `param_data` (1-D, the parameters' dtype, the grad buffer's
-        layout, padding zero): the parameters become views of it."""
+    def hold_params(self, sharded: bool = False) -> None:
+        """Move every parameter's values into its bucket's `param` (1-D, the parameters' dtype, padding zero): the
+        parameters become views of it. sharded: keep only this rank's shard of each bucket, in `param_shards`,
+        and free the buckets' `param` (ZeRO-3 gathers them when they are needed)."""
         dtypes = {param.dtype for param in self.params}
         if len(dtypes) > 1:
             raise ValueError(f"the parameters of one grad buffer must share a dtype to be held together, got {dtypes}")
-        device = self.params[0].device
-        self.param_data = torch.zeros(self.size, dtype=dtypes.pop(), device=device)
-        for param in self.params:
-            offset, numel = self.offsets[param]
-            values = self.param_data[offset:offset + numel]
-            values.copy_(param.detach().reshape(-1))
-            param.data = values.view(param.shape)
+        dtype, device = dtypes.pop(), self.params[0].device
+        self.param_data = None if sharded else torch.zeros(self.size, dtype=dtype, device=device)
+        self.param_shards = torch.empty(self.size // self.shard_count, dtype=dtype, device=device) if sharded else None
+        for bucket in self.buckets:
+            length = bucket.end - bucket.start
+            bucket.param = torch.zeros(length, dtype=dtype, device=device) if sharded else self.param_bucket(bucket)
+            for param in bucket.params:
+                offset, numel = self.offsets[param]
+                values = bucket.param[offset - bucket.start:offset - bucket.start + numel]
+                values.copy_(param.detach().reshape(-1))
+                # `.data` of the bucket: the parameter keeps its own version counter, so refilling the bucket
+                # (an all-gather) does not look like an in-place change of a tensor autograd saved.
+                param.data = values.data.view(param.shape)
+            if sharded:
+                self.param_shard(bucket).copy_(self.own_slice(bucket, bucket.param))
+                free(bucket.param)
 
     def own_slice(self, bucket: Bucket, values: torch.Tensor) -> torch.Tensor:
         """This rank's shard of `values`, a 1-D tensor of `bucket`'s length (its grads or its parameters): a view,
@@ -128,8 +140,14 @@ class GradBuffer:
         return values[low - bucket.start:high - bucket.start]
 
     def param_bucket(self, bucket: Bucket) -> torch.Tensor:
-        """`bucket`'s parameter values, 1-D (padding included), after `hold_params()`."""
+        """`bucket`'s part of `param_data`, 1-D (padding included)."""
         return self.param_data[bucket.start:bucket.end]
+
+    def param_shard(self, bucket: Bucket) -> torch.Tensor:
+        """This rank's shard of `bucket`'s parameter values: of `param_shards` (sharded), else of `bucket.param`."""
+        if self.param_shards is None:
+            return self.own_slice(bucket, bucket.param)
+        return self.param_shards[self._stored_shard(bucket)]
 
     def owned(self, rank: int | None = None):
         """Yield (bucket, param, local, in_shard) for each parameter's part inside shard `rank` (default: this
@@ -146,9 +164,12 @@ class GradBuffer:
     def shard_view(self, bucket: Bucket) -> torch.Tensor:
         """This rank's shard of `bucket`'s grads, 1-D: where its reduce-scatter leaves them."""
         if self.sharded:
-            size = (bucket.end - bucket.start) // self.shard_count
-            return self.shards[bucket.shard_offset:bucket.shard_offset + size]
+            return self.shards[self._stored_shard(bucket)]
         return self.data[slice(*bucket.shard(self.shard_rank, self.shard_count))]
+
+    def _stored_shard(self, bucket: Bucket) -> slice:
+        """Where this rank's shard of `bucket` lies in `shards` and `param_shards` (one shard per bucket, in order)."""
+        return slice(bucket.start // self.shard_count, bucket.end // self.shard_count)
 
     def step_grads(self) -> torch.Tensor:
         """The flat tensor whose values the optimizer clips: `data`, or `shards`."""

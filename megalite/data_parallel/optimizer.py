@@ -13,10 +13,8 @@ from typing import NamedTuple
 
 import torch
 
-from megalite.data_parallel.ddp import DataParallelGrads
-from megalite.data_parallel.param_shards import unit_params
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.errors import UserError
-from megalite.tensor_parallel.comm import all_gather_single
 
 STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
 # The parameters --decoupled-lr applies to, as Megatron's is_embedding_or_output_parameter: the word
@@ -72,34 +70,34 @@ class StepResult(NamedTuple):
 
 
 class MixedPrecisionOptimizer:
-    """AdamW on fp32 main params for the trainable parameters of `ddp`'s model (fp32, bf16 or fp16).
+    """AdamW on fp32 main params for the trainable parameters of `model` (fp32, bf16 or fp16).
 
-    ddp: the DataParallelGrads owning the grad buffer (sharding for a DistributedOptimizer only).
+    model: the ParallelModel owning the parameter-and-grad buffer (sharded for a DistributedOptimizer only).
     weight_decay: decoupled, on params with ndim >= 2 only. clip_grad: 0 disables clipping.
     loss_scaler: dynamic loss scaling (fp16); None means a scale of 1.
-    Per iteration: `zero_grad()`, `ddp.start_iteration(...)`, `scale_loss(loss).backward()` per
-    micro-batch, `ddp.finish_grad_sync()`, `step(lr)` (or `step(lr, decoupled_lr)`: the word embeddings and
+    Per iteration: `zero_grad()`, `model.start_iteration(...)`, `scale_loss(loss).backward()` per
+    micro-batch, `model.finish_grad_sync()`, `step(lr)` (or `step(lr, decoupled_lr)`: the word embeddings and
     the output layer at their own rate, DECOUPLED_PARAM_SUFFIXES).
     """
 
     distributed = False
 
-    def __init__(self, ddp: DataParallelGrads, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
+    def __init__(self, model: ParallelModel, lr: float, weight_decay: float = 0.01, betas=(0.9, 0.999),
                  eps: float = 1e-8, clip_grad: float = 1.0, loss_scaler: DynamicLossScaler | None = None):
-        if ddp.shard != self.distributed:
-            raise ValueError(f"{type(self).__name__} needs a DataParallelGrads with shard={self.distributed}")
+        if model.shard != self.distributed:
+            raise ValueError(f"{type(self).__name__} needs a ParallelModel with shard={self.distributed}")
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
-        self.ddp, parallel = ddp, ddp.parallel
+        self.model, parallel = model, model.parallel
         self.tp_rank, self.pp_rank = parallel.tp_rank, parallel.pp_rank
         self.dp_size, self.dp_rank = parallel.dp_size, parallel.dp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
         self.world = parallel.world_size > 1
-        self.name_of = {id(param): name for name, param in ddp.model.named_parameters() if param.requires_grad}
+        self.name_of = {id(param): name for name, param in model.model.named_parameters() if param.requires_grad}
         if not self.name_of:
             raise ValueError("the model has no trainable parameters to optimise")
-        self.grad_buffer = ddp.buffer
+        self.grad_buffer = model.buffer
         self._build_main_params()
         # One AdamW group per (weight decay, decoupled LR) pair: decay on matrices, the decoupled rate on
         # the embeddings and output layer.
@@ -128,8 +126,8 @@ class MixedPrecisionOptimizer:
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale.to(loss.dtype)
 
     def zero_grad(self) -> None:
-        """Zero the grad buffer (the DDP's), before an iteration's first backward."""
-        self.ddp.zero_grad()
+        """Zero the grad buffer (the model's), before an iteration's first backward."""
+        self.model.zero_grad()
 
     @torch.no_grad()
     def step(self, lr: float, decoupled_lr: float | None = None, skip: torch.Tensor | None = None) -> StepResult:
@@ -137,7 +135,7 @@ class MixedPrecisionOptimizer:
         given), refresh the model params. Inf/nan grads (on any rank: every rank decides alike), or `skip` (a
         0-dim bool tensor: the caller's reason, say a non-finite loss), skip the update on the device; a loss
         scaler backs off for inf/nan grads. Nothing here waits for the device."""
-        self.finish_param_sync()  # no step writes main params (an fp32 model's own values) under a pending gather
+        self.model.finish_param_sync()  # no step writes main params (an fp32 model's own values) under a gather
         found_inf = self._unscale_and_check_grads()
         grad_norm = self._grad_norm()
         skipped = ~torch.isfinite(grad_norm)
@@ -209,13 +207,10 @@ class MixedPrecisionOptimizer:
             if main is not param:
                 param.copy_(main)
 
-    def finish_param_sync(self, buckets=None) -> None:
-        """Nothing to wait for: only the distributed optimizer gathers parameters."""
-
     @torch.no_grad()
     def reload_model_params(self) -> None:
         """Copy the model params into the main params, after weights were loaded without optimizer state."""
-        self.finish_param_sync()
+        self.model.finish_param_sync()
         for main, param in zip(self.main_params, self._model_values()):
             if main.untyped_storage().data_ptr() != param.untyped_storage().data_ptr():
                 main.copy_(param)
@@ -258,7 +253,7 @@ class MixedPrecisionOptimizer:
         model; this run's hyper-parameters stay, the scaler state loads when both sides have a scaler."""
         tensors, meta = state["tensors"], state["meta"]
         _check_tensors(tensors, dict(zip(self.names, self.main_params)))
-        self.finish_param_sync()
+        self.model.finish_param_sync()
         steps = int(meta["step"])
         for name, main in zip(self.names, self.main_params):
             main.copy_(tensors[f"{name}.main_param"])
@@ -272,15 +267,13 @@ class MixedPrecisionOptimizer:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every grad-buffer bucket (one
-    contiguous range of a param's flat values each), where its grads arrive by reduce-scatter;
-    after AdamW each bucket is all-gathered in place (the parameters are views of the buffer's
-    `param_data`), so every rank's model params are whole again. ZeRO-2 reads the grads from the
-    buffer's shards; ZeRO-3 updates the stored parameter shards and gathers nothing: the next forward
-    does (param_shards.py)."""
+    """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every bucket of the model's
+    parameter-and-grad buffer (one contiguous range of a param's flat values each), where its grads arrive by
+    reduce-scatter; after AdamW it writes the shard into the parameters and the model all-gathers them in place
+    (`ParallelModel.start_param_sync`). ZeRO-2 reads the grads from the buffer's shards; ZeRO-3 updates the
+    stored parameter shards, which the next forward gathers (param_shards.py)."""
 
     distributed = True
-    _gathers = None  # --overlap-param-gather: id(bucket) -> its all-gather in flight
 
     def _build_main_params(self) -> None:
         """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
@@ -289,51 +282,20 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
         for bucket, param, local, in_shard in buffer.owned():
             self.model_params.append(param)
             self.names.append(self.name_of[id(param)])
-            self.main_params.append(_main_param(self.ddp.param_values(param, *local)))
+            self.main_params.append(_main_param(self.model.param_values(param, *local)))
             self.main_grads.append(buffer.shard_view(bucket)[slice(*in_shard)])
             self.ranges.append(local)
 
     def _model_values(self) -> list[torch.Tensor]:
-        return [self.ddp.param_values(param, *local) for param, local in zip(self.model_params, self.ranges)]
+        return [self.model.param_values(param, *local) for param, local in zip(self.model_params, self.ranges)]
 
     @torch.no_grad()
     def _copy_main_params_to_model_params(self) -> None:
-        """Write the owned ranges into the model params, then all-gather every bucket across DP
-        (under ZeRO-3 into the stored shards, which the next forward gathers)."""
+        """Write the owned ranges into the model params, then have every DP rank's shards gathered."""
         for main, values in zip(self.main_params, self._model_values()):
             if main.dtype != values.dtype:
                 values.copy_(main)
-        if self.dp_size == 1 or self.ddp.sharding.params:
-            return
-        for bucket in reversed(self.grad_buffer.buckets):  # forward order: the first needed first
-            self._all_gather_bucket(bucket)
-
-    def _all_gather_bucket(self, bucket) -> None:
-        """Every DP rank's shard of `bucket`'s params, gathered in place into the params of all ranks (with
-        --overlap-param-gather started here and finished by `finish_param_sync`)."""
-        values = self.grad_buffer.param_bucket(bucket)
-        work = all_gather_single(values, self.grad_buffer.own_slice(bucket, values), group=self.ddp.parallel.dp_group, async_op=self._gathers is not None)
-        if self._gathers is not None:
-            self._gathers[id(bucket)] = work
-
-    def overlap_param_gather(self) -> None:
-        """--overlap-param-gather: from now on the step only starts each bucket's all-gather. Each unit of the
-        model (param_shards.unit_params: the modules whose forward reads a group of parameters, also weights
-        read outside their own module's forward) waits for its parameters' buckets in a forward pre-hook."""
-        self._gathers = {}
-        model = self.ddp.model
-        for chunk in model if isinstance(model, torch.nn.ModuleList) else [model]:
-            for params, entries, _ in unit_params(chunk):
-                buckets = {id(self.grad_buffer.bucket_of[param]) for param in params
-                           if param in self.grad_buffer.bucket_of}
-                for module in entries:
-                    module.register_forward_pre_hook(lambda *_, buckets=buckets: self.finish_param_sync(buckets))
-
-    def finish_param_sync(self, buckets=None) -> None:
-        """Wait for the parameter all-gathers still in flight (of the buckets with ids in `buckets`; all by
-        default): before anything reads or writes the weights."""
-        for key in [key for key in self._gathers or () if buckets is None or key in buckets]:
-            self._gathers.pop(key).wait()
+        self.model.start_param_sync()
 
     def _adam_states(self) -> list[dict]:
         """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
@@ -352,7 +314,7 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     @torch.no_grad()
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
-        self.finish_param_sync()
+        self.model.finish_param_sync()
         live = self._state_tensors()
         tensors, meta = state["tensors"], state["meta"]
         if set(tensors) != set(live):

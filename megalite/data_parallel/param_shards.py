@@ -1,22 +1,22 @@
 """ZeRO-3 (`--data-parallel-sharding-strategy optim_grads_params`): parameters sharded over DP.
 
-A unit is a group of parameters gathered together: each transformer layer, the embedding,
-and the head (final norm and untied output layer; with tied embeddings the embedding joins
-the head, since the output layer reads its weight). Each unit is one grad-buffer bucket
-(grad_buffer.py), and its parameters are laid out in the same order in a flat tensor `full`
-of the model's dtype: they are views of it. `full` has memory only while the unit is
-gathered; DP rank d keeps shard d of every unit in `shards`, which the optimizer updates
-and the checkpoint saves.
+A unit is a group of parameters gathered together, declared by the model as a list of modules
+(`GPTModel.sharding_units`): each transformer layer, the embedding, and the head. Each unit is one
+grad-buffer bucket, whose parameter values (`Bucket.param`, the model's dtype) have memory only
+while the unit is gathered; DP rank d keeps shard d of every unit in the buffer's `param_shards`,
+which the optimizer updates and the checkpoint saves.
 
 Hooks applied to the built model from outside it (the model stays plain):
 - before a unit's first module runs: wait for its all-gather (start it if no prefetch
   did), then start the next unit's all-gather (prefetch, asynchronous);
-- after its last module: while autograd records, hook the outputs' grads so the unit is
+- after its last module's forward: while autograd records, hook the outputs' grads so the unit is
   gathered again (and the unit whose backward comes next is prefetched) before its
   backward; release it;
 - when every parameter of the unit has accumulated its grad in a backward: release it.
+A unit whose last module does not run (the fused output loss reads the head's weight without calling
+the output layer) stays gathered until the backwards of the forwards that used it are done.
 So at most the running unit and the prefetched one are gathered, plus, with tied
-embeddings, the embedding unit, which the head needs from the first layer to the last.
+embeddings, the head, which holds the embedding from the first layer to the last.
 A recomputed layer (--recompute-granularity full) runs again inside the backward: its unit
 is gathered (the layers of a recomputed group together) and stays so until its grads are in.
 """
@@ -45,90 +45,57 @@ class Unit:
     work: object = None  # a pending asynchronous all-gather
     gathered: bool = False
     grads_seen: int = 0
+    kept_for: int = 0  # backwards due of forwards that ended with the unit gathered (read after the chunk)
 
 
-def unit_params(chunk: nn.Module) -> list[tuple[list[nn.Parameter], list[nn.Module], nn.Module]]:
-    """The units of one GPTModel chunk, in forward order: (parameters, the modules whose forward
-    needs them gathered, the module after whose forward they are released)."""
-    units = []
-    tied_head = chunk.post_process and chunk.embedding is not None and chunk.tied
-    head_params = [] if chunk.final_layernorm is None else list(chunk.final_layernorm.parameters())
-    if chunk.output_layer is not None:
-        head_params += list(chunk.output_layer.parameters())
-    if chunk.embedding is not None and not tied_head:
-        units.append((list(chunk.embedding.parameters()), [chunk.embedding], chunk.embedding))
-    if tied_head:
-        entry = [chunk.embedding] if chunk.pre_process else []
-        units.append((list(chunk.embedding.parameters()) + head_params, entry + [chunk.final_layernorm], chunk))
-    units += [(list(layer.parameters()), [layer], layer) for layer in chunk.layers.values()]
-    if chunk.post_process and not tied_head:
-        units.append((head_params, [chunk.final_layernorm], chunk))
-    return [unit for unit in units if any(p.requires_grad for p in unit[0])]
+def unit_modules(chunk: nn.Module) -> list[list[nn.Module]]:
+    """The units `chunk` declares (its `sharding_units()`), without those that hold no trainable parameter."""
+    return [modules for modules in chunk.sharding_units()
+            if any(param.requires_grad for module in modules for param in module.parameters())]
+
+
+def unit_params(modules: list[nn.Module]) -> list[nn.Parameter]:
+    """A unit's parameters, each once (a module may list a shared weight again)."""
+    return list({id(param): param for module in modules for param in module.parameters()}.values())
 
 
 class ParamShards:
-    """The sharded parameters of `chunks` (GPTModel chunks) over `parallel`'s DP group.
+    """ZeRO-3's gathering of `chunks`' parameters over `parallel`'s DP group, per the units each chunk declares.
 
-    buffer: the grad buffer, built with one bucket per unit of `unit_params` (in that order
-    within each chunk); the parameter values are laid out like their grads. Construction
-    moves every parameter into its unit's `full` tensor, keeps this rank's shard and
-    releases the rest.
+    buffer: the grad buffer, built with one bucket per unit (in `unit_modules` order within each chunk), whose
+    parameters it holds sharded (`GradBuffer.hold_params(sharded=True)`): a unit's whole values are its
+    bucket's `param`, its stored shard the bucket's part of `param_shards`.
     """
 
     def __init__(self, chunks: list[nn.Module], buffer: GradBuffer, parallel: ParallelState):
         self.parallel = parallel
         self.buffer = buffer
-        param = buffer.params[0]
-        self.shards = torch.empty(sum((b.end - b.start) for b in buffer.buckets) // buffer.shard_count,
-                                  dtype=param.dtype, device=param.device)
         self.units: list[Unit] = []
         self.unit_of: dict[int, Unit] = {}
         for chunk in chunks:
-            self._shard_chunk(chunk)
+            self._hook_chunk(chunk)
 
-    def _shard_chunk(self, chunk: nn.Module) -> None:
-        groups = unit_params(chunk)
+    def _hook_chunk(self, chunk: nn.Module) -> None:
+        declared = unit_modules(chunk)
         units = []
-        for params, entries, exit_module in groups:
-            bucket = self.buffer.bucket_of[next(p for p in params if p.requires_grad)]
-            unit = self._shard_bucket(bucket)
+        for modules in declared:
+            bucket = self.buffer.bucket_of[next(p for p in unit_params(modules) if p.requires_grad)]
+            unit = Unit(bucket, bucket.param, self.buffer.param_shard(bucket))
             units.append(unit)
-            for module in entries:
+            self.units.append(unit)
+            self.unit_of.update((id(param), unit) for param in bucket.params)
+            for module in modules:
                 module.register_forward_pre_hook(lambda *_, unit=unit: self._before_forward(unit))
-            exit_module.register_forward_hook(
-                lambda _module, _args, output, unit=unit: self._after_forward(unit, output))
+            modules[-1].register_forward_hook(lambda _module, _args, output, unit=unit: self._after_forward(unit, output))
         for unit, following in zip(units, units[1:]):
             unit.forward_next = following
-        # Released after the chunk's forward, the head (and a tied embedding) is the first unit
-        # gathered for the backward; the layers follow from the top down, then the embedding.
-        exits = [unit for unit, (_, _, exit_module) in zip(units, groups) if exit_module is not chunk]
-        backward = [unit for unit, (_, _, exit_module) in zip(units, groups) if exit_module is chunk]
-        backward += exits[::-1]
+        chunk.register_forward_hook(lambda *_: self._after_chunk_forward(units))
+        # The backward runs the units in the reverse order of their last modules' forwards (a module's place in
+        # `chunk.modules()` is its place in the forward).
+        position = {id(module): i for i, module in enumerate(chunk.modules())}
+        backward = [unit for _, unit in sorted(zip(declared, units), key=lambda pair: -position[id(pair[0][-1])])]
         for unit, following in zip(backward, backward[1:]):
             unit.backward_next = following
-
-    @torch.no_grad()
-    def _shard_bucket(self, bucket: Bucket) -> Unit:
-        """Move `bucket`'s parameters into one flat `full` tensor, keep this rank's shard, free the rest."""
-        size = (bucket.end - bucket.start) // self.buffer.shard_count
-        first = bucket.params[0]
-        full = torch.zeros(bucket.end - bucket.start, dtype=first.dtype, device=first.device)
-        for param in bucket.params:
-            start, numel = self.buffer.offsets[param]
-            view = full[start - bucket.start:start - bucket.start + numel]
-            view.copy_(param.detach().reshape(-1))
-            # `.data` of `full`: the parameter keeps its own version counter, so refilling `full`
-            # for the backward does not look like an in-place change of a tensor autograd saved.
-            param.data = full.data[start - bucket.start:start - bucket.start + numel].view(param.shape)
-        shard = self.shards[bucket.shard_offset:bucket.shard_offset + size]
-        rank = self.buffer.shard_rank
-        shard.copy_(full[rank * size:(rank + 1) * size])
-        unit = Unit(bucket, full, shard)
-        free(full)
-        self.units.append(unit)
-        for param in bucket.params:
-            self.unit_of[id(param)] = unit
-        return unit
 
     # -- gathering ---------------------------------------------------------------------------
 
@@ -158,7 +125,7 @@ class ParamShards:
         if unit.gathered:
             free(unit.full)
             unit.gathered = False
-        unit.grads_seen = 0
+        unit.grads_seen = unit.kept_for = 0
 
     def release_all(self) -> None:
         for unit in self.units:
@@ -203,8 +170,19 @@ class ParamShards:
         """A grad-buffer hook: `param` accumulated its grad; release its unit once all of them did."""
         unit = self.unit_of[id(param)]
         unit.grads_seen += 1
-        if unit.grads_seen == len(unit.bucket.params):
+        if unit.grads_seen < len(unit.bucket.params):
+            return
+        unit.grads_seen, unit.kept_for = 0, max(unit.kept_for - 1, 0)
+        if not unit.kept_for:
             self.release(unit)
+
+    def _after_chunk_forward(self, units: list[Unit]) -> None:
+        """A unit still gathered after its chunk's forward (a head whose last module did not run: the fused
+        output loss reads its weight directly) stays so until the backward of that forward is done (with
+        several micro-batches in flight, of each one's)."""
+        if torch.is_grad_enabled() and not recomputing():
+            for unit in units:
+                unit.kept_for += unit.gathered
 
     # -- ownership -----------------------------------------------------------------------------
 

@@ -131,6 +131,17 @@ class GPTModel(nn.Module):
                                                   self.config.z_loss_weight, inplace=True, kernels=self.kernels).t()
         return (losses if loss_mask is None else losses * loss_mask).contiguous()
 
+    def sharding_units(self) -> list[list[nn.Module]]:
+        """ZeRO-3's units (data_parallel/param_shards.py) in forward order: each a list of modules whose parameters
+        are gathered together before any of them runs and released after the last one's forward. Each layer, the
+        embedding, and the head (final norm, output layer); a tied head holds the embedding, whose weight the
+        output layer reads."""
+        layers = [[layer] for layer in self.layers.values()]
+        head = [module for module in (self.final_layernorm, self.output_layer) if module is not None]
+        if self.post_process and self.tied:
+            return [[self.embedding, *head], *layers]
+        return [unit for unit in ([self.embedding] if self.embedding is not None else [], *layers, head) if unit]
+
     def run_layers(self, hidden: torch.Tensor, rotary) -> torch.Tensor:
         """This stage's layers in order, `[s, b, h]` -> `[s, b, h]`; full recomputation (model/options.py)
         replaces it on the instance to checkpoint groups of them."""

@@ -6,6 +6,7 @@ number of micro-batches changes no arithmetic. Every early stop happens at an it
 agree on, saves when --save is set and returns normally, so the same command resumes (docs/reliability.md).
 """
 
+import contextlib
 import dataclasses
 import math
 import os
@@ -17,12 +18,12 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from megalite import cpu, parallel_state
+from megalite import parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig, describe_model, num_parameters
 from megalite.data.loader import build_data_loader, iterate, next_global_batch
 from megalite.data.tokenizer import build_tokenizer
-from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
+from megalite.data_parallel.ddp import ParallelModel, global_token_count
 from megalite.data_parallel.optimizer import DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.parallel_state import ONE_PROCESS, ParallelState
@@ -30,6 +31,7 @@ from megalite.kernels import check_kernels
 from megalite.run.flops import DTYPE_NAMES
 from megalite.run.housekeeping import ManualGC, StepProfiler, empty_unused_memory, profile_folder
 from megalite.run.logger import TrainingLogger
+from megalite.run.parallelize import parallelize
 from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
 from megalite.run.data import build_datasets, resolve_data
@@ -37,7 +39,6 @@ from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps,
                                      divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
-from megalite.model.options import apply_options
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -71,8 +72,8 @@ def print_flushed(line: str) -> None:
     print(line, flush=True)
 
 
-def build_optimizer(ddp: DataParallelGrads, run: RunConfig) -> MixedPrecisionOptimizer:
-    """The mixed-precision optimizer on the model's DDP (its grad buffer), or the distributed one when the
+def build_optimizer(model: ParallelModel, run: RunConfig) -> MixedPrecisionOptimizer:
+    """The mixed-precision optimizer on the model's parameter-and-grad buffer, or the distributed one when the
     optimizer state is sharded (ZeRO-1/2/3); fp16 gets a dynamic loss scaler."""
     train, layout = run.train, run.parallel
     kind = DistributedOptimizer if layout.sharding.optimizer_state else MixedPrecisionOptimizer
@@ -80,12 +81,9 @@ def build_optimizer(ddp: DataParallelGrads, run: RunConfig) -> MixedPrecisionOpt
     if train.fp16:
         scaler = DynamicLossScaler(initial_scale=train.initial_loss_scale, min_scale=train.min_loss_scale,
                                    growth_interval=train.loss_scale_window, hysteresis=train.hysteresis,
-                                   device=ddp.parallel.device)
-    optimizer = kind(ddp, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
-                     eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
-    if layout.overlap_param_gather and not layout.sharding.params:  # ZeRO-3 gathers ahead of use anyway
-        optimizer.overlap_param_gather()
-    return optimizer
+                                   device=model.parallel.device)
+    return kind(model, lr=train.lr, weight_decay=train.weight_decay, betas=(train.adam_beta1, train.adam_beta2),
+                eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
 
 
 def build_lr_schedule(run: RunConfig) -> LRSchedule:
@@ -120,19 +118,36 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
 
 
 class Trainer:
-    """One run's objects, built in the order the checkpoint and the data need them."""
+    """One run's objects: `with Trainer(run) as trainer: trainer.train()`. Entering opens them in the order the
+    checkpoint and the data need (signals, process groups, model, optimizer, checkpoint, data, logger, tracking);
+    leaving closes what was opened, in the reverse order, however the block ended."""
 
     def __init__(self, run: RunConfig, log=print_flushed):
-        """`self.run` is `run` completed by what the data decides (the built-in corpus, the
-        tokenizer's vocabulary): the config the run uses and its checkpoints save."""
-        train = run.train
+        self.run, self._print = run, log
+
+    def __enter__(self) -> "Trainer":
+        with contextlib.ExitStack() as opened:
+            self._open(opened)
+            self._close = opened.pop_all()  # all opened: from now on __exit__ closes them
+        return self
+
+    def __exit__(self, *exc_info) -> bool:
+        return self._close.__exit__(*exc_info)
+
+    def _open(self, opened: contextlib.ExitStack) -> None:
+        """Build the run's objects; `opened` closes each resource taken, if a later one fails or at exit.
+        `self.run` becomes `run` completed by what the data decides (the built-in corpus, the tokenizer's
+        vocabulary): the config the run uses and its checkpoints save."""
+        run, train = self.run, self.run.train
+        self.signals = opened.enter_context(owned_signals(train.exit_signal_handler))  # before wandb starts
         self.parallel = parallel_state.initialize(run.parallel)
-        self.log = log if self.parallel.is_logging_rank else lambda line: None
+        opened.callback(parallel_state.destroy, self.parallel)
+        self.log = self._print if self.parallel.is_logging_rank else lambda line: None
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
         self.evaluations_logged = set()  # the splits evaluated and logged at this iteration
-        self.gc = ManualGC(False)  # train() holds --manual-gc's collector while the loop runs
+        self.gc = ManualGC(train.manual_gc, train.manual_gc_interval, train.manual_gc_eval)  # on in train()
         # Python, numpy and torch RNGs alike on every TP rank (dropout outside TP regions must match), offset
         # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
         random.seed(train.seed + 100 * self.parallel.pp_rank)
@@ -145,27 +160,19 @@ class Trainer:
                                          data.merge_file)
         self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
         self.device = self.parallel.device
-        parallel = run.parallel
+        layout = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
-                                        parallel.virtual_pipeline_model_parallel_size,
-                                        parallel.decoder_first_pipeline_num_layers,
-                                        parallel.decoder_last_pipeline_num_layers, train.kernels)
-        for chunk in self.model:  # the one dispatch point of the device's speed path and the model options
-            if self.device.type == "cpu":
-                cpu.apply(chunk)
-            apply_options(chunk, recompute_granularity=run.model.recompute_granularity,
-                          recompute_method=run.model.recompute_method,
-                          recompute_num_layers=run.model.recompute_num_layers, compile=train.compile)
+                                        layout.virtual_pipeline_model_parallel_size,
+                                        layout.decoder_first_pipeline_num_layers,
+                                        layout.decoder_last_pipeline_num_layers, train.kernels)
+        self.parallel_model = parallelize(self.model, run, self.parallel)
         self.comm = None
         if self.parallel.pp_size > 1:
-            tokens = run.model.seq_length // (self.parallel.tp_size if parallel.sequence_parallel else 1)
+            tokens = run.model.seq_length // (self.parallel.tp_size if layout.sequence_parallel else 1)
             self.comm = PipelineComm(self.parallel, (tokens, train.micro_batch_size, run.model.hidden_size),
                                      train.params_dtype)
         self.schedule_log = print_flushed if run.logging.debug_pipeline_schedule else None  # on every rank
-        self.ddp = DataParallelGrads(self.model, self.parallel, bucket_size=parallel.ddp_bucket_size,
-                                     sharding=parallel.sharding, overlap=parallel.overlap_grad_reduce,
-                                     grad_reduce_in_bf16=parallel.grad_reduce_in_bf16)
-        self.optimizer = build_optimizer(self.ddp, run)
+        self.optimizer = build_optimizer(self.parallel_model, run)
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.checkpointer = Checkpointer(run, self.parallel, log=self.log)
@@ -179,22 +186,31 @@ class Trainer:
         metrics_file = run.logging.metrics_file
         if metrics_file is None and run.checkpoint.save:
             metrics_file = os.path.join(run.checkpoint.save, "metrics.jsonl")
+        to_console = self._print is print_flushed
         self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length, train.train_iters,
                                      run.logging.log_interval, metrics_file, device=self.device,
                                      dtype=train.params_dtype, num_devices=self.parallel.world_size,
                                      is_logging_rank=self.parallel.is_logging_rank,
                                      start_iteration=self.state.iteration,
                                      start_evaluations=self.evaluations_logged,
-                                     print_fn=None if log is print_flushed else log)
-        if log is print_flushed:
+                                     print_fn=None if to_console else self._print)
+        opened.callback(self.logger.close)
+        if to_console:
             # Above the progress bar. The logger's method, not a closure over the Trainer: a reference cycle would
             # keep the process groups alive until interpreter exit, where gloo aborts the process.
             self.log = self.checkpointer.log = self.logger.print
         self._log_rampup(run.train)
         self.profiler = self._build_profiler(run)
-        # Last, so that nothing in this constructor can fail with a tracking run left open.
+        opened.callback(self.profiler.close)
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
                                       self.parallel.is_logging_rank, warn=self.log)
+        opened.push(self._finish_tracking)
+
+    def _finish_tracking(self, _kind, error, _traceback) -> None:
+        """Close the tracking run with the run's exit code and why it ended (the error, if one ends it)."""
+        reason = f"{type(error).__name__}: {error}" if error is not None else self.state.exit_reason
+        self.tracker.finish(0 if error is None else exit_code_of(error),
+                            {"exit_reason": reason, "final_iteration": self.state.iteration})
 
     def _log_rampup(self, train) -> None:
         """Say once what --rampup-batch-size does in this run."""
@@ -235,7 +251,7 @@ class Trainer:
 
     def load(self) -> None:
         """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
-        resumed = self.checkpointer.load(self.model, self.optimizer, self.schedule, self.ddp.param_shards)
+        resumed = self.checkpointer.load(self.parallel_model, self.optimizer, self.schedule)
         if resumed is None:
             return
         self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
@@ -248,8 +264,8 @@ class Trainer:
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
-        if self.checkpointer.save(self.state, self.model, self.optimizer, self.schedule, self.evaluation_pending,
-                                  self.evaluations_logged, self.ddp.param_shards):
+        if self.checkpointer.save(self.state, self.parallel_model, self.optimizer, self.schedule,
+                                  self.evaluation_pending, self.evaluations_logged):
             self.tracker.log_checkpoint(self.state.iteration)
 
     def train_step(self) -> tuple[torch.Tensor, float]:
@@ -262,12 +278,12 @@ class Trainer:
         position = (self.state.iteration, consumed, self.run.global_batch_at(consumed))
         lr = self.schedule.lr_at(*position)
         self.optimizer.zero_grad()
-        self.ddp.start_iteration(num_microbatches)
+        self.parallel_model.start_iteration(num_microbatches)
         batch = next_global_batch(self.train_iterator, num_microbatches)
         loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
         empty_unused_memory(self.run.train.empty_unused_memory_level, 1)  # Megatron's two points, by level
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
-        self.ddp.finish_grad_sync()
+        self.parallel_model.finish_grad_sync()
         # Every rank holds the same global loss and grad norm, so all ranks skip (and stop) alike. The NaN check
         # skips a step with a non-finite loss too; `_account` stops the run when it reads the results.
         skip = ~torch.isfinite(loss) if self._stops_on_nan() else None
@@ -348,11 +364,8 @@ class Trainer:
         return True
 
     def train(self) -> TrainState:
-        # self.signals: the run's signal owner (pretrain's, or one installed for this call); self.gc: --manual-gc's
-        # collector, off while the loop runs.
-        train = self.run.train
-        with (owned_signals(train.exit_signal_handler) as self.signals,
-              ManualGC(train.manual_gc, train.manual_gc_interval, train.manual_gc_eval) as self.gc):
+        """Train from the loaded state to --train-iters or an early stop (with --manual-gc's collector off)."""
+        with self.gc:
             return self._train()
 
     def _train(self) -> TrainState:
@@ -361,7 +374,6 @@ class Trainer:
         saved_at = state.iteration if state.iteration else None  # a loaded checkpoint is saved already
         spikes, skipped = LossSpikeDetector(run.train.loss_spike_threshold), SkippedSteps()
         pending: list[PendingIteration] = []  # the iterations since the results were last read
-        exit_code, failure = 0, None
         # The iteration a failure stops: the step of the next one, else the one that has just been counted (its
         # evaluation and save, the checks before the next step, and the end of the run).
         running = state.iteration
@@ -397,7 +409,7 @@ class Trainer:
                 reason = exit_reason(run.train, state.iteration, *self.agreed_stop(start_time))
             self._account(pending, spikes, skipped)  # a stop between log lines: before the last evaluation and save
             self.profiler.close()  # a run that ends before --profile-step-end: the iterations it had
-            self.optimizer.finish_param_sync()  # whoever reads the weights after the loop gets the whole ones
+            self.parallel_model.finish_param_sync()  # whoever reads the weights after the loop gets the whole ones
             if reason == "finished":  # validation, then test, each unless logged at this iteration (by the loop or a
                 # finished run this one resumed: a re-run adds nothing); a signal stops them
                 if "valid" in self.evaluations_logged or self.evaluate_split("valid", self.valid_iterator):
@@ -412,24 +424,16 @@ class Trainer:
             if reason != "finished":
                 self.log(f"exiting at iteration {state.iteration}: {reason}")
         except BaseException as error:
-            exit_code, failure = exit_code_of(error), f"{type(error).__name__}: {error}"
             if is_collective_failure(error):
                 # A peer died or hangs: say so in one sentence instead of a traceback from deep in torch.
                 raise self.peers.failure(error, running, self.checkpointer.last_checkpoint) from error
             raise
-        finally:
-            self.profiler.close()
-            self.tracker.finish(exit_code, {"exit_reason": failure or state.exit_reason,
-                                            "final_iteration": state.iteration})
-            self.logger.close()
-            parallel_state.destroy(self.parallel)
         return state
 
 
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
-    with owned_signals(run.train.exit_signal_handler):  # from before wandb starts until the run returns
-        trainer = Trainer(run, log)
+    with Trainer(run, log) as trainer:
         trainer.log(startup_line(trainer.run, largest_rank_parameters(trainer), trainer.device))
         return trainer, trainer.train()
 

@@ -10,7 +10,7 @@ import torch
 
 from megalite.arguments import parse_args
 from megalite.checkpoint import Checkpointer, read_metadata
-from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.data_parallel.optimizer import MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
@@ -30,7 +30,7 @@ class Run:
         if layout is not None:  # what the saved run record says about the parallel layout
             self.run = dataclasses.replace(self.run, parallel=dataclasses.replace(self.run.parallel, **layout))
         self.model = build_model(self.run.model, seed=seed, dtype=dtype)
-        self.ddp = DataParallelGrads(self.model)
+        self.ddp = ParallelModel(self.model)
         self.optimizer = MixedPrecisionOptimizer(self.ddp, lr=1e-2)
         self.schedule = build_lr_schedule(self.run)
         self.lines = []
@@ -47,10 +47,10 @@ class Run:
     def save(self, iteration, evaluation_pending=False):
         state = TrainState(iteration=iteration, consumed_train_samples=2 * iteration,
                            consumed_valid_samples=iteration)
-        return self.checkpointer.save(state, self.model, self.optimizer, self.schedule, evaluation_pending)
+        return self.checkpointer.save(state, self.ddp, self.optimizer, self.schedule, evaluation_pending)
 
     def load(self):
-        return self.checkpointer.load(self.model, self.optimizer, self.schedule)
+        return self.checkpointer.load(self.ddp, self.optimizer, self.schedule)
 
 
 def same_weights(first, second) -> bool:

@@ -52,7 +52,7 @@ def test_resume_continues_training_exactly_rng_included(tmp_path):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_resume_with_megalites_optimizer_is_exact(tmp_path, dtype):
-    from megalite.data_parallel.ddp import DataParallelGrads
+    from megalite.data_parallel.ddp import ParallelModel
     from megalite.data_parallel.optimizer import MixedPrecisionOptimizer
 
     def steps(model, optimizer, first):
@@ -68,12 +68,12 @@ def test_resume_with_megalites_optimizer_is_exact(tmp_path, dtype):
 
     config = small_config()
     model = build_model(config, seed=1, dtype=dtype)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2)
     steps(model, optimizer, 0)
     save(tmp_path, 2, model, optimizer)
     expected = steps(model, optimizer, 2)
     resumed = build_model(config, seed=2, dtype=dtype)
-    resumed_optimizer = MixedPrecisionOptimizer(DataParallelGrads(resumed), lr=1e-2)
+    resumed_optimizer = MixedPrecisionOptimizer(ParallelModel(resumed), lr=1e-2)
     load_checkpoint(str(tmp_path), resumed, resumed_optimizer, model_config=config)
     assert steps(resumed, resumed_optimizer, 2) == expected
     assert_same_tensors(model.state_dict(), resumed.state_dict())

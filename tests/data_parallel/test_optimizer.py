@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from megalite.config import Sharding
-from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.data_parallel.optimizer import DynamicLossScaler, MixedPrecisionOptimizer
 from megalite.errors import UserError
 from tests.helpers.optimizer import HYPER, backward_iteration, params_of, tiny_llama
@@ -41,7 +41,7 @@ def test_fp32_model_matches_torch_adamw_with_clip_grad_norm(clip_grad):
     model = tiny_llama()
     reference = copy.deepcopy(model)
     initial = params_of(model)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=LRS[0], clip_grad=clip_grad, **HYPER)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=LRS[0], clip_grad=clip_grad, **HYPER)
     assert all(main is param for main, param in zip(optimizer.main_params, optimizer.model_params))
 
     decay = [p for p in reference.parameters() if p.ndim >= 2]
@@ -72,7 +72,7 @@ def test_fp32_model_matches_torch_adamw_with_clip_grad_norm(clip_grad):
 def test_weight_decay_skips_one_dimensional_params():
     model = tiny_llama()
     initial = params_of(model)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=0.1, weight_decay=0.5)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=0.1, weight_decay=0.5)
     optimizer.zero_grad()
     optimizer.step(0.1)  # zero grads: AdamW's only change is the decoupled decay 1 - lr * wd
     for name, param in model.named_parameters():
@@ -83,7 +83,7 @@ def test_weight_decay_skips_one_dimensional_params():
 def test_bf16_model_keeps_fp32_main_params_and_takes_their_cast():
     model = tiny_llama(dtype=torch.bfloat16)
     initial = params_of(model)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=LRS[0], clip_grad=0.0, **HYPER)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=LRS[0], clip_grad=0.0, **HYPER)
     # The first step by hand: torch's AdamW on fp32 copies of the bf16 params, with the main grads.
     copies = [param.detach().float().requires_grad_() for param in optimizer.model_params]
     torch_adamw = torch.optim.AdamW(
@@ -110,9 +110,9 @@ def test_bf16_model_keeps_fp32_main_params_and_takes_their_cast():
 
 def test_a_loss_scale_changes_nothing_but_the_backward_values():
     unscaled, scaled = tiny_llama(), tiny_llama()
-    plain = MixedPrecisionOptimizer(DataParallelGrads(unscaled), lr=LRS[0], **HYPER)
+    plain = MixedPrecisionOptimizer(ParallelModel(unscaled), lr=LRS[0], **HYPER)
     scaler = DynamicLossScaler(initial_scale=2.0 ** 10)
-    with_scaler = MixedPrecisionOptimizer(DataParallelGrads(scaled), lr=LRS[0], loss_scaler=scaler, **HYPER)
+    with_scaler = MixedPrecisionOptimizer(ParallelModel(scaled), lr=LRS[0], loss_scaler=scaler, **HYPER)
     assert plain.loss_scale == 1.0 and with_scaler.loss_scale == 2.0 ** 10
     loss = torch.tensor(3.0)
     assert plain.scale_loss(loss) is loss and float(with_scaler.scale_loss(loss)) == 3.0 * 2 ** 10
@@ -147,7 +147,7 @@ def mlp_step(model, optimizer, lr: float = 1e-2):
 def test_fp16_overflow_skips_the_step_and_backs_off_after_hysteresis():
     model = TinyMLP(torch.float16)
     scaler = DynamicLossScaler()  # 2**32: fp16 grads of the scaled loss overflow
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2, loss_scaler=scaler)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2, loss_scaler=scaler)
     initial = params_of(model)
     updated, grad_norm = mlp_step(model, optimizer)
     assert not updated and math.isnan(grad_norm)
@@ -171,7 +171,7 @@ def test_fp16_overflow_skips_the_step_and_backs_off_after_hysteresis():
 def test_an_injected_inf_skips_the_step_and_leaves_params_and_adam_state_unchanged():
     model = TinyMLP(torch.float32)
     scaler = DynamicLossScaler(initial_scale=8.0, hysteresis=1)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2, loss_scaler=scaler)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2, loss_scaler=scaler)
     assert mlp_step(model, optimizer).updated
     before = copy.deepcopy(optimizer.state_dict())
     optimizer.zero_grad()
@@ -187,7 +187,7 @@ def test_an_injected_inf_skips_the_step_and_leaves_params_and_adam_state_unchang
 def test_the_scale_grows_after_growth_interval_clean_steps():
     model = TinyMLP(torch.float32)
     scaler = DynamicLossScaler(initial_scale=8.0, growth_interval=3)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2, loss_scaler=scaler)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2, loss_scaler=scaler)
     scales = []
     for _ in range(7):
         assert mlp_step(model, optimizer).updated
@@ -222,7 +222,7 @@ def adam_untouched(optimizer) -> bool:
 @pytest.mark.parametrize("cause", ["grad", "skip"])
 def test_a_non_finite_grad_norm_or_a_skip_without_a_scaler_skips_the_step_and_changes_nothing(cause):
     model = TinyMLP(torch.float32)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2)
     initial = params_of(model)
     optimizer.zero_grad()
     optimizer.scale_loss(model(torch.ones(3, 4))).backward()
@@ -250,7 +250,7 @@ def test_a_resumed_optimizer_continues_bitwise_like_an_uninterrupted_one(dtype, 
     def build(seed):
         model = tiny_llama(seed, dtype)
         scaler = DynamicLossScaler(initial_scale=2.0 ** 8, growth_interval=2) if scaled else None
-        return model, MixedPrecisionOptimizer(DataParallelGrads(model), lr=LRS[0], clip_grad=0.5, loss_scaler=scaler,
+        return model, MixedPrecisionOptimizer(ParallelModel(model), lr=LRS[0], clip_grad=0.5, loss_scaler=scaler,
                                               **HYPER)
 
     model, optimizer = build(seed=0)
@@ -277,11 +277,11 @@ def test_a_resumed_optimizer_continues_bitwise_like_an_uninterrupted_one(dtype, 
 
 def test_a_state_dict_taken_before_any_step_loads():
     model = tiny_llama()
-    fresh = MixedPrecisionOptimizer(DataParallelGrads(model), lr=LRS[0], **HYPER)
+    fresh = MixedPrecisionOptimizer(ParallelModel(model), lr=LRS[0], **HYPER)
     state = fresh.state_dict()
     assert state["meta"]["step"] == 0 and float(state["tensors"]["output_layer.weight.exp_avg"].abs().sum()) == 0
     other_model = tiny_llama(seed=1)
-    other = MixedPrecisionOptimizer(DataParallelGrads(other_model), lr=LRS[0], **HYPER)
+    other = MixedPrecisionOptimizer(ParallelModel(other_model), lr=LRS[0], **HYPER)
     other.load_state_dict(state)
     train(model, fresh, range(2))
     train(other_model, other, range(2))
@@ -290,7 +290,7 @@ def test_a_state_dict_taken_before_any_step_loads():
 
 def test_load_errors_name_the_missing_unexpected_and_misshaped_entries():
     model = tiny_llama()
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=LRS[0])
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=LRS[0])
     state = optimizer.state_dict()
     tensors = dict(state["tensors"])
     del tensors["final_layernorm.weight.exp_avg"]
@@ -312,7 +312,7 @@ def test_reload_model_params_restarts_bf16_main_params_from_newly_loaded_weights
 
     model = tiny_llama(dtype=torch.bfloat16)
     sharding = Sharding.OPTIM if kind == "DistributedOptimizer" else Sharding.NO_SHARD
-    optimizer = getattr(module, kind)(DataParallelGrads(model, sharding=sharding), lr=1e-3)
+    optimizer = getattr(module, kind)(ParallelModel(model, sharding=sharding), lr=1e-3)
     with torch.no_grad():
         for param in model.parameters():
             param.add_(1.0)  # what loading other weights does

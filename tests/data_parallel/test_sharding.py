@@ -16,7 +16,7 @@ import torch
 from megalite.arguments import parse_args
 from megalite.checkpoint import flat_range_pieces, tensor_parallel_pieces
 from megalite.config import Sharding
-from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
 from megalite.data_parallel.param_shards import ParamShards
 from megalite.errors import UserError
@@ -43,7 +43,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
     for chunk in model:
         apply_options(chunk, **recompute)
-    ddp = DataParallelGrads(model, parallel, sharding=Sharding(strategy), bucket_size=2000, overlap=grad_reduce_in_bf16,
+    ddp = ParallelModel(model, parallel, sharding=Sharding(strategy), bucket_size=2000, overlap_grad_reduce=grad_reduce_in_bf16,
                             grad_reduce_in_bf16=grad_reduce_in_bf16)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
     optimizer = kind(ddp, lr=1e-3)
@@ -51,7 +51,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
 
     def count_units():  # units with memory: gathered, or being gathered
         if ddp.param_shards is not None:
-            peak[0] = max(peak[0], sum(u.full.untyped_storage().nbytes() > 0 for u in ddp.param_shards.units))
+            peak[0] = max(peak[0], sum(u.bucket.param.untyped_storage().nbytes() > 0 for u in ddp.param_shards.units))
 
     if ddp.sharded_grads:
         ready = ddp.buffer.on_grad_ready
@@ -69,7 +69,7 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
             gather(unit)
             count_units()
         shards.gather = counting_gather
-        assert all(unit.full.untyped_storage().nbytes() == 0 for unit in shards.units)  # sharded at once
+        assert all(unit.bucket.param.untyped_storage().nbytes() == 0 for unit in shards.units)  # sharded at once
     mine = global_batch()[parallel.dp_rank::parallel.dp_size]
     comm = PipelineComm(parallel, (SEQ // tp, MICRO, 32), torch.float32)
     optimizer.zero_grad()
@@ -100,7 +100,7 @@ def unreleased_bytes(ddp) -> int:
     if ddp.sharded_grads:
         left += sum(bucket.grad.untyped_storage().nbytes() for bucket in ddp.buffer.buckets)
     if ddp.param_shards is not None:
-        left += sum(unit.full.untyped_storage().nbytes() for unit in ddp.param_shards.units)
+        left += sum(unit.bucket.param.untyped_storage().nbytes() for unit in ddp.param_shards.units)
     return left
 
 
@@ -110,7 +110,7 @@ def single():
     references = {}
     for tied in (False, True):
         model = build_model_chunks(config(tied), seed=11)
-        ddp = DataParallelGrads(model)
+        ddp = ParallelModel(model)
         ddp.zero_grad()
         loss = float(forward_backward(model, global_batch(), MixedPrecisionOptimizer(ddp, lr=1e-3)))
         references[tied] = (loss, {name: param.main_grad.clone() for name, param in model.named_parameters()})
@@ -194,7 +194,7 @@ def test_zero3_keeps_a_recomputed_group_gathered_through_its_backward(single, ea
     unit's last forward hook; without that, the hook would release the weights the backward is about to use)."""
     model = build_model_chunks(config(False), seed=11)
     apply_options(model[0], recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
-    ddp = DataParallelGrads(model, sharding=Sharding.OPTIM_GRADS_PARAMS)
+    ddp = ParallelModel(model, sharding=Sharding.OPTIM_GRADS_PARAMS)
     optimizer = DistributedOptimizer(ddp, lr=1e-3)
     optimizer.zero_grad()
     ddp.start_iteration(len(global_batch()))
@@ -210,15 +210,15 @@ def test_zero3_moves_every_parameter_into_its_units_shards():
     ParamShards, which checkpoints take from it explicitly: nothing is written onto the model."""
     model = build_model_chunks(config(False), seed=11)
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
-    ddp = DataParallelGrads(model, sharding=Sharding.OPTIM_GRADS_PARAMS)
+    ddp = ParallelModel(model, sharding=Sharding.OPTIM_GRADS_PARAMS)
     shards: ParamShards = ddp.param_shards
     assert not hasattr(model, "param_shards") and not any(hasattr(chunk, "param_shards") for chunk in model)
     assert len(shards.units) == 4 + 2  # each layer, the embedding, the head
-    assert shards.shards.numel() == sum(param.numel() for param in before.values())
+    assert ddp.buffer.param_shards.numel() == sum(param.numel() for param in before.values())
     with shards.gathered():
         for name, param in model.named_parameters():
             torch.testing.assert_close(param.detach(), before[name], rtol=0, atol=0)
-    assert all(unit.full.untyped_storage().nbytes() == 0 for unit in shards.units)
+    assert all(unit.bucket.param.untyped_storage().nbytes() == 0 for unit in shards.units)
 
 
 BUDGET_FLAGS = [*COMMON, *MODELS["llama"], "--bf16", "--data-parallel-sharding-strategy"]
@@ -235,9 +235,9 @@ def budget_world(rank, world_size, strategy, budget, iterations):
     run = parse_args([*BUDGET_FLAGS, strategy], world_size)
     parallel = build_parallel_state()
     model = build_model_chunks(run.model, seed=5, dtype=torch.bfloat16, parallel=parallel)
-    ddp = DataParallelGrads(model, parallel, sharding=Sharding(strategy))
+    ddp = ParallelModel(model, parallel, sharding=Sharding(strategy))
     optimizer = (MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer)(ddp, lr=3e-3)
-    sampler = PeakSampler(model, optimizer)
+    sampler = PeakSampler(model, ddp, optimizer)
     batch = random_micro_batch(run.model, parallel.dp_rank)
     losses = []
     for _ in range(iterations):
@@ -272,10 +272,8 @@ def param_gather_world(rank, world_size, overlap, pp=1, tied=False, fused=False)
     model = build_model_chunks(dataclasses.replace(config(tied), fused_output_cross_entropy=fused), seed=11,
                                parallel=parallel)
     # Small buckets: a weight read outside its module's forward sits alone in one.
-    ddp = DataParallelGrads(model, parallel, sharding=Sharding.OPTIM, bucket_size=16)
+    ddp = ParallelModel(model, parallel, sharding=Sharding.OPTIM, bucket_size=16, overlap_param_gather=overlap)
     optimizer = DistributedOptimizer(ddp, lr=1e-2)
-    if overlap:
-        optimizer.overlap_param_gather()
     comm = PipelineComm(parallel, (SEQ, MICRO, 32), torch.float32) if pp > 1 else None
     mine = global_batch()[parallel.dp_rank::parallel.dp_size]
     losses, pending = [], 0
@@ -286,8 +284,8 @@ def param_gather_world(rank, world_size, overlap, pp=1, tied=False, fused=False)
         ddp.finish_grad_sync()
         optimizer.step(1e-2)
         if step == 0:
-            pending = len(optimizer._gathers or {})
-    optimizer.finish_param_sync()
+            pending = len(ddp._gathers or {})
+    ddp.finish_param_sync()
     return parallel.pp_rank, losses, pending, {name: param.detach().numpy().copy()
                                                for name, param in model.named_parameters()}
 
@@ -315,13 +313,12 @@ def in_place_world(rank, world_size, strategy):
     (its name, whether its output lies in its input's storage, whether that storage is the grad buffer's or
     the parameters' own)."""
     import megalite.data_parallel.ddp as ddp_module
-    import megalite.data_parallel.optimizer as optimizer_module
 
     parallel = build_parallel_state()
     model = build_model_chunks(config(False), seed=11, parallel=parallel)
-    ddp = DataParallelGrads(model, parallel, sharding=Sharding(strategy), bucket_size=2000, overlap=True)
+    ddp = ParallelModel(model, parallel, sharding=Sharding(strategy), bucket_size=2000, overlap_grad_reduce=True,
+                       overlap_param_gather=True)
     optimizer = DistributedOptimizer(ddp, lr=1e-2)
-    optimizer.overlap_param_gather()
     records = []
 
     def storage(tensor):
@@ -337,8 +334,8 @@ def in_place_world(rank, world_size, strategy):
     grads = (lambda: {storage(bucket.grad) for bucket in buffer.buckets}) if buffer.sharded else \
         (lambda: {storage(buffer.data)})
     ddp_module.reduce_scatter_single = recorded("reduce-scatter", ddp_module.reduce_scatter_single, grads)
-    optimizer_module.all_gather_single = recorded("all-gather", optimizer_module.all_gather_single,
-                                                  lambda: {storage(buffer.param_data)})
+    ddp_module.all_gather_single = recorded("all-gather", ddp_module.all_gather_single,
+                                            lambda: {storage(buffer.param_data)})
     mine = global_batch()[parallel.dp_rank::parallel.dp_size]
     for _ in range(2):
         optimizer.zero_grad()
@@ -346,7 +343,7 @@ def in_place_world(rank, world_size, strategy):
         forward_backward(model, mine, optimizer, parallel)
         ddp.finish_grad_sync()
         optimizer.step(1e-2)
-    optimizer.finish_param_sync()
+    ddp.finish_param_sync()
     return records
 
 

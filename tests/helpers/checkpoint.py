@@ -76,9 +76,6 @@ class ShardedOptimizer:
     def state_dict(self):
         return {"tensors": {"w.exp_avg": Piece(self.shard, (6, 4), (3 * self.rank, 0))}, "meta": {"step": 1}}
 
-    def finish_param_sync(self):
-        pass
-
     def load_state_dict(self, state):
         piece = state["tensors"]["w.exp_avg"]
         assert isinstance(piece, Piece) and piece.offsets == (3 * self.rank, 0)

@@ -9,7 +9,7 @@ one-process grads. One world per layout runs every check.
 import pytest
 import torch
 
-from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.parallel_state import build_parallel_state
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner
@@ -32,7 +32,7 @@ def pipeline_world(rank, world_size, tp, pp, vp, sequence_parallel, tied):
     each sent output at the time of its backward)."""
     parallel = build_parallel_state(tp, pp, sequence_parallel=sequence_parallel)
     model = build_model_chunks(config(tied), seed=11, parallel=parallel, vp=vp)
-    ddp = DataParallelGrads(model, parallel)  # grads accumulate in its buffer (param.main_grad)
+    ddp = ParallelModel(model, parallel)  # grads accumulate in its buffer (param.main_grad)
     tokens = SEQ // tp if sequence_parallel else SEQ
     comm = PipelineComm(parallel, (tokens, MICRO, 32), torch.float32)
     released = []

@@ -59,23 +59,22 @@ def _live_rank(rank, world_size, flags):
     # The logging rank's CPU peak benchmark (a 1024^3 bf16 matmul, slow on CPUs) is not under test.
     megalite.run.logger.peak_flops = lambda device, dtype: (None, "not measured in this test")
     run = parse_args(flags, world_size)
-    trainer = Trainer(run, log=lambda line: None)
-    trainer.train_step()
-    model, optimizer = trainer.model, trainer.optimizer
-    live = {"params": sum(tensor_bytes(param) for param in model.parameters()),
-            "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
-    # What autograd keeps of one micro-batch, on the GPU code path: this rank's chunk built again with
-    # --kernels triton (here in the interpreter; the step above took the quicker PyTorch path).
-    config, micro_batch_size = trainer.run.model, run.train.micro_batch_size
-    chunk = build_model_chunks(config, run.train.seed, trainer.device, run.train.params_dtype, trainer.parallel,
-                               kernels="triton")[0]
-    tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
-    positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as batches hold
-    saved = _saved_bytes(lambda: chunk(tokens, positions, tokens))
-    params = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
-    live["activations"] = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
-    trainer.logger.close()
-    return live
+    with Trainer(run, log=lambda line: None) as trainer:
+        trainer.train_step()
+        model, optimizer = trainer.model, trainer.optimizer
+        live = {"params": sum(tensor_bytes(param) for param in model.parameters()),
+                "grads": tensor_bytes(optimizer.grad_buffer.data), "optimizer": optimizer_state_bytes(optimizer)}
+        # What autograd keeps of one micro-batch, on the GPU code path: this rank's chunk built again with
+        # --kernels triton (here in the interpreter; the step above took the quicker PyTorch path).
+        config, micro_batch_size = trainer.run.model, run.train.micro_batch_size
+        chunk = build_model_chunks(config, run.train.seed, trainer.device, run.train.params_dtype, trainer.parallel,
+                                   kernels="triton")[0]
+        tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
+        positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as in batches
+        saved = _saved_bytes(lambda: chunk(tokens, positions, tokens))
+        params = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
+        live["activations"] = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
+        return live
 
 
 # The ranks are a CPU world with Triton in its interpreter on any machine (tests/helpers/distributed.py).

@@ -2,6 +2,7 @@
 evaluations with the automatic collector off, --empty-unused-memory-level empties the CUDA cache at Megatron's
 two points, --profile writes a PyTorch profiler trace of exactly the chosen iterations."""
 
+import contextlib
 import gc
 import json
 
@@ -20,9 +21,14 @@ SMALL = ["--num-layers", "1", "--hidden-size", "32", "--num-attention-heads", "4
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 
-def trainer_of(*flags) -> tuple[Trainer, list[str]]:
-    lines = []
-    return Trainer(parse_args([*SMALL, *flags]), log=lines.append), lines
+@pytest.fixture
+def trainer_of():
+    """trainer_of(*flags) -> (an open Trainer of SMALL + flags, its log lines); each closed after the test."""
+    with contextlib.ExitStack() as opened:
+        def build(*flags) -> tuple[Trainer, list[str]]:
+            lines = []
+            return opened.enter_context(Trainer(parse_args([*SMALL, *flags]), log=lines.append)), lines
+        yield build
 
 
 def collections_of(trainer: Trainer, monkeypatch) -> list[tuple]:
@@ -40,7 +46,7 @@ def collections_of(trainer: Trainer, monkeypatch) -> list[tuple]:
     return calls
 
 
-def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch):
+def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch, trainer_of):
     trainer, _ = trainer_of("--train-iters", "5", "--eval-interval", "3", "--eval-iters", "1", "--manual-gc",
                             "--manual-gc-interval", "2")
     assert gc.isenabled()
@@ -52,14 +58,14 @@ def test_manual_gc_collects_at_the_interval_and_around_evaluations(monkeypatch):
     assert gc.isenabled()  # restored after training
 
 
-def test_manual_gc_interval_0_and_no_eval_collections(monkeypatch):
+def test_manual_gc_interval_0_and_no_eval_collections(monkeypatch, trainer_of):
     trainer, _ = trainer_of("--train-iters", "4", "--eval-interval", "2", "--eval-iters", "1", "--manual-gc",
                             "--no-manual-gc-eval")
     assert collections_of(trainer, monkeypatch) == [(0, 2, False)]  # only the start
     assert gc.isenabled()
 
 
-def test_manual_gc_keeps_a_disabled_collector_disabled(monkeypatch):
+def test_manual_gc_keeps_a_disabled_collector_disabled(monkeypatch, trainer_of):
     trainer, _ = trainer_of("--train-iters", "1", "--eval-iters", "0", "--manual-gc")
     gc.disable()
     try:
@@ -69,14 +75,14 @@ def test_manual_gc_keeps_a_disabled_collector_disabled(monkeypatch):
         gc.enable()
 
 
-def test_without_manual_gc_the_collector_stays_on(monkeypatch):
+def test_without_manual_gc_the_collector_stays_on(monkeypatch, trainer_of):
     trainer, _ = trainer_of("--train-iters", "3", "--eval-interval", "2", "--eval-iters", "1")
     assert all(enabled for _, _, enabled in collections_of(trainer, monkeypatch))
     assert gc.isenabled()
 
 
 @pytest.mark.parametrize("level", [0, 1, 2])
-def test_empty_unused_memory_level_empties_the_cache_where_megatron_does(monkeypatch, level):
+def test_empty_unused_memory_level_empties_the_cache_where_megatron_does(monkeypatch, level, trainer_of):
     """Level 1: after each forward-backward (training and evaluation); level 2: also after each optimizer step."""
     trainer, _ = trainer_of("--train-iters", "2", "--eval-interval", "2", "--eval-iters", "1",
                             "--empty-unused-memory-level", str(level))
@@ -108,7 +114,7 @@ def trace_steps(path) -> list[str]:
     return sorted(set(names), key=lambda name: int(name.split("#")[1]))
 
 
-def test_profile_traces_exactly_the_chosen_iterations(tmp_path):
+def test_profile_traces_exactly_the_chosen_iterations(tmp_path, trainer_of):
     trainer, lines = trainer_of("--train-iters", "5", "--eval-iters", "0", "--save", str(tmp_path), "--profile",
                                 "--profile-step-start", "1", "--profile-step-end", "3")
     path = tmp_path / "profile" / "rank-0.json"
@@ -118,7 +124,7 @@ def test_profile_traces_exactly_the_chosen_iterations(tmp_path):
     assert trace_steps(path) == ["ProfilerStep#2", "ProfilerStep#3"]
 
 
-def test_profile_of_a_run_that_ends_first_writes_what_it_had(tmp_path, monkeypatch):
+def test_profile_of_a_run_that_ends_first_writes_what_it_had(tmp_path, monkeypatch, trainer_of):
     monkeypatch.chdir(tmp_path)  # no --save, no --tensorboard-dir: ./profile/
     trainer, _ = trainer_of("--train-iters", "2", "--eval-iters", "0", "--profile", "--profile-step-start", "0",
                             "--profile-step-end", "4", "--profile-ranks", "0")
@@ -126,7 +132,7 @@ def test_profile_of_a_run_that_ends_first_writes_what_it_had(tmp_path, monkeypat
     assert trace_steps(tmp_path / "profile" / "rank-0.json") == ["ProfilerStep#1", "ProfilerStep#2"]
 
 
-def test_profile_skips_ranks_not_chosen_and_refuses_missing_ones(tmp_path):
+def test_profile_skips_ranks_not_chosen_and_refuses_missing_ones(tmp_path, trainer_of):
     assert not housekeeping.StepProfiler(parse_args([*SMALL, "--profile", "--profile-ranks", "1"]).train, 0, 2,
                                          str(tmp_path), torch.device("cpu")).enabled
     with pytest.raises(UserError, match="--profile-ranks 1 names a rank the run does not have"):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from megalite.arguments import parse_args
-from megalite.data_parallel.ddp import DataParallelGrads
+from megalite.data_parallel.ddp import ParallelModel
 from megalite.data_parallel.optimizer import DECOUPLED_PARAM_SUFFIXES, MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.parallel_state import build_parallel_state
@@ -91,7 +91,7 @@ def per_token_world(rank, world_size, batches):
     """This DP rank's micro-batches through forward_backward: (loss, every param's grad)."""
     parallel = build_parallel_state(1, 1)
     model = tiny_llama()
-    ddp = DataParallelGrads(model, parallel)
+    ddp = ParallelModel(model, parallel)
     optimizer = MixedPrecisionOptimizer(ddp, lr=1e-3, **HYPER)
     optimizer.zero_grad()
     ddp.start_iteration(len(batches[rank]))
@@ -135,7 +135,7 @@ def test_per_token_loss_sums_over_micro_batches_and_dp_ranks_and_divides_once():
 def test_decoupled_lr_steps_the_embeddings_and_output_layer_at_their_own_rate():
     model = tiny_llama()
     reference = copy.deepcopy(model)
-    optimizer = MixedPrecisionOptimizer(DataParallelGrads(model), lr=1e-2, clip_grad=0.0, **HYPER)
+    optimizer = MixedPrecisionOptimizer(ParallelModel(model), lr=1e-2, clip_grad=0.0, **HYPER)
     optimizer.zero_grad()
     backward_iteration(model, 0, optimizer)
     optimizer.step(1e-2, decoupled_lr=1e-3)

@@ -98,24 +98,24 @@ def storage_bytes(tensors) -> int:
 
 def optimizer_state_bytes(optimizer) -> int:
     """Main params with storage of their own, plus every tensor in Adam's state, each counted once."""
-    shards = optimizer.ddp.param_shards
+    shards = optimizer.grad_buffer.param_shards  # ZeRO-3's stored parameters
     model_storages = {param.untyped_storage().data_ptr() for param in optimizer.model_params}
     if shards is not None:
-        model_storages.add(shards.shards.untyped_storage().data_ptr())
+        model_storages.add(shards.untyped_storage().data_ptr())
     tensors = [main for main in optimizer.main_params if main.untyped_storage().data_ptr() not in model_storages]
     tensors += [value for state in optimizer.adam.state.values() for value in state.values() if torch.is_tensor(value)]
     unique = {(tensor.data_ptr(), tensor.numel()): tensor for tensor in tensors}
     return sum(tensor_bytes(tensor) for tensor in unique.values())
 
 
-def model_state_bytes(model, optimizer) -> dict[str, int]:
-    """{"params", "grads", "optimizer"}: the bytes allocated right now for each."""
-    ddp = optimizer.ddp
+def model_state_bytes(model, parallel_model, optimizer) -> dict[str, int]:
+    """{"params", "grads", "optimizer"}: the bytes allocated right now for each. model: what gives the parameters
+    (the chunks); parallel_model: their ParallelModel."""
+    buffer = parallel_model.buffer
     params = storage_bytes(model.parameters())
-    if ddp.param_shards is not None:
-        params += tensor_bytes(ddp.param_shards.shards)
-    buffer = ddp.buffer
-    in_flight = ddp.reduction_tensors()
+    if buffer.param_shards is not None:
+        params += tensor_bytes(buffer.param_shards)
+    in_flight = parallel_model.reduction_tensors()
     held = [buffer.shards, *(bucket.grad for bucket in buffer.buckets)] if buffer.sharded else [buffer.data]
     grads = storage_bytes([*held, *in_flight])
     return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}
@@ -125,15 +125,15 @@ class PeakSampler:
     """The most model-state bytes seen at once: sampled around every module's forward and at every
     gradient accumulation, while installed."""
 
-    def __init__(self, model, optimizer):
-        self.peak, self.model, self.optimizer = 0, model, optimizer
+    def __init__(self, model, parallel_model, optimizer):
+        self.peak, self.model, self.parallel_model, self.optimizer = 0, model, parallel_model, optimizer
         self.handles = [module.register_forward_pre_hook(lambda *_: self.sample()) for module in model.modules()]
         self.handles += [module.register_forward_hook(lambda *_: self.sample()) for module in model.modules()]
         self.handles += [param.register_post_accumulate_grad_hook(lambda _: self.sample())
                          for param in model.parameters() if param.requires_grad]
 
     def sample(self) -> None:
-        self.peak = max(self.peak, sum(model_state_bytes(self.model, self.optimizer).values()))
+        self.peak = max(self.peak, sum(model_state_bytes(self.model, self.parallel_model, self.optimizer).values()))
 
     def remove(self) -> None:
         for handle in self.handles:
@@ -151,7 +151,7 @@ def random_micro_batch(config: ModelConfig, seed: int) -> dict:
 def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, micro_batches: int = 1) -> dict:
     """One training step of `micro_batches` micro-batches under `strategy`; this rank's measured bytes, peak
     and their closed forms."""
-    from megalite.data_parallel.ddp import DataParallelGrads
+    from megalite.data_parallel.ddp import ParallelModel
     from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megalite.pipeline_parallel.stages import build_model_chunks
     from megalite.run.training import forward_backward
@@ -159,9 +159,10 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, mi
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
     bucket_size = -(-num_parameters(config) // BUCKETS)
-    ddp = DataParallelGrads(model, parallel, bucket_size=bucket_size, sharding=Sharding(strategy), overlap=True)
+    ddp = ParallelModel(model, parallel, bucket_size=bucket_size, sharding=Sharding(strategy),
+                        overlap_grad_reduce=True)
     optimizer = kind(ddp, lr=1e-3)
-    sampler = PeakSampler(model, optimizer)
+    sampler = PeakSampler(model, ddp, optimizer)
     optimizer.zero_grad()
     ddp.start_iteration(micro_batches)
     batch = [random_micro_batch(config, parallel.dp_rank * micro_batches + i) for i in range(micro_batches)]
@@ -170,7 +171,7 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, mi
     optimizer.step(1e-3)
     sampler.sample()
     sampler.remove()
-    measured = model_state_bytes(model, optimizer)
+    measured = model_state_bytes(model, ddp, optimizer)
     # Without sharding every rank updates all of it: shard 0 of 1.
     shard, shards = (parallel.dp_rank, parallel.dp_size) if strategy != "no_shard" else (0, 1)
     expected = state_bytes(optimizer.grad_buffer, dtype, shard, shards, Sharding(strategy))

@@ -37,10 +37,10 @@ class DataParallelTraffic:
     def __init__(self, group, size: int):
         import torch.distributed as dist
 
-        from megalite.data_parallel import ddp, optimizer, param_shards
+        from megalite.data_parallel import ddp, param_shards
 
         self.group, self.size, self.bytes = group, size, {"all-reduce": 0, "all-gather": 0, "reduce-scatter": 0}
-        self.patched = [(dist, "all_reduce"), (ddp, "reduce_scatter_single"), (optimizer, "all_gather_single"),
+        self.patched = [(dist, "all_reduce"), (ddp, "reduce_scatter_single"), (ddp, "all_gather_single"),
                         (param_shards, "all_gather_single")]
         self.originals = [getattr(module, name) for module, name in self.patched]
         counters = {"all_reduce": ("all-reduce", 2, 0), "reduce_scatter_single": ("reduce-scatter", 1, 1),
@@ -64,7 +64,7 @@ class DataParallelTraffic:
 
 def measure(strategy: str, dtype: torch.dtype, parallel, small: bool, grad_reduce_in_bf16: bool = False) -> dict:
     """Bytes per kind of collective in the second of two training steps under `strategy`."""
-    from megalite.data_parallel.ddp import DataParallelGrads
+    from megalite.data_parallel.ddp import ParallelModel
     from megalite.data_parallel.optimizer import DistributedOptimizer, MixedPrecisionOptimizer
     from megalite.pipeline_parallel.stages import build_model_chunks
     from megalite.run.training import forward_backward
@@ -72,7 +72,7 @@ def measure(strategy: str, dtype: torch.dtype, parallel, small: bool, grad_reduc
     config = model_config(small)
     model = build_model_chunks(config, seed=1234, dtype=dtype, parallel=parallel)
     kind = MixedPrecisionOptimizer if strategy == "no_shard" else DistributedOptimizer
-    ddp = DataParallelGrads(model, parallel, sharding=Sharding(strategy), grad_reduce_in_bf16=grad_reduce_in_bf16)
+    ddp = ParallelModel(model, parallel, sharding=Sharding(strategy), grad_reduce_in_bf16=grad_reduce_in_bf16)
     optimizer = kind(ddp, lr=1e-3)
     batch = random_micro_batch(config, parallel.dp_rank)
     for step in range(2):
