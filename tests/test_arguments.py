@@ -360,7 +360,7 @@ def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "--use-mcore-models" in out and "--sequence-parallel" in out
     # The rule is ParallelConfig's: a config built in code gets the same, and keeps SP where TP splits.
-    assert not ParallelConfig(sequence_parallel=True).sequence_parallel
+    assert not ParallelConfig.from_flags(sequence_parallel=True).sequence_parallel
     assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, world_size=2).sequence_parallel
 
 

@@ -30,7 +30,7 @@ def test_modes_pick_the_path():
 
 def test_an_unknown_mode_is_the_configs_to_refuse():
     with pytest.raises(UserError, match="--kernels fast is not one of auto, triton, torch"):
-        TrainConfig(kernels="fast").validate()
+        TrainConfig.from_flags(kernels="fast")
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
