@@ -128,8 +128,9 @@ def default_wandb_mode() -> str:
 
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs, validated and frozen. Facts that arrive later (the built-in corpus,
-    the tokenizer's vocabulary) make a new RunConfig; the Trainer holds, and checkpoints save, the final one."""
+    """Everything one run needs, validated and frozen. What lies outside the flags (the built-in corpus, the
+    tokenizer's vocabulary, a resumed LR schedule) completes it once, before the run builds anything
+    (megalite/run/data.py's `final_run_config`); the Trainer holds, and checkpoints save, that final one."""
 
     model_name: str  # --model
     model: ModelConfig

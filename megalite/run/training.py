@@ -21,7 +21,6 @@ from megalite import cpu, parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig, describe_model, num_parameters
 from megalite.data.loader import build_data_loader, iterate, next_global_batch
-from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import DataParallelGrads, global_token_count
 from megalite.data_parallel.optimizer import DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer
 from megalite.errors import UserError
@@ -32,7 +31,7 @@ from megalite.run.housekeeping import ManualGC, StepProfiler, empty_unused_memor
 from megalite.run.logger import TrainingLogger
 from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
-from megalite.run.data import build_datasets, resolve_data
+from megalite.run.data import build_datasets, final_run_config
 from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, check_token_dtypes, checked_token_ids,
                                      divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
@@ -123,8 +122,8 @@ class Trainer:
     """One run's objects, built in the order the checkpoint and the data need them."""
 
     def __init__(self, run: RunConfig, log=print_flushed):
-        """`self.run` is `run` completed by what the data decides (the built-in corpus, the
-        tokenizer's vocabulary): the config the run uses and its checkpoints save."""
+        """`self.run` is `run` completed once by `final_run_config` (the built-in corpus, the tokenizer's
+        vocabulary, a resumed LR schedule): the config the run uses and its checkpoints save, never replaced."""
         train = run.train
         self.parallel = parallel_state.initialize(run.parallel)
         self.log = log if self.parallel.is_logging_rank else lambda line: None
@@ -139,11 +138,9 @@ class Trainer:
         np.random.seed(train.seed + 100 * self.parallel.pp_rank)
         model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         check_kernels(train.kernels)  # before any work: --kernels triton on a machine that cannot run it
-        run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
-        data = run.data
-        self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, data.vocab_file,
-                                         data.merge_file)
-        self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
+        # Every rank; the corpus builder's lock lets one build while the others wait.
+        run, self.tokenizer = final_run_config(run)
+        self.run = run
         self.device = self.parallel.device
         parallel = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
@@ -241,10 +238,6 @@ class Trainer:
         self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
         self.evaluation_pending = resumed.evaluation_pending
         self.evaluations_logged = set(resumed.evaluations_logged)
-        # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
-        # the run saves and reports says what it runs on (build_lr_schedule's inverse).
-        self.run = self.checkpointer.run = dataclasses.replace(
-            self.run, train=self.run.train.with_lr_schedule(self.schedule.state_dict()))
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
