@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.arguments import GROUPS, list_models, parse_args
-from megalite.config import ParallelConfig, Sharding, TrainConfig, with_tokenizer_vocab
+from megalite.config import ModelConfig, ParallelConfig, RunConfig, Sharding, TrainConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 
@@ -352,6 +352,19 @@ def test_num_query_groups_alone_means_grouped_query_attention():
     assert (run.model.num_attention_heads, run.model.query_groups) == (32, 8)
     # A head count without groups is multi-head attention, as in Megatron (no --group-query-attention).
     assert parse_args(["--num-attention-heads", "8"]).model.query_groups == 8
+
+
+def test_each_config_is_built_once_and_frozen():
+    """Derived defaults are computed before a config is built (`from_flags`, `ModelConfig.of`), never written
+    into a frozen one afterwards by a __post_init__."""
+    for cls in (*(cls for cls, _ in GROUPS), RunConfig):
+        assert cls.__dataclass_params__.frozen and "__post_init__" not in vars(cls), cls.__name__
+    train = TrainConfig.from_flags(train_iters=50, lr_warmup_fraction=0.2)
+    assert (train.lr_decay_iters, train.lr_warmup_iters) == (50, 10)
+    model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=64)
+    assert model.ffn_hidden_size is None and ModelConfig.of(**vars(model)) == ModelConfig.of(
+        num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=64, ffn_hidden_size=256,
+        max_position_embeddings=8)
 
 
 def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
