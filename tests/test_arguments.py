@@ -121,6 +121,10 @@ REJECTED = [
     (["--fp16", "--hysteresis", "0"], 1, ["--hysteresis is 0 but must be at least 1"]),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, ["--lr-warmup-iters", "--lr-warmup-fraction"]),
     (["--lr-warmup-fraction", "2"], 1, ["--lr-warmup-fraction"]),
+    (["--train-samples", "64", "--lr-warmup-iters", "3"], 1, ["--lr-warmup-iters given with --train-samples; the "
+                                                              "schedule counts samples, so pass --lr-warmup-samples"]),
+    (["--lr-decay-samples", "5"], 1, ["--lr-decay-samples given with --train-iters; the schedule counts iterations, "
+                                      "so pass --lr-decay-iters instead"]),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
      ["--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given; pick one"]),
     (["--adam-beta2", "1.0"], 1, ["--adam-beta2"]),

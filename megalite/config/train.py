@@ -228,12 +228,11 @@ class TrainConfig:
 def _check_schedule_unit(given: dict) -> None:
     """Megatron's rule: a run given in samples sets its LR schedule in samples, one given in iterations
     in iterations."""
-    if given.get("train_samples") is not None and given.get("train_iters") is not None:
+    samples = given.get("train_samples") is not None
+    if samples and given.get("train_iters") is not None:
         raise UserError("--train-iters and --train-samples both given; pick one")
-    unit, other = ("samples", "iters") if given.get("train_samples") is not None else ("iters", "samples")
-    for name in ("lr_warmup", "lr_decay", "lr_wsd_decay"):
-        if given.get(f"{name}_{other}") is not None:
-            flag = f"--{name.replace('_', '-')}"
-            raise UserError(f"{flag}-{other} given with --train-{'samples' if unit == 'samples' else 'iters'}; "
-                            f"the schedule counts {'samples' if unit == 'samples' else 'iterations'}, so pass "
-                            f"{flag}-{unit} instead")
+    unit, other = ("samples", "iters") if samples else ("iters", "samples")
+    for flag in ("--lr-warmup", "--lr-decay", "--lr-wsd-decay"):
+        if given.get(f"{flag[2:]}_{other}".replace("-", "_")) is not None:
+            raise UserError(f"{flag}-{other} given with --train-{unit}; the schedule counts "
+                            f"{'samples' if samples else 'iterations'}, so pass {flag}-{unit} instead")
