@@ -138,8 +138,7 @@ class Trainer:
         np.random.seed(train.seed + 100 * self.parallel.pp_rank)
         model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         check_kernels(train.kernels)  # before any work: --kernels triton on a machine that cannot run it
-        # Every rank; the corpus builder's lock lets one build while the others wait.
-        run, self.tokenizer = final_run_config(run)
+        run, self.tokenizer = final_run_config(run)  # every rank
         self.run = run
         self.device = self.parallel.device
         parallel = run.parallel
