@@ -1,12 +1,12 @@
 """The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
 parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite
-accepts without effect or refuses (config/megatron.py). The vocabulary is the preset's (or --vocab-size's)
-until the Trainer knows the tokenizer (`RunConfig.with_tokenizer_vocab`)."""
+accepts without effect or refuses (config/megatron.py). Each group's `from_flags` derives its own defaults;
+what lies outside the flags (the built-in corpus, the tokenizer's vocabulary, a resumed checkpoint's LR
+schedule) completes the config before the run builds anything (`megalite.run.data.final_run_config`)."""
 
 import argparse
 import dataclasses
 import difflib
-import math
 import os
 
 from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
@@ -16,7 +16,6 @@ from megalite.config.options import HELP_GROUPS, Option, flags_of, option_fields
 from megalite.config.rules import check_rope_context
 from megalite.errors import UserError
 from megalite.parallel_state import bf16_is_default
-from megalite.run.tracking import with_wandb_defaults
 
 # Each config class's --help group (config/options.py's HELP_GROUPS); an option may name another.
 GROUPS = [(ModelConfig, "network size"), (TrainConfig, "training"), (DataConfig, "data and dataloader"),
@@ -35,8 +34,6 @@ NON_FIELD_FLAGS = [
                                                                                   "key/value heads")),
     ("training", ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
                                                                               "selective (the attention core)")),
-    ("learning rate", ("--lr-warmup-fraction",), dict(type=float, help="instead of --lr-warmup-iters: a fraction "
-                                                                       "of the decay iterations (default: none)")),
     ("mixed precision", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs "
                                                                    "and on GPUs without bf16 units; a dry run plans "
                                                                    "bf16)")),
@@ -169,7 +166,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1, default_
     """The frozen RunConfig of parsed `args`: each group validated, defaults that depend on other
     groups filled in before the group is built, then the cross-group checks. `default_run`: no flags were
     given (`python pretrain_gpt.py`), the one run that saves without --save, into DEFAULT_RUN_SAVE."""
-    parallel = ParallelConfig(**_given(ParallelConfig, args), world_size=world_size).validate()
+    parallel = ParallelConfig.from_flags(**_given(ParallelConfig, args), world_size=world_size)
     model = _model_config(args, parallel.tensor_model_parallel_size)
     parallel = dataclasses.replace(parallel, virtual_pipeline_model_parallel_size=parallel.virtual_stages(
         model.num_layers))
@@ -186,7 +183,7 @@ def run_config_from_args(args: argparse.Namespace, world_size: int = 1, default_
         checkpoint_given["save"] = DEFAULT_RUN_SAVE
     checkpoint = CheckpointConfig(**checkpoint_given).validate()
     train = _train_config(args, parallel, checkpoint)
-    logging = with_wandb_defaults(LoggingConfig(**_given(LoggingConfig, args)).validate(), checkpoint.save)
+    logging = LoggingConfig.from_flags(checkpoint.save, **_given(LoggingConfig, args))
     gpu_memory = {} if args.dry_run_gpu_memory is None else {"dry_run_gpu_memory": args.dry_run_gpu_memory}
     return RunConfig(args.model, model, parallel, train, data, checkpoint, logging, args.dry_run,
                      **gpu_memory).validate()
@@ -223,8 +220,8 @@ def _model_config(args, tensor_model_parallel_size: int) -> ModelConfig:
 
 
 def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) -> TrainConfig:
+    """TrainConfig's flags and the defaults other groups decide: the precision, the exit signal handler."""
     given = _given(TrainConfig, args)
-    _check_schedule_unit(args)
     precisions = [flag for flag in ("--bf16", "--fp16", "--fp32") if getattr(args, flag[2:])]
     if args.fp32 and len(precisions) > 1:  # --fp32 is no field (--bf16 with --fp16 is TrainConfig's to refuse)
         raise UserError(f"{' and '.join(precisions)} {'both' if len(precisions) == 2 else 'all'} given; pick one")
@@ -232,33 +229,9 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
     plans_gpu = args.dry_run and parallel.distributed_backend != "gloo"
     bf16_default = not precisions and (plans_gpu or bf16_is_default(parallel.distributed_backend))
     given["bf16"] = bool(args.bf16) or bf16_default
-    if args.lr_warmup_iters is not None and args.lr_warmup_fraction is not None:
-        raise UserError("--lr-warmup-iters and --lr-warmup-fraction both given; pick one")
-    if args.lr_warmup_fraction is not None and not 0 <= args.lr_warmup_fraction <= 1:
-        raise UserError(f"--lr-warmup-fraction must be in [0, 1], got {args.lr_warmup_fraction}")
     if args.exit_signal_handler is None:  # on by default, where there is a --save to save to
         given["exit_signal_handler"] = checkpoint.save is not None
-    train = TrainConfig(**given, bf16_default=bf16_default)
-    if args.lr_warmup_fraction is not None:  # a fraction of the decay length TrainConfig derived
-        train = dataclasses.replace(train, lr_warmup_iters=math.floor(args.lr_warmup_fraction * train.lr_decay_iters))
-        if train.train_samples is not None:
-            train = dataclasses.replace(train, lr_warmup_samples=math.floor(args.lr_warmup_fraction
-                                                                            * train.lr_decay_samples))
-    return train.validate()
-
-
-def _check_schedule_unit(args) -> None:
-    """Megatron's rule: a run given in samples sets its LR schedule in samples, one given in iterations
-    in iterations."""
-    if args.train_samples is not None and args.train_iters is not None:
-        raise UserError("--train-iters and --train-samples both given; pick one")
-    unit, other = ("samples", "iters") if args.train_samples is not None else ("iters", "samples")
-    for name in ("lr_warmup", "lr_decay", "lr_wsd_decay"):
-        if getattr(args, f"{name}_{other}") is not None:
-            flag = f"--{name.replace('_', '-')}"
-            raise UserError(f"{flag}-{other} given with --train-{'samples' if unit == 'samples' else 'iters'}; "
-                            f"the schedule counts {'samples' if unit == 'samples' else 'iterations'}, so pass "
-                            f"{flag}-{unit} instead")
+    return TrainConfig.from_flags(**given, bf16_default=bf16_default)
 
 
 def list_models() -> str:

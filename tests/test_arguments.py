@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.arguments import GROUPS, list_models, parse_args
-from megalite.config import ParallelConfig, Sharding, TrainConfig, with_tokenizer_vocab
+from megalite.config import ModelConfig, ParallelConfig, RunConfig, Sharding, TrainConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 
@@ -121,6 +121,10 @@ REJECTED = [
     (["--fp16", "--hysteresis", "0"], 1, ["--hysteresis is 0 but must be at least 1"]),
     (["--lr-warmup-iters", "5", "--lr-warmup-fraction", "0.1"], 1, ["--lr-warmup-iters", "--lr-warmup-fraction"]),
     (["--lr-warmup-fraction", "2"], 1, ["--lr-warmup-fraction"]),
+    (["--train-samples", "64", "--lr-warmup-iters", "3"], 1, ["--lr-warmup-iters given with --train-samples; the "
+                                                              "schedule counts samples, so pass --lr-warmup-samples"]),
+    (["--lr-decay-samples", "5"], 1, ["--lr-decay-samples given with --train-iters; the schedule counts iterations, "
+                                      "so pass --lr-decay-iters instead"]),
     (["--override-opt_param-scheduler", "--use-checkpoint-opt_param-scheduler"], 1,
      ["--override-opt_param-scheduler and --use-checkpoint-opt_param-scheduler both given; pick one"]),
     (["--adam-beta2", "1.0"], 1, ["--adam-beta2"]),
@@ -354,13 +358,26 @@ def test_num_query_groups_alone_means_grouped_query_attention():
     assert parse_args(["--num-attention-heads", "8"]).model.query_groups == 8
 
 
+def test_each_config_is_built_once_and_frozen():
+    """Derived defaults are computed before a config is built (`from_flags`, `ModelConfig.of`), never written
+    into a frozen one afterwards by a __post_init__."""
+    for cls in (*(cls for cls, _ in GROUPS), RunConfig):
+        assert cls.__dataclass_params__.frozen and "__post_init__" not in vars(cls), cls.__name__
+    train = TrainConfig.from_flags(train_iters=50, lr_warmup_fraction=0.2)
+    assert (train.lr_decay_iters, train.lr_warmup_iters) == (50, 10)
+    model = ModelConfig(num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=64)
+    assert model.ffn_hidden_size is None and ModelConfig.of(**vars(model)) == ModelConfig.of(
+        num_layers=1, hidden_size=64, num_attention_heads=4, seq_length=8, vocab_size=64, ffn_hidden_size=256,
+        max_position_embeddings=8)
+
+
 def test_sequence_parallel_at_tp1_is_off_and_said(capsys):
     run = parse_args(["--sequence-parallel", "--use-mcore-models", *MOCK])
     assert not run.parallel.sequence_parallel
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "--use-mcore-models" in out and "--sequence-parallel" in out
     # The rule is ParallelConfig's: a config built in code gets the same, and keeps SP where TP splits.
-    assert not ParallelConfig(sequence_parallel=True).sequence_parallel
+    assert not ParallelConfig.from_flags(sequence_parallel=True).sequence_parallel
     assert ParallelConfig(tensor_model_parallel_size=2, sequence_parallel=True, world_size=2).sequence_parallel
 
 

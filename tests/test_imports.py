@@ -31,6 +31,7 @@ LAYERS = {
     "megalite.config": 1,
     "megalite.parallel_state": 2,
     "megalite.data": 2,
+    "megalite.arguments": 2,  # the command line makes a RunConfig and nothing else
     "megalite.kernels": 3,
     "megalite.tensor_parallel": 4,
     "megalite.model": 5,
@@ -41,7 +42,6 @@ LAYERS = {
     "megalite.cpu": 8,  # and imported by megalite.run only (ONLY_IMPORTED_BY)
     "megalite.convert": 9,
     "megalite.plan": 9,
-    "megalite.arguments": 9,
 }
 
 # Module prefix -> the prefixes of the only megalite modules that may import it.

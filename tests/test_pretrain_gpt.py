@@ -68,6 +68,12 @@ def test_list_models_and_help():
         assert flag in result.stdout
 
 
+def test_a_dry_run_plans():
+    result = run("--dry-run", "--tensor-model-parallel-size", "2", "--lr-warmup-fraction", "0.05")
+    assert result.returncode == 0, result.stderr
+    assert "dry run: tiny on 2 ranks = TP 2 x PP 1 x DP 1" in result.stdout
+
+
 def test_an_error_under_a_launcher_prints_once_and_every_rank_exits_non_zero():
     from tools.check_layouts import COMMON
     from tools.fork_ranks import cpu_world_environment

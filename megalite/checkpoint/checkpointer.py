@@ -10,7 +10,7 @@ from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
 from megalite.checkpoint.format import context_changes, read_metadata
 from megalite.checkpoint.loading import load_checkpoint
 from megalite.checkpoint.saving import failed_ranks_across, save_checkpoint
-from megalite.config import RunConfig
+from megalite.config import CheckpointConfig, RunConfig
 from megalite.errors import UserError
 
 
@@ -41,8 +41,7 @@ class Checkpointer:
         from the checkpoint `choose_checkpoint` picks; None when the run starts at iteration 0 (no checkpoint, or
         --finetune). --load defaults to --save when that exists, so a restarted job resumes by itself."""
         ckpt = self.run.checkpoint
-        implicit = ckpt.load is None and ckpt.save is not None and os.path.isdir(ckpt.save)
-        load = ckpt.save if implicit else ckpt.load
+        load, implicit = resume_folder(ckpt)
         if load is None:
             return None
         path, note = choose_checkpoint(load)
@@ -134,6 +133,21 @@ class Checkpointer:
                                                   keep):
                 self.log(f"removed old checkpoint {removed} (--keep-last-n-checkpoints {ckpt.keep_last_n_checkpoints})")
         return path
+
+
+def resume_folder(ckpt: CheckpointConfig) -> tuple[str | None, bool]:
+    """The folder a run resumes from (None: it starts afresh), and whether that is implicit: --load
+    defaults to --save when that exists, so a restarted job resumes by itself."""
+    implicit = ckpt.load is None and ckpt.save is not None and os.path.isdir(ckpt.save)
+    return (ckpt.save if implicit else ckpt.load), implicit
+
+
+def saved_lr_schedule(ckpt: CheckpointConfig) -> dict | None:
+    """The LR schedule settings of the checkpoint a run with `ckpt` resumes from (Checkpointer.load's choice);
+    None when it resumes none (no checkpoint, --finetune) or that checkpoint holds none."""
+    folder, _ = resume_folder(ckpt)
+    path = None if folder is None or ckpt.finetune else choose_checkpoint(folder)[0]
+    return None if path is None else read_metadata(path)["extra"].get("lr_schedule")
 
 
 def json_able(value):

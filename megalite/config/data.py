@@ -1,5 +1,5 @@
 """DataConfig: where tokens come from (`--data-path` blends, per-split paths, `--mock-data`, or
-the built-in corpus when none is given: megalite/run/data.py's `resolve_data` points a copy at it)."""
+the built-in corpus when none is given: megalite/run/data.py's `final_run_config` points a copy at it)."""
 
 from dataclasses import dataclass
 

@@ -23,8 +23,8 @@ def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """One GPT / LLaMA architecture; None fields are derived as Megatron derives them. On the command
-    line the defaults are the `--model` preset's (config/presets.py); these serve configs built in code."""
+    """One GPT / LLaMA architecture. On the command line the defaults are the `--model` preset's
+    (config/presets.py); these serve configs built in code, whose None fields `of` derives as Megatron does."""
 
     num_layers: int = option(MISSING, "transformer layers")
     hidden_size: int = option(MISSING, "hidden size h")
@@ -74,16 +74,17 @@ class ModelConfig:
                                                      "logits (TP = 1); costs one more output-layer matmul",
                                               group=TRAINING)
 
-    def __post_init__(self):
-        # Still construction: a frozen dataclass fills its derived defaults through object.__setattr__.
-        if self.ffn_hidden_size is None:
-            if self.swiglu:
-                # Megatron: keep the parameter count of a 4h GELU MLP, rounded down to 64.
-                object.__setattr__(self, "ffn_hidden_size", int(4 * self.hidden_size * 2 / 3 / 64) * 64)
-            else:
-                object.__setattr__(self, "ffn_hidden_size", 4 * self.hidden_size)
-        if self.max_position_embeddings is None:
-            object.__setattr__(self, "max_position_embeddings", self.seq_length)
+    @classmethod
+    def of(cls, **values) -> "ModelConfig":
+        """ModelConfig(**values) with the None fields Megatron derives filled in first: ffn_hidden_size 4h (with
+        swiglu 2/3 of that, rounded down to 64: a 4h GELU MLP's parameter count), max_position_embeddings the
+        sequence length."""
+        if values.get("ffn_hidden_size") is None:
+            hidden = values["hidden_size"]
+            values["ffn_hidden_size"] = int(4 * hidden * 2 / 3 / 64) * 64 if values.get("swiglu") else 4 * hidden
+        if values.get("max_position_embeddings") is None:
+            values["max_position_embeddings"] = values.get("seq_length")
+        return cls(**values)
 
     @property
     def head_dim(self) -> int:

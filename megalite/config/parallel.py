@@ -58,10 +58,13 @@ class ParallelConfig:
     distributed_timeout_minutes: float = option(10.0, "a collective waiting longer (a dead or hung rank) fails the run")
     world_size: int = derived(1, "the processes the launcher started (torchrun); --world-size with --dry-run")
 
-    def __post_init__(self):
-        # Megatron's rule: sequence parallelism splits over TP ranks, so at TP 1 it is off (the flag is accepted).
-        if self.tensor_model_parallel_size == 1:
-            object.__setattr__(self, "sequence_parallel", False)
+    @classmethod
+    def from_flags(cls, **given) -> "ParallelConfig":
+        """The validated ParallelConfig of the flags `given`. Megatron's rule: sequence parallelism splits over
+        TP ranks, so at TP 1 it is off (the flag is accepted)."""
+        if given.get("tensor_model_parallel_size", 1) == 1:
+            given["sequence_parallel"] = False
+        return cls(**given).validate()
 
     @property
     def sharding(self) -> Sharding:

@@ -63,7 +63,7 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
         raise ValueError(f"unknown ModelConfig fields: {unknown}")
     values = {**MODEL_PRESETS[name], **overrides}
     # Validated once the vocabulary is padded, which needs a sound --make-vocab-size-divisible-by.
-    unpadded = ModelConfig(**values)
+    unpadded = ModelConfig.of(**values)
     if not isinstance(unpadded.make_vocab_size_divisible_by, int) or unpadded.make_vocab_size_divisible_by < 1:
         unpadded.validate()  # names --make-vocab-size-divisible-by
     return with_tokenizer_vocab(unpadded, values["vocab_size"], tensor_model_parallel_size)
@@ -74,7 +74,7 @@ def changes_from_preset(name: str, model: ModelConfig) -> list[str]:
     "vocabulary N" for a tokenizer of another size. Empty: the model is the preset. How it is trained
     (dropout, initialisation, recomputation: the options of other --help groups) does not change it."""
     preset = MODEL_PRESETS[name]
-    reference = ModelConfig(**preset)
+    reference = ModelConfig.of(**preset)
     changes = [f"{field.name} {getattr(model, field.name)}" for field, spec in option_fields(ModelConfig)
                if spec.group is None and getattr(model, field.name) != getattr(reference, field.name)]
     if model.real_vocab_size != preset["vocab_size"]:

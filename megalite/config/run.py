@@ -2,7 +2,10 @@
 groups, and the values derived from several groups."""
 
 import importlib.util
+import netrc
+import os
 from dataclasses import dataclass, replace
+from urllib.parse import urlparse
 
 from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
@@ -14,6 +17,7 @@ from megalite.config.train import TrainConfig
 from megalite.errors import UserError
 
 WANDB_MODES = ("online", "offline", "disabled")
+DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 DEFAULT_RUN_SAVE = "runs/default"  # where the default run (`python pretrain_gpt.py`, no flags) saves and resumes
 
 
@@ -70,9 +74,22 @@ class LoggingConfig:
                                     default_text="WANDB_MODE, else online with an API key configured, else offline")
     tensorboard_dir: str | None = option(None, "also write the scalars as TensorBoard events here")
 
+    @classmethod
+    def from_flags(cls, save: str | None = None, **given) -> "LoggingConfig":
+        """The validated LoggingConfig of the flags `given`, with wandb's mode and folder filled in where not
+        given (from the environment, and `save`: --save); UserError when wandb would run but is not installed."""
+        logging = cls(**given).validate()  # on the flags as given: the defaults below are no flags
+        mode = logging.wandb_mode or default_wandb_mode()
+        if logging.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
+            raise UserError("--wandb-project needs the wandb package, which is not installed; "
+                            "pip install -r requirements.txt (or use --wandb-mode disabled)")
+        save_dir = logging.wandb_save_dir
+        if save_dir is None and save is not None:
+            save_dir = os.path.join(save, "wandb")
+        return replace(logging, wandb_mode=mode, wandb_save_dir=save_dir)
+
     def validate(self) -> "LoggingConfig":
-        """Raise a UserError naming the flag for the first problem found; return self. Runs on the flags
-        as given, before `megalite.run.tracking.with_wandb_defaults` fills in the wandb defaults."""
+        """Raise a UserError naming the flag for the first problem found; return self."""
         if self.log_interval < 1:
             raise UserError(f"--log-interval must be at least 1, got {self.log_interval}")
         if self.wandb_project is None:
@@ -88,10 +105,32 @@ class LoggingConfig:
         return self
 
 
+def wandb_api_key_configured() -> bool:
+    """Whether wandb has a key: WANDB_API_KEY, or a netrc entry (NETRC or ~/.netrc) for its host."""
+    if os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
+    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
+    try:
+        return bool(host) and netrc.netrc(path).authenticators(host) is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
+
+
+def default_wandb_mode() -> str:
+    """WANDB_MODE when it names a mode; otherwise online with an API key and offline without."""
+    requested = os.environ.get("WANDB_MODE")
+    requested = {"dryrun": "offline", "run": "online"}.get(requested, requested)
+    if requested in WANDB_MODES:
+        return requested
+    return "online" if wandb_api_key_configured() else "offline"
+
+
 @dataclass(frozen=True)
 class RunConfig:
-    """Everything one run needs, validated and frozen. Facts that arrive later (the built-in corpus,
-    the tokenizer's vocabulary) make a new RunConfig; the Trainer holds, and checkpoints save, the final one."""
+    """Everything one run needs, validated and frozen. What lies outside the flags (the built-in corpus, the
+    tokenizer's vocabulary, a resumed LR schedule) completes it once, before the run builds anything
+    (megalite/run/data.py's `final_run_config`); the Trainer holds, and checkpoints save, that final one."""
 
     model_name: str  # --model
     model: ModelConfig

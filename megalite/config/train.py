@@ -1,6 +1,7 @@
 """TrainConfig: batch, length of training, optimizer, LR schedule, precision and stopping rules."""
 
-from dataclasses import dataclass, replace
+import math
+from dataclasses import dataclass, fields, replace
 
 from megalite.config.options import derived, option
 from megalite.config.rules import (DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_rampup,
@@ -29,6 +30,8 @@ class TrainConfig:
     lr_wsd_decay_iters: int | None = option(None, "WSD: the length of the final anneal", group=LR)
     lr_warmup_iters: int | None = option(None, "linear warmup iterations (or give --lr-warmup-fraction)",
                                          default_text="10% of the decay iterations", group=LR)
+    lr_warmup_fraction: float | None = option(None, "instead of --lr-warmup-iters: a fraction of the decay "
+                                                    "iterations", group=LR)
     lr_decay_iters: int | None = option(None, "iterations the decay spans", default_text="--train-iters", group=LR)
     lr_warmup_samples: int | None = option(None, "with --train-samples: linear warmup samples",
                                            default_text="10% of the decay samples", group=LR)
@@ -100,21 +103,36 @@ class TrainConfig:
     profile_ranks: list[int] | None = option(None, "with --profile: the global ranks that write a trace",
                                              default_text="all ranks")
 
-    def __post_init__(self):
-        # Still construction: the schedule's lengths default to the run's (10% warmup).
-        if self.train_samples is not None and self.global_batch_size >= 1:  # below 1: validate says
-            if self.rampup_batch_size is not None:
-                check_rampup(self.rampup_batch_size, self.global_batch_size)
-            object.__setattr__(self, "train_iters", iterations_for_samples(self.train_samples, self.global_batch_size,
-                                                                           self.rampup_batch_size))
-            if self.lr_decay_samples is None:
-                object.__setattr__(self, "lr_decay_samples", self.train_samples)
-            if self.lr_warmup_samples is None:
-                object.__setattr__(self, "lr_warmup_samples", self.lr_decay_samples // 10)
-        if self.lr_decay_iters is None:
-            object.__setattr__(self, "lr_decay_iters", self.train_iters)
-        if self.lr_warmup_iters is None and isinstance(self.lr_decay_iters, int):
-            object.__setattr__(self, "lr_warmup_iters", self.lr_decay_iters // 10)
+    @classmethod
+    def from_flags(cls, **given) -> "TrainConfig":
+        """The validated TrainConfig of the flags `given`, with the lengths not given derived as Megatron
+        derives them: the iterations of --train-samples, the decay over the whole run, the warmup 10% of the
+        decay (or --lr-warmup-fraction of it), in the schedule's unit."""
+        _check_schedule_unit(given)
+        fraction = given.get("lr_warmup_fraction")
+        if fraction is not None and given.get("lr_warmup_iters") is not None:
+            raise UserError("--lr-warmup-iters and --lr-warmup-fraction both given; pick one")
+        if fraction is not None and not 0 <= fraction <= 1:
+            raise UserError(f"--lr-warmup-fraction must be in [0, 1], got {fraction}")
+        values = {field.name: field.default for field in fields(cls)} | given
+
+        def warmup(decay: int) -> int:
+            return decay // 10 if fraction is None else math.floor(fraction * decay)
+
+        samples, batch, rampup = values["train_samples"], values["global_batch_size"], values["rampup_batch_size"]
+        if samples is not None and batch >= 1:  # below 1: validate says
+            if rampup is not None:
+                check_rampup(rampup, batch)
+            values["train_iters"] = iterations_for_samples(samples, batch, rampup)
+            if values["lr_decay_samples"] is None:
+                values["lr_decay_samples"] = samples
+            if values["lr_warmup_samples"] is None or fraction is not None:
+                values["lr_warmup_samples"] = warmup(values["lr_decay_samples"])
+        if values["lr_decay_iters"] is None:
+            values["lr_decay_iters"] = values["train_iters"]
+        if values["lr_warmup_iters"] is None:
+            values["lr_warmup_iters"] = warmup(values["lr_decay_iters"])
+        return cls(**values).validate()
 
     @property
     def lr_schedule_unit(self) -> str:
@@ -205,3 +223,16 @@ class TrainConfig:
         if self.profile_ranks is not None and (not self.profile or min(self.profile_ranks) < 0):
             raise UserError("--profile-ranks needs --profile and ranks of 0 or more; fix the ranks or add "
                             "--profile")
+
+
+def _check_schedule_unit(given: dict) -> None:
+    """Megatron's rule: a run given in samples sets its LR schedule in samples, one given in iterations
+    in iterations."""
+    samples = given.get("train_samples") is not None
+    if samples and given.get("train_iters") is not None:
+        raise UserError("--train-iters and --train-samples both given; pick one")
+    unit, other = ("samples", "iters") if samples else ("iters", "samples")
+    for flag in ("--lr-warmup", "--lr-decay", "--lr-wsd-decay"):
+        if given.get(f"{flag[2:]}_{other}".replace("-", "_")) is not None:
+            raise UserError(f"{flag}-{other} given with --train-{unit}; the schedule counts "
+                            f"{'samples' if samples else 'iterations'}, so pass {flag}-{unit} instead")

@@ -1,21 +1,36 @@
-"""The run's data: the built-in corpus for the default run, and datasets sized for the whole run."""
+"""The run's final config (the built-in corpus, the tokenizer, a resumed LR schedule), and datasets sized
+for the whole run."""
 
 import dataclasses
 
+from megalite.checkpoint.checkpointer import saved_lr_schedule
 from megalite.config import RunConfig
 from megalite.data import build_gpt_datasets
+from megalite.data.tokenizer import build_tokenizer
+from megalite.run.lr_schedule import LRSchedule
 
 
-def resolve_data(run: RunConfig) -> RunConfig:
-    """`run`, or for the default run a copy whose data flags point at the built-in corpus (built
-    here, or reused)."""
-    if not run.data.builtin_corpus:
-        return run
-    from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
+def final_run_config(run: RunConfig):
+    """(config, tokenizer): `run` completed, before anything is built, by what lies outside the flags: the
+    built-in corpus for the default run (built here, or reused; the builder's lock lets one rank build while
+    the others wait), the tokenizer's vocabulary, and under --use-checkpoint-opt_param-scheduler the LR
+    schedule of the checkpoint it resumes from. The run trains with it, and its checkpoints save it, unchanged."""
+    data = run.data
+    if data.builtin_corpus:
+        from megalite.data.prep.builtin_corpus import ensure_builtin_corpus
 
-    prefix, tokenizer_model = ensure_builtin_corpus()  # in data/build/ of the repository
-    return dataclasses.replace(run, data=dataclasses.replace(
-        run.data, data_path=[prefix], tokenizer_type="SentencePieceTokenizer", tokenizer_model=tokenizer_model))
+        prefix, tokenizer_model = ensure_builtin_corpus()  # in data/build/ of the repository
+        data = dataclasses.replace(data, data_path=[prefix], tokenizer_type="SentencePieceTokenizer",
+                                   tokenizer_model=tokenizer_model)
+    tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, data.vocab_file,
+                                data.merge_file)
+    run = dataclasses.replace(run, data=data).with_tokenizer_vocab(tokenizer.vocab_size)
+    saved = saved_lr_schedule(run.checkpoint) if run.train.use_checkpoint_opt_param_scheduler else None
+    if saved is not None:  # the checkpoint's settings where they differ (as the schedule's load adopts them)
+        schedule = LRSchedule(**run.train.lr_schedule_settings())
+        schedule.load_state_dict(saved, use_checkpoint=True)
+        run = dataclasses.replace(run, train=run.train.with_lr_schedule(schedule.state_dict()))
+    return run, tokenizer
 
 
 def build_datasets(run: RunConfig, tokenizer):

@@ -7,58 +7,19 @@ the run logs offline; when wandb cannot start at all, training goes on without i
 """
 
 import contextlib
-import importlib.util
 import math
-import netrc
 import os
 import socket
 import time
-from dataclasses import replace
 from typing import Callable
 from urllib.parse import urlparse
 
-from megalite.config.run import WANDB_MODES, LoggingConfig
-from megalite.errors import UserError
+from megalite.config.run import DEFAULT_WANDB_HOST, LoggingConfig, wandb_api_key_configured
 from megalite.run.resilience import deferred_signals
 
-DEFAULT_WANDB_HOST = "https://api.wandb.ai"
 INIT_TIMEOUT_S = 20  # wandb's own default (90 s) is long for a job waiting on its GPUs
 PROBE_TIMEOUT_S = 3
 PROXY_VARIABLES = ("HTTPS_PROXY", "https_proxy", "HTTP_PROXY", "http_proxy", "ALL_PROXY", "all_proxy")
-
-
-def wandb_api_key_configured() -> bool:
-    """Whether wandb has a key: WANDB_API_KEY, or a netrc entry (NETRC or ~/.netrc) for its host."""
-    if os.environ.get("WANDB_API_KEY"):
-        return True
-    host = urlparse(os.environ.get("WANDB_BASE_URL") or DEFAULT_WANDB_HOST).hostname
-    path = os.environ.get("NETRC") or os.path.expanduser("~/.netrc")
-    try:
-        return bool(host) and netrc.netrc(path).authenticators(host) is not None
-    except (OSError, netrc.NetrcParseError):
-        return False
-
-
-def default_wandb_mode() -> str:
-    """WANDB_MODE when it names a mode; otherwise online with an API key and offline without."""
-    requested = os.environ.get("WANDB_MODE")
-    requested = {"dryrun": "offline", "run": "online"}.get(requested, requested)
-    if requested in WANDB_MODES:
-        return requested
-    return "online" if wandb_api_key_configured() else "offline"
-
-
-def with_wandb_defaults(logging: LoggingConfig, save: str | None) -> LoggingConfig:
-    """A copy of `logging` with wandb's mode and folder filled in (from the environment and `save`);
-    UserError when wandb would run but is not installed."""
-    mode = logging.wandb_mode or default_wandb_mode()
-    if logging.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
-        raise UserError("--wandb-project needs the wandb package, which is not installed; "
-                        "pip install -r requirements.txt (or use --wandb-mode disabled)")
-    save_dir = logging.wandb_save_dir
-    if save_dir is None and save is not None:
-        save_dir = os.path.join(save, "wandb")
-    return replace(logging, wandb_mode=mode, wandb_save_dir=save_dir)
 
 
 def default_run_name(run) -> str:

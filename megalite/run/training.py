@@ -22,7 +22,6 @@ from megalite import parallel_state
 from megalite.checkpoint.checkpointer import Checkpointer, json_able
 from megalite.config import RunConfig, describe_model, num_parameters
 from megalite.data.loader import build_data_loader, iterate, next_global_batch
-from megalite.data.tokenizer import build_tokenizer
 from megalite.data_parallel.ddp import ParallelModel, global_token_count
 from megalite.data_parallel.optimizer import DistributedOptimizer, DynamicLossScaler, MixedPrecisionOptimizer
 from megalite.errors import UserError
@@ -34,7 +33,7 @@ from megalite.run.logger import TrainingLogger
 from megalite.run.parallelize import parallelize
 from megalite.run.tracking import exit_code_of, start_tracking
 from megalite.run.lr_schedule import LRSchedule
-from megalite.run.data import build_datasets, resolve_data
+from megalite.run.data import build_datasets, final_run_config
 from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps, check_token_dtypes, checked_token_ids,
                                      divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
@@ -136,8 +135,8 @@ class Trainer:
 
     def _open(self, opened: contextlib.ExitStack) -> None:
         """Build the run's objects; `opened` closes each resource taken, if a later one fails or at exit.
-        `self.run` becomes `run` completed by what the data decides (the built-in corpus, the tokenizer's
-        vocabulary): the config the run uses and its checkpoints save."""
+        `self.run` becomes `run` completed once by `final_run_config` (the built-in corpus, the tokenizer's
+        vocabulary, a resumed LR schedule): the config the run uses and its checkpoints save, never replaced."""
         run, train = self.run, self.run.train
         self.signals = opened.enter_context(owned_signals(train.exit_signal_handler))  # before wandb starts
         self.parallel = parallel_state.initialize(run.parallel)
@@ -154,11 +153,8 @@ class Trainer:
         np.random.seed(train.seed + 100 * self.parallel.pp_rank)
         model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
         check_kernels(train.kernels)  # before any work: --kernels triton on a machine that cannot run it
-        run = resolve_data(run)  # every rank; the corpus builder's lock lets one build while the others wait
-        data = run.data
-        self.tokenizer = build_tokenizer(data.tokenizer_type, data.tokenizer_model, data.vocab_size, data.vocab_file,
-                                         data.merge_file)
-        self.run = run = run.with_tokenizer_vocab(self.tokenizer.vocab_size)
+        run, self.tokenizer = final_run_config(run)  # every rank
+        self.run = run
         self.device = self.parallel.device
         layout = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
@@ -257,10 +253,6 @@ class Trainer:
         self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
         self.evaluation_pending = resumed.evaluation_pending
         self.evaluations_logged = set(resumed.evaluations_logged)
-        # --use-checkpoint-opt_param-scheduler may have adopted the checkpoint's LR settings: the config
-        # the run saves and reports says what it runs on (build_lr_schedule's inverse).
-        self.run = self.checkpointer.run = dataclasses.replace(
-            self.run, train=self.run.train.with_lr_schedule(self.schedule.state_dict()))
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""

@@ -318,8 +318,8 @@ def test_cli_errors_are_one_sentence(tmp_path, hf_llama, capsys):
     with pytest.raises(UserError, match="it has pytorch_model.bin, a pickle"):
         convert(["from-hf", "--load", str(tmp_path / "pickled"), "--save", str(tmp_path / "c")])
     # A model no transformers class computes: LayerNorm with rope.
-    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
-                         position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
+    config = ModelConfig.of(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                            position_embedding_type="rope", hidden_dropout=0.0, attention_dropout=0.0)
     checkpoint.save_checkpoint(str(tmp_path / "odd"), 1, build_model(config, seed=0), consumed_samples=0,
                                   model_config=config)
     with pytest.raises(UserError, match="no transformers architecture computes this model"):
@@ -369,7 +369,7 @@ def test_a_partial_rotary_model_is_refused_by_the_export():
 
     llama = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
                  position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
-    assert hf_architecture(ModelConfig(**llama)) == "LlamaForCausalLM"
+    assert hf_architecture(ModelConfig.of(**llama)) == "LlamaForCausalLM"
     with pytest.raises(UserError, match=r"rotates 4 of each head's 8 channels \(--rotary-percent 0.5\).*"
                                         r"--rotary-percent 1.0 to export"):
-        hf_architecture(ModelConfig(**llama, rotary_percent=0.5))
+        hf_architecture(ModelConfig.of(**llama, rotary_percent=0.5))

@@ -13,8 +13,8 @@ from megalite.model.gpt import GPTModel
 
 def tiny_gpt2(seed: int = 0) -> GPTModel:
     """A 1-layer GPT-2-style model with tied embeddings (the word embedding is used twice)."""
-    config = ModelConfig(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
-                         vocab_size=32, openai_gelu=True, hidden_dropout=0.0, attention_dropout=0.0).validate()
+    config = ModelConfig.of(num_layers=1, hidden_size=16, num_attention_heads=2, seq_length=8,
+                            vocab_size=32, openai_gelu=True, hidden_dropout=0.0, attention_dropout=0.0).validate()
     return GPTModel(config, seed=seed)
 
 

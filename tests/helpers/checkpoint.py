@@ -14,7 +14,7 @@ def small_config(**overrides) -> ModelConfig:
     values = dict(num_layers=2, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
                   hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
-    return ModelConfig(**values).validate()
+    return ModelConfig.of(**values).validate()
 
 
 class FakeAdamW:

@@ -10,7 +10,7 @@ def llama_config(**overrides) -> ModelConfig:
                   normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                   untie_embeddings_and_output_weights=True, hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
-    return ModelConfig(**values).validate()
+    return ModelConfig.of(**values).validate()
 
 
 def gpt2_config(**overrides) -> ModelConfig:
@@ -19,4 +19,4 @@ def gpt2_config(**overrides) -> ModelConfig:
                   max_position_embeddings=32, vocab_size=256, openai_gelu=True,
                   hidden_dropout=0.0, attention_dropout=0.0)
     values.update(overrides)
-    return ModelConfig(**values).validate()
+    return ModelConfig.of(**values).validate()

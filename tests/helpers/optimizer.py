@@ -11,11 +11,11 @@ HYPER = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
 def tiny_llama(seed: int = 0, dtype: torch.dtype = torch.float32) -> nn.Module:
     """2 layers, hidden 32, GQA, RMSNorm (1-D weights: no weight decay), untied."""
-    config = ModelConfig(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                         ffn_hidden_size=48, seq_length=8, vocab_size=64, position_embedding_type="rope",
-                         normalization="RMSNorm", swiglu=True, add_bias_linear=False,
-                         untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
-                         attention_dropout=0.0).validate()
+    config = ModelConfig.of(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                            ffn_hidden_size=48, seq_length=8, vocab_size=64, position_embedding_type="rope",
+                            normalization="RMSNorm", swiglu=True, add_bias_linear=False,
+                            untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                            attention_dropout=0.0).validate()
     return build_model(config, seed, dtype=dtype)
 
 

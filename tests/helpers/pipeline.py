@@ -10,11 +10,11 @@ SEQ, MICRO, MICRO_BATCHES = 8, 2, 4
 
 
 def config(tied: bool) -> ModelConfig:
-    return ModelConfig(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=64, seq_length=SEQ, vocab_size=128, tokenizer_vocab_size=100,
-                       untie_embeddings_and_output_weights=not tied, swiglu=True, normalization="RMSNorm",
-                       position_embedding_type="rope", add_bias_linear=False, hidden_dropout=0.0,
-                       attention_dropout=0.0)
+    return ModelConfig.of(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=64, seq_length=SEQ, vocab_size=128, tokenizer_vocab_size=100,
+                          untie_embeddings_and_output_weights=not tied, swiglu=True, normalization="RMSNorm",
+                          position_embedding_type="rope", add_bias_linear=False, hidden_dropout=0.0,
+                          attention_dropout=0.0)
 
 
 def micro_batches() -> list[dict]:

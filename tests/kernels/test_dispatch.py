@@ -30,7 +30,7 @@ def test_modes_pick_the_path():
 
 def test_an_unknown_mode_is_the_configs_to_refuse():
     with pytest.raises(UserError, match="--kernels fast is not one of auto, triton, torch"):
-        TrainConfig(kernels="fast").validate()
+        TrainConfig.from_flags(kernels="fast")
 
 
 @pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
@@ -48,9 +48,9 @@ def test_two_models_in_one_process_each_use_their_own_kernels(monkeypatch, one_t
     for module, op in ((rmsnorm, "_RMSNorm"), (rotary, "_Rotary"), (swiglu, "_SwiGLU")):
         monkeypatch.setattr(getattr(module, op), "apply", counted("triton", getattr(module, op).apply))
     monkeypatch.setattr(cross_entropy, "_row_stats_torch", counted("torch loss", cross_entropy._row_stats_torch))
-    config = ModelConfig(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
-                         swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-                         hidden_dropout=0.0, attention_dropout=0.0)
+    config = ModelConfig.of(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                            swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                            hidden_dropout=0.0, attention_dropout=0.0)
     models = {mode: build_model(config, seed=1, device=device, kernels=mode) for mode in ("torch", "triton")}
     tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(0)).to(device)
     losses = {}

@@ -96,7 +96,7 @@ def test_model_with_fused_output_cross_entropy_matches_unfused(untie, one_thread
     loss_mask[0, :5] = 0
     results = []
     for fused in (False, True):
-        model = build_model(ModelConfig(**base, fused_output_cross_entropy=fused), seed=7)
+        model = build_model(ModelConfig.of(**base, fused_output_cross_entropy=fused), seed=7)
         losses = model(tokens, labels=labels, loss_mask=loss_mask)
         (losses.sum() / loss_mask.sum()).backward()
         results.append((losses.detach(), {n: p.grad for n, p in model.named_parameters()}))

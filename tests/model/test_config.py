@@ -64,11 +64,11 @@ def test_vocabulary_padding():
 
 
 def test_derived_defaults_follow_megatron():
-    config = ModelConfig(num_layers=2, hidden_size=96, num_attention_heads=4, seq_length=8, vocab_size=64)
+    config = ModelConfig.of(num_layers=2, hidden_size=96, num_attention_heads=4, seq_length=8, vocab_size=64)
     assert (config.ffn_hidden_size, config.max_position_embeddings, config.head_dim, config.query_groups) == (
         384, 8, 24, 4)
-    swiglu = ModelConfig(num_layers=2, hidden_size=4096, num_attention_heads=32, seq_length=8,
-                         vocab_size=64, swiglu=True)
+    swiglu = ModelConfig.of(num_layers=2, hidden_size=4096, num_attention_heads=32, seq_length=8,
+                            vocab_size=64, swiglu=True)
     assert swiglu.ffn_hidden_size == 10880  # int(4 * 4096 * 2/3 / 64) * 64
 
 
@@ -116,16 +116,16 @@ BASE = dict(num_layers=2, hidden_size=64, num_attention_heads=4, seq_length=16, 
 ])
 def test_each_validation_rule_names_the_flag(overrides, message):
     with pytest.raises(UserError, match=message):
-        ModelConfig(**{**BASE, **overrides}).validate()
+        ModelConfig.of(**{**BASE, **overrides}).validate()
 
 
 def test_rope_allows_sequences_longer_than_learned_positions_would():
-    ModelConfig(**{**BASE, "seq_length": 64, "max_position_embeddings": 32,
-                   "position_embedding_type": "rope"}).validate()
+    ModelConfig.of(**{**BASE, "seq_length": 64, "max_position_embeddings": 32,
+                      "position_embedding_type": "rope"}).validate()
 
 
 def test_kv_channels_lifts_the_divisibility_rule():
-    config = ModelConfig(**{**BASE, "hidden_size": 66, "kv_channels": 16}).validate()
+    config = ModelConfig.of(**{**BASE, "hidden_size": 66, "kv_channels": 16}).validate()
     assert config.head_dim == 16
 
 

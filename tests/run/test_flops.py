@@ -13,7 +13,7 @@ def gpt_config(**overrides) -> ModelConfig:
     values = dict(num_layers=2, hidden_size=64, num_attention_heads=4, ffn_hidden_size=256,
                   seq_length=16, vocab_size=256)
     values.update(overrides)
-    return ModelConfig(**values).validate()
+    return ModelConfig.of(**values).validate()
 
 
 def llama_config(**overrides) -> ModelConfig:
@@ -23,7 +23,7 @@ def llama_config(**overrides) -> ModelConfig:
                   normalization="RMSNorm", swiglu=True, add_bias_linear=False,
                   untie_embeddings_and_output_weights=True)
     values.update(overrides)
-    return ModelConfig(**values).validate()
+    return ModelConfig.of(**values).validate()
 
 # ----------------------------------------------------------------------------- FLOPs
 

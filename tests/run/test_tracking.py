@@ -19,9 +19,10 @@ from types import SimpleNamespace
 import pytest
 
 from megalite.arguments import parse_args
+from megalite.config.run import default_wandb_mode
 from megalite.errors import UserError
 from megalite.run.resilience import RunSignals, owned_signals
-from megalite.run.tracking import Tracker, default_wandb_mode, scalars_of, start_tracking
+from megalite.run.tracking import Tracker, scalars_of, start_tracking
 from megalite.run.training import pretrain
 
 wandb = pytest.importorskip("wandb")

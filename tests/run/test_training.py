@@ -117,17 +117,27 @@ def test_lr_schedule_change_on_resume_needs_a_flag(tmp_path):
     assert state.iteration == 4
 
 
-def test_checkpoints_save_the_config_the_run_used(tmp_path):
-    """The parsed config stays as parsed; the run's config (and what its checkpoints save) holds what
-    arrived later: the tokenizer's vocabulary and the LR schedule a resume adopted."""
+def test_checkpoints_save_the_config_the_run_used(tmp_path, monkeypatch):
+    """The parsed config stays as parsed; the run's config (and what its checkpoints save) holds what lies
+    outside the flags, the tokenizer's vocabulary and the LR schedule a resume adopts, from before anything is
+    built: the Trainer builds everything from it and never replaces it."""
     from megalite import checkpoint
+    from megalite.checkpoint.checkpointer import Checkpointer
 
     train(*MOCK, "--train-iters", "4", "--save", str(tmp_path), "--exit-interval", "2")
     parsed = parse_args([*SMALL, *MOCK, "--train-iters", "4", "--save", str(tmp_path), "--lr-decay-style", "linear",
                          "--use-checkpoint-opt_param-scheduler"])
+    given, build = [], Checkpointer.__init__
+
+    def recorded(self, run, *args, **kwargs):  # the config the Trainer builds its checkpointer from
+        given.append(run)
+        build(self, run, *args, **kwargs)
+
+    monkeypatch.setattr(Checkpointer, "__init__", recorded)
     trainer, state = pretrain(parsed, log=lambda line: None)
     saved = checkpoint.read_metadata(checkpoint.resolve_checkpoint(str(tmp_path)))["extra"]["run"]
     assert state.iteration == 4 and parsed.train.lr_decay_style == "linear"
+    assert given == [trainer.run] and given[0] is trainer.run is trainer.checkpointer.run
     assert trainer.run.train.lr_decay_style == saved["train"]["lr_decay_style"] == "cosine"
     assert (saved["model"]["tokenizer_vocab_size"], saved["model"]["vocab_size"]) == (100, 128)
 

@@ -79,11 +79,11 @@ def formula_bytes_per_param(strategy: str, dp: int, bf16: bool) -> float:
 def model_config(small: bool) -> ModelConfig:
     """The CPU preset's LLaMA shape at sequence 64 (about 7.1M params); `small` shrinks it ~10x."""
     hidden, ffn, vocab = (64, 176, 4096) if small else (256, 688, 8192)
-    return ModelConfig(num_layers=4, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
-                       ffn_hidden_size=ffn, seq_length=64, vocab_size=vocab, tokenizer_vocab_size=vocab,
-                       swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
-                       add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
-                       attention_dropout=0.0).validate()
+    return ModelConfig.of(num_layers=4, hidden_size=hidden, num_attention_heads=4, num_query_groups=2,
+                          ffn_hidden_size=ffn, seq_length=64, vocab_size=vocab, tokenizer_vocab_size=vocab,
+                          swiglu=True, normalization="RMSNorm", position_embedding_type="rope",
+                          add_bias_linear=False, untie_embeddings_and_output_weights=True, hidden_dropout=0.0,
+                          attention_dropout=0.0).validate()
 
 
 def tensor_bytes(tensor: torch.Tensor) -> int:
