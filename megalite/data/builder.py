@@ -1,10 +1,5 @@
-"""`build_gpt_datasets`: train/valid/test datasets from `--data-path` style blends.
-
-A blend is one prefix, prefixes with weights (`w1 p1 w2 p2 ...`, normalised), or plain
-prefixes (weighted by their sizes). With `--data-path` every prefix is cut into
-train/valid/test by `--split`; with `--train-data-path/--valid-data-path/--test-data-path`
-each split has its own blend and uses whole files.
-"""
+"""`build_gpt_datasets`: train/valid/test datasets from `--data-path` style blends (docs/data.md):
+every prefix cut by `--split`, or one blend of whole files per split (`--train-data-path` ...)."""
 
 import difflib
 import glob
@@ -67,7 +62,7 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
                        mock_vocab_size: int | None = None, mmap_bin_files: bool = True):
     """Return (train, valid, test) datasets; a split with no data or no samples is None.
 
-    data_path: a blend (see module doc) cut by `split`; or None with the per-split paths;
+    data_path: a blend cut by `split`; or None with the per-split paths;
     or ignored when `mock_vocab_size` is set (synthetic documents, eod = `eod`). `mmap_bin_files` False
     reads the token files instead of mapping them (--no-mmap-bin-files).
     num_samples: samples each split must provide (None: one epoch). Items are dicts of

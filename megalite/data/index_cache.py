@@ -1,10 +1,5 @@
-"""Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs).
-
-Local rank 0 builds missing indices and publishes them atomically: each array under a
-temporary name and renamed, then a `description.json` marking the set complete, which
-every other process waits for. Nodes sharing a filesystem may both build; the renames make
-that harmless because the content is identical.
-"""
+"""Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs): local rank 0
+builds and publishes atomically, a `description.json` last; the others wait for it (docs/data.md)."""
 
 import hashlib
 import json
