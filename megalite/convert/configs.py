@@ -1,10 +1,7 @@
-"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one.
-
-LLaMA-style (rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or
-none) <-> `LlamaForCausalLM` (Mistral without a sliding window imports as it too), and
-GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`.
-Anything else is refused with a UserError naming the setting or the config.json field.
-"""
+"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one: LLaMA-style
+(rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or none) <-> `LlamaForCausalLM`
+(Mistral without a sliding window imports as it too), and GPT-2-style (learned positions, LayerNorm, GELU,
+biases, multi-head) <-> `GPT2LMHeadModel`. Anything else is refused, naming the setting or the field."""
 
 from dataclasses import dataclass
 
@@ -47,10 +44,8 @@ def hf_architecture(config: ModelConfig) -> str:
 
 
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
-    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary).
-
-    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE).
-    """
+    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary);
+    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
@@ -108,11 +103,9 @@ class ImportedConfig:
 
 
 def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedConfig:
-    """Read an HF `config.json` (a dict); UserError naming the field for anything megalite cannot compute.
-
-    Takes configs of transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters).
-    seq_length: the training sequence length to record; default max_position_embeddings, at most 4096.
-    """
+    """Read an HF `config.json` (a dict) of transformers 4.x (rope_theta / rope_scaling) or 5.x
+    (rope_parameters); UserError naming the field for anything megalite cannot compute. seq_length: the
+    training sequence length to record; default max_position_embeddings, at most 4096."""
     architecture = (hf.get("architectures") or [None])[0] or hf.get("model_type")
     kind = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
             "GPT2LMHeadModel": GPT2, "gpt2": GPT2}.get(architecture)
