@@ -207,7 +207,7 @@ def test_progress_bar_only_on_request_or_terminal(capsys):
 
 
 def test_defaults_without_torch_distributed_and_batch_ramp_up():
-    logger = make_logger(is_logging_rank=None, num_devices=None)
+    logger = make_logger()
     assert logger.is_logging_rank and logger.num_devices == 1
     record = logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, global_batch_size=2)
     assert record["tokens_per_sec"] == pytest.approx(2 * 16 / 0.5)
