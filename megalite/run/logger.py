@@ -26,7 +26,7 @@ def peak_memory_bytes(device) -> int:
 
 
 PEAK_REMEASURES = 2  # log lines at which a CPU's peak is measured again (TrainingLogger._update_peak)
-SPLITS = {"validation": "valid", "valid": "valid", "test": "test"}  # printed name / metrics name
+SPLITS = {"valid": "validation", "test": "test"}  # the metrics file's name -> the printed name
 
 
 @dataclass
@@ -218,19 +218,18 @@ class TrainingLogger:
         return " |".join(parts) + " |"
 
     def log_evaluation(self, iteration: int, split: str, lm_loss: float) -> dict | None:
-        """Print Megatron's evaluation block for `split` ("validation" or "valid", or "test") and write
+        """Print Megatron's evaluation block for `split` ("valid" or "test") and write
         `{"iteration", "split", "lm_loss"}`; returns that record (None off the logging rank)."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         if not self.is_logging_rank:
             return None
-        printed = "validation" if SPLITS[split] == "valid" else "test"
         perplexity = math.exp(lm_loss) if lm_loss < 700 else float("inf")  # exp overflows past ~709
-        line = (f" {printed} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+        line = (f" {SPLITS[split]} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
                 f"lm loss PPL: {perplexity:.6E} |")
         rule = "-" * len(line)
         self.print("\n".join((rule, line, rule)))
-        record = {"iteration": iteration, "split": SPLITS[split], "lm_loss": finite_or_none(lm_loss)}
+        record = {"iteration": iteration, "split": split, "lm_loss": finite_or_none(lm_loss)}
         self._emit(record)
         return record
 
