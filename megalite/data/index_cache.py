@@ -42,11 +42,9 @@ def is_builder_process() -> bool:
 
 
 def load_or_build(cache_dir: str | None, name: str, description: dict, build):
-    """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them.
-
-    cache_dir None builds in memory. name: readable part of the file names ("GPTDataset-train").
-    description: JSON-able inputs of `build`, whose hash keys the files.
-    """
+    """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them. cache_dir None
+    builds in memory. name: readable part of the file names ("GPTDataset-train"). description: JSON-able
+    inputs of `build`, whose hash keys the files."""
     if cache_dir is None:
         return build()
     base = os.path.join(cache_dir, f"{description_hash(description)}-{name}")

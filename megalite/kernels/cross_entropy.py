@@ -100,11 +100,9 @@ if triton is not None:
 
 def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index: int = IGNORE_INDEX,
               keep_exp: bool = False, kernels: str = "auto"):
-    """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32; Triton or PyTorch per `kernels`.
-
-    logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32 logits
-    nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns.
-    """
+    """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32; Triton or PyTorch per
+    `kernels`. logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32
+    logits nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns."""
     if not use_triton(logits, kernels):
         return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp)
     rows = logits.shape[0]
@@ -119,11 +117,9 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
                 ignore_index: int = IGNORE_INDEX, out: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                 exp_in_logits: bool = False, kernels: str = "auto") -> torch.Tensor:
     """d loss / d logits `[rows, v_local]` in the logits' dtype (into `out` if given, which may be `logits`).
-
-    lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the
-    PyTorch path exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift)
-    from `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode.
-    """
+    lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the PyTorch path
+    exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift) from
+    `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode."""
     if exp_in_logits:
         out = logits
     out = torch.empty_like(logits) if out is None else out

@@ -75,11 +75,9 @@ def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (output features) split across TP ranks: `[*, in]` (TP+SP: `[s/tp, b, in]`,
-    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`.
-
-    output_chunks: the output is that many equal blocks sharded block by block. skip_weight_param:
-    the weight is passed to forward (tied output layer). real_output_size: rows from it on are padding.
-    """
+    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`. output_chunks: the output is that many
+    equal blocks sharded block by block. skip_weight_param: the weight is passed to forward (tied output
+    layer). real_output_size: rows from it on are padding."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,
