@@ -71,15 +71,17 @@ def _publish(cache_dir, base, marker, description, arrays) -> None:
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for key, array in arrays.items():
-            _atomic_save(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+            atomic_write(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
         record = {"description": description, "arrays": sorted(arrays)}
-        _atomic_save(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
+        atomic_write(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
     except OSError as err:
         raise UserError(f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); point "
                         "--data-cache-path at a writable folder") from err
 
 
-def _atomic_save(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """`write(file)` into a temporary file opened for binary writing, then renamed to `path`: a reader sees
+    the old file or the whole new one."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

@@ -12,6 +12,7 @@ import numpy as np
 import sentencepiece
 
 from megalite.config.data import TOKENIZER_TYPES
+from megalite.data.index_cache import atomic_write
 from megalite.errors import UserError
 
 # SentencePiece drops training sentences longer than this (bytes); we cut them to it instead.
@@ -242,19 +243,13 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
         raise UserError(f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it "
                         "more text") from err
     model_path, vocab_path = f"{output_prefix}.model", f"{output_prefix}.vocab"
-    _write_atomically(model_path, model.getvalue())
+    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+    atomic_write(model_path, lambda file: file.write(model.getvalue()))
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     # SentencePiece's .vocab format: one "piece<TAB>score" line per id.
     ids = range(processor.vocab_size())
     vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in ids)
-    _write_atomically(vocab_path, vocab.encode("utf-8"))
+    atomic_write(vocab_path, lambda file: file.write(vocab.encode("utf-8")))
     return {"model": model_path, "vocab": vocab_path, "vocab_size": processor.vocab_size(),
             "num_sentences": sentences.count, "seconds": time.perf_counter() - start}
 
-
-def _write_atomically(path: str, content: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "wb") as file:
-        file.write(content)
-    os.replace(temporary, path)
