@@ -52,15 +52,14 @@ def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", *
     if config.use_rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **_LLAMA3_ROPE}
     extra = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, **extra}
-    hf_config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
         head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon, rope_theta=config.rotary_base, rope_scaling=rope_scaling,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra)
-    hf_config._attn_implementation = attn_implementation
-    return hf_config
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        attn_implementation=attn_implementation, **extra)
 
 
 def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
@@ -68,15 +67,14 @@ def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **
     import transformers
 
     extra = {"bos_token_id": None, "eos_token_id": None, **extra}
-    hf_config = transformers.GPT2Config(
+    return transformers.GPT2Config(
         vocab_size=config.real_vocab_size, n_positions=config.max_position_embeddings,
         n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
         n_inner=config.ffn_hidden_size, activation_function="gelu_new" if config.openai_gelu else "gelu",
         layer_norm_epsilon=config.norm_epsilon, resid_pdrop=config.hidden_dropout,
         embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra)
-    hf_config._attn_implementation = attn_implementation
-    return hf_config
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        attn_implementation=attn_implementation, **extra)
 
 
 def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None, pad: int | None):
