@@ -165,12 +165,10 @@ def _fsynced_size(path: str) -> int:
 
 
 def finalize_save(save: str, iteration: int, header: dict, reports: list[dict]) -> str:
-    """Rank 0, after every rank wrote: index the pieces `reports` (every rank's `write_rank_files` report, in
-    rank order) name, check that they cover every tensor, write metadata.json (`header`'s fields, the
-    version, every file's size and the index), publish the folder, and only then name it in the latest
-    file. The reports, not a listing of the folder, say what was written: on a shared filesystem rank 0's
-    listing may be stale and miss other ranks' files. IncompleteCheckpointError, publishing nothing, when
-    the pieces leave part of a tensor uncovered."""
+    """Rank 0, after every rank wrote: steps 3 and 4 of docs/checkpoints.md's atomic save on the pieces that
+    `reports` (every rank's `write_rank_files` report, in rank order) name, with `header`'s fields in
+    metadata.json. The reports, not a listing of the folder (maybe stale on a shared filesystem), say what was
+    written. IncompleteCheckpointError, publishing nothing, when the pieces leave part of a tensor uncovered."""
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
     index = index_pieces(reports)
