@@ -1,9 +1,6 @@
-"""The rank grid, the process groups cut from it, and the device: one `ParallelState` per run.
-
-Ranks are laid out as Megatron lays them out, `global rank = pp_rank * (dp * tp) + dp_rank * tp
-+ tp_rank`, so `numpy.arange(world).reshape(pp, dp, tp)` is the whole topology and every group is
-the set of ranks that share the other coordinates. There is no global singleton: builders take the
-state as an argument, and a process on its own is a state of ones (`ONE_PROCESS`).
+"""The rank grid, the process groups cut from it, and the device: one `ParallelState` per run, passed to
+builders as an argument (no global singleton). The grid is Megatron's rank order, `numpy.arange(world)
+.reshape(pp, dp, tp)`, every group the ranks that share the other coordinates (docs/parallelism.md).
 
 Under torch.distributed every group is a real ProcessGroup, even of one rank; only a world of one
 without it has None groups. torch reads `group=None` as the WHOLE world, so a None standing for a
@@ -133,14 +130,10 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
         backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
 
 
-def single_process_state(device: torch.device | str = "cpu") -> ParallelState:
-    """What build_parallel_state() returns outside torch.distributed, without touching it."""
-    return ParallelState(device=torch.device(device))
-
-
-# The default state of library functions (model constructors, the optimizer's DDP): one process.
-# Shared, so never modify it; build your own with single_process_state() for another device.
-ONE_PROCESS = single_process_state()
+# The default state of library functions (model constructors, the optimizer's DDP): one process, what
+# build_parallel_state() returns outside torch.distributed. Shared, so never modify it; build your own
+# `ParallelState(device=...)` for another device.
+ONE_PROCESS = ParallelState()
 
 
 def world_size_from_env() -> int:

@@ -49,8 +49,7 @@ def load_model(load: str, iteration: int | None):
     fields = {field.name for field in dataclasses.fields(ModelConfig)}
     config = ModelConfig(**{k: v for k, v in metadata["model_config"].items() if k in fields})
     model = build_model(config, seed=0)
-    load_checkpoint(load, model, model_config=config, iteration=metadata["iteration"], load_optim=False,
-                    load_rng=False)
+    load_checkpoint(load, model, model_config=config, iteration=metadata["iteration"], load_rng=False)
     return model.eval(), metadata
 
 

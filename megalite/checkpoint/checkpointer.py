@@ -9,7 +9,7 @@ from dataclasses import dataclass
 from megalite.checkpoint.folder import choose_checkpoint, remove_old_checkpoints
 from megalite.checkpoint.format import context_changes, read_metadata
 from megalite.checkpoint.loading import load_checkpoint
-from megalite.checkpoint.saving import failed_ranks_across, save_checkpoint
+from megalite.checkpoint.saving import save_checkpoint
 from megalite.config import CheckpointConfig, RunConfig
 from megalite.errors import UserError
 
@@ -123,8 +123,7 @@ class Checkpointer:
                                consumed_samples=state.consumed_train_samples,
                                consumed_valid_samples=state.consumed_valid_samples,
                                model_config=self.run.model, extra=extra, rank=self.parallel.rank,
-                               parallel=self.parallel, failed_ranks=failed_ranks_across(self.parallel),
-                               param_shards=model.param_shards)
+                               parallel=self.parallel, param_shards=model.param_shards)
         self.last_checkpoint = path
         self.log(f"saved checkpoint {path} in {time.perf_counter() - start:.1f} s")
         if ckpt.keep_last_n_checkpoints and self.parallel.rank == 0:

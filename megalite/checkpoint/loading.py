@@ -16,7 +16,7 @@ from megalite.parallel_state import ONE_PROCESS, ParallelState
 
 
 def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_config: ModelConfig,
-                    iteration: int | None = None, load_optim: bool = True, load_rng: bool = True, rank: int = 0,
+                    iteration: int | None = None, load_rng: bool = True, rank: int = 0,
                     parallel: ParallelState = ONE_PROCESS, finetune: bool = False, param_shards=None) -> dict:
     """Restore `model` (ZeRO-3: its `param_shards`; + `optimizer`, + this rank's RNG) from `<load>` at `iteration`
     (default: latest), bitwise but for casts to the destination's dtype; return the iteration, consumed samples,
@@ -29,7 +29,7 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
     vocab = (metadata["model_config"]["vocab_size"], model_config.vocab_size)
     with CheckpointReader(path, metadata) as reader:
         _fill(reader, "model", model_pieces(model, tp_rank, tp_size, param_shards), vocab)
-        if optimizer is not None and load_optim:
+        if optimizer is not None:
             if metadata.get("optimizer") is None:
                 raise UserError(f"checkpoint {path} holds no optimizer state (it was saved without one); "
                                 f"pass --no-load-optim to load the model only")

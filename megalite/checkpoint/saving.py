@@ -30,20 +30,15 @@ class IncompleteCheckpointError(UserError):
     """The ranks' reports leave part of a tensor unwritten: the checkpoint is not published."""
 
 
-def _no_barrier() -> None:
-    pass
-
-
 def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer=None, *,
                     consumed_samples: int, model_config: ModelConfig, consumed_valid_samples: int | None = None,
                     extra: dict | None = None, rank: int = 0, parallel: ParallelState = ONE_PROCESS,
-                    barrier=_no_barrier, failed_ranks=None, gather=None, param_shards=None) -> str:
+                    failed_ranks=None, gather=None, param_shards=None) -> str:
     """Save model (+ optimizer, + this rank's RNG) as `<save>/iter_XXXXXXX`; return that folder. Every rank
     calls this. `extra`: JSON that `load_checkpoint` hands back. `failed_ranks(ok)` returns the ranks whose
-    step failed (`failed_ranks_across`); without it, `barrier` syncs the ranks and each sees its own failure.
-    `gather(report)` returns every rank's report on rank 0 (default: `gathered_at_rank_0(parallel)`).
-    `param_shards`: ZeRO-3's ParamShards, which hold the model's weights."""
-    failed_ranks = failed_ranks or _own_failures(barrier, rank)
+    step failed (default: `failed_ranks_across(parallel)`); `gather(report)` every rank's report on rank 0
+    (default: `gathered_at_rank_0(parallel)`). `param_shards`: ZeRO-3's ParamShards, which hold the weights."""
+    failed_ranks = failed_ranks or failed_ranks_across(parallel)
     if gather is None:
         if rank >= parallel.world_size:
             raise ValueError(f"rank {rank} saves in a world of {parallel.world_size}: pass its parallel state "
@@ -113,15 +108,6 @@ def failed_ranks_across(parallel):
     return failed_ranks
 
 
-def _own_failures(barrier, rank: int):
-    """`failed_ranks` for callers that only have a barrier: this rank's own failure, after the barrier."""
-    def failed_ranks(ok: bool) -> list[int]:
-        if ok:  # a failed rank raises at once; the others must not wait for it at a barrier
-            barrier()
-        return [] if ok else [rank]
-    return failed_ranks
-
-
 def _save_failure(save: str, iteration: int, what: str, error, failed: list[int], rank: int) -> str:
     """The one sentence a failed save reports; rank 0 removes the partial folder first."""
     final = checkpoint_dir(save, iteration)
@@ -149,12 +135,10 @@ def _save_failure(save: str, iteration: int, what: str, error, failed: list[int]
     return f"saving checkpoint {final} failed: {cause}{removed}; {kept}; {fix}"
 
 
-def begin_save(save: str, iteration: int, rank: int = 0, barrier=_no_barrier) -> str:
-    """Rank 0 clears crash leftovers and creates the empty staging folder; all ranks get its path."""
+def begin_save(save: str, iteration: int) -> str:
+    """Clear crash leftovers and create the empty staging folder of a save by one process; return its path."""
     staging = checkpoint_dir(save, iteration) + STAGING_SUFFIX
-    if rank == 0:
-        create_staging(save, staging)
-    barrier()
+    create_staging(save, staging)
     return staging
 
 
@@ -181,12 +165,10 @@ def _fsynced_size(path: str) -> int:
 
 
 def finalize_save(save: str, iteration: int, header: dict, reports: list[dict]) -> str:
-    """Rank 0, after every rank wrote: index the pieces `reports` (every rank's `write_rank_files` report, in
-    rank order) name, check that they cover every tensor, write metadata.json (`header`'s fields, the
-    version, every file's size and the index), publish the folder, and only then name it in the latest
-    file. The reports, not a listing of the folder, say what was written: on a shared filesystem rank 0's
-    listing may be stale and miss other ranks' files. IncompleteCheckpointError, publishing nothing, when
-    the pieces leave part of a tensor uncovered."""
+    """Rank 0, after every rank wrote: steps 3 and 4 of docs/checkpoints.md's atomic save on the pieces that
+    `reports` (every rank's `write_rank_files` report, in rank order) name, with `header`'s fields in
+    metadata.json. The reports, not a listing of the folder (maybe stale on a shared filesystem), say what was
+    written. IncompleteCheckpointError, publishing nothing, when the pieces leave part of a tensor uncovered."""
     final = checkpoint_dir(save, iteration)
     staging = final + STAGING_SUFFIX
     index = index_pieces(reports)

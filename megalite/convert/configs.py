@@ -1,10 +1,7 @@
-"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one.
-
-LLaMA-style (rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or
-none) <-> `LlamaForCausalLM` (Mistral without a sliding window imports as it too), and
-GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`.
-Anything else is refused with a UserError naming the setting or the config.json field.
-"""
+"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one: LLaMA-style
+(rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or none) <-> `LlamaForCausalLM`
+(Mistral without a sliding window imports as it too), and GPT-2-style (learned positions, LayerNorm, GELU,
+biases, multi-head) <-> `GPT2LMHeadModel`. Anything else is refused, naming the setting or the field."""
 
 from dataclasses import dataclass
 
@@ -47,25 +44,22 @@ def hf_architecture(config: ModelConfig) -> str:
 
 
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
-    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary).
-
-    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE).
-    """
+    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary);
+    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
     if config.use_rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **_LLAMA3_ROPE}
     extra = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, **extra}
-    hf_config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
         head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon, rope_theta=config.rotary_base, rope_scaling=rope_scaling,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra)
-    hf_config._attn_implementation = attn_implementation
-    return hf_config
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        attn_implementation=attn_implementation, **extra)
 
 
 def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
@@ -73,15 +67,14 @@ def gpt2_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **
     import transformers
 
     extra = {"bos_token_id": None, "eos_token_id": None, **extra}
-    hf_config = transformers.GPT2Config(
+    return transformers.GPT2Config(
         vocab_size=config.real_vocab_size, n_positions=config.max_position_embeddings,
         n_embd=config.hidden_size, n_layer=config.num_layers, n_head=config.num_attention_heads,
         n_inner=config.ffn_hidden_size, activation_function="gelu_new" if config.openai_gelu else "gelu",
         layer_norm_epsilon=config.norm_epsilon, resid_pdrop=config.hidden_dropout,
         embd_pdrop=config.hidden_dropout, attn_pdrop=config.attention_dropout,
-        tie_word_embeddings=not config.untie_embeddings_and_output_weights, **extra)
-    hf_config._attn_implementation = attn_implementation
-    return hf_config
+        tie_word_embeddings=not config.untie_embeddings_and_output_weights,
+        attn_implementation=attn_implementation, **extra)
 
 
 def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos: int | None, pad: int | None):
@@ -108,11 +101,9 @@ class ImportedConfig:
 
 
 def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedConfig:
-    """Read an HF `config.json` (a dict); UserError naming the field for anything megalite cannot compute.
-
-    Takes configs of transformers 4.x (rope_theta / rope_scaling) and 5.x (rope_parameters).
-    seq_length: the training sequence length to record; default max_position_embeddings, at most 4096.
-    """
+    """Read an HF `config.json` (a dict) of transformers 4.x (rope_theta / rope_scaling) or 5.x
+    (rope_parameters); UserError naming the field for anything megalite cannot compute. seq_length: the
+    training sequence length to record; default max_position_embeddings, at most 4096."""
     architecture = (hf.get("architectures") or [None])[0] or hf.get("model_type")
     kind = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
             "GPT2LMHeadModel": GPT2, "gpt2": GPT2}.get(architecture)

@@ -1,9 +1,7 @@
-"""A megalite checkpoint of any layout -> a Hugging Face folder that `transformers` loads offline.
-
-Each megalite tensor is assembled from the checkpoint's pieces, converted and written
-straight into its safetensors file, so memory stays near the largest tensor. Above the
-shard size, files are `model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`.
-"""
+"""A megalite checkpoint of any layout -> a Hugging Face folder that `transformers` loads offline. Each
+megalite tensor is assembled from the checkpoint's pieces, converted and written straight into its
+safetensors file, so memory stays near the largest tensor. Above the shard size, files are
+`model-0000k-of-0000n.safetensors` with `model.safetensors.index.json`."""
 
 import itertools
 import json
@@ -29,10 +27,8 @@ def export_checkpoint(load: str, save: str, iteration: int | None = None, dtype:
                       tokenizer_model: str | None = None, skip_tokenizer: bool = False,
                       log: Callable[[str], None] = print) -> None:
     """Write checkpoint `load` (the latest, or `iteration`) as HF folder `save`: config.json,
-    generation_config.json, the weights and (unless skip_tokenizer) the tokenizer.
-
-    dtype: default as stored. tokenizer_type / tokenizer_model: default the run's, as its checkpoint records them.
-    """
+    generation_config.json, the weights and (unless skip_tokenizer) the tokenizer. dtype: default as
+    stored. tokenizer_type / tokenizer_model: default the run's, as its checkpoint records them."""
     from transformers import GenerationConfig  # only conversion needs transformers
 
     max_bytes = parse_size(max_shard_size)

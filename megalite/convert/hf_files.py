@@ -1,9 +1,7 @@
-"""Hugging Face model folders on disk: safetensors written tensor by tensor, and read lazily.
-
-A safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, byte
-offsets) and the raw tensor bytes; writing the header first lets each tensor be written
-as soon as it is converted, so memory stays near the largest tensor.
-"""
+"""Hugging Face model folders on disk: safetensors written tensor by tensor, and read lazily. A
+safetensors file is an 8-byte header length, a JSON header (name -> dtype, shape, byte offsets) and the
+raw tensor bytes; writing the header first lets each tensor be written as soon as it is converted, so
+memory stays near the largest tensor."""
 
 import json
 import math

@@ -1,9 +1,7 @@
-"""A local Hugging Face model folder -> a megalite checkpoint (iteration 0) to continue pretraining.
-
-Anything megalite would compute differently is refused, naming the config field. Checkpoints
-are layout-free, so the layout sizes only check that the model can be split that way (and
-pad the vocabulary for that TP size); any other layout loads the checkpoint just as well.
-"""
+"""A local Hugging Face model folder -> a megalite checkpoint (iteration 0) to continue pretraining;
+anything megalite would compute differently is refused, naming the config field. Checkpoints are
+layout-free, so the layout sizes only check that the model can be split that way (and pad the vocabulary
+for that TP size); any other layout loads the checkpoint just as well."""
 
 import dataclasses
 import json
@@ -28,11 +26,8 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
                       seq_length: int | None = None, make_vocab_size_divisible_by: int = 128,
                       dtype: torch.dtype | None = None, log: Callable[[str], None] = print) -> None:
     """Write HF folder `load` as megalite checkpoint `save` (model only, iteration 0), then log the
-    pretrain_gpt.py command that continues from it with `--load save --finetune`.
-
-    seq_length: the training sequence length to record (default max_position_embeddings, at
-    most 4096). dtype: default as stored.
-    """
+    pretrain_gpt.py command that continues from it with `--load save --finetune`. seq_length: the training
+    sequence length to record (default max_position_embeddings, at most 4096). dtype: default as stored."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     start = time.perf_counter()
     config_path = os.path.join(load, "config.json")

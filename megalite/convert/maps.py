@@ -20,10 +20,8 @@ from megalite.convert.configs import GPT2, hf_architecture
 
 @dataclass(frozen=True)
 class TensorMap:
-    """One megalite tensor and the HF tensor(s) it becomes; layout "same" or one of the module's.
-
-    A "qkv" map with one HF name means q, k, v concatenated (GPT-2's c_attn).
-    """
+    """One megalite tensor and the HF tensor(s) it becomes; layout "same" or one of the module's. A "qkv"
+    map with one HF name means q, k, v concatenated (GPT-2's c_attn)."""
 
     ours: str
     theirs: tuple[str, ...]
@@ -32,10 +30,8 @@ class TensorMap:
 
 
 def tensor_maps(config: ModelConfig) -> list[TensorMap]:
-    """Every megalite tensor of `config` with its HF counterpart, in HF's usual order.
-
-    A tied output layer has no tensor of its own on either side (HF re-ties lm_head on load).
-    """
+    """Every megalite tensor of `config` with its HF counterpart, in HF's usual order. A tied output layer
+    has no tensor of its own on either side (HF re-ties lm_head on load)."""
     return _gpt2_maps(config) if hf_architecture(config) == GPT2 else _llama_maps(config)
 
 
@@ -84,10 +80,8 @@ def _gpt2_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 def split_qkv(qkv: torch.Tensor, config: ModelConfig) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """megalite's grouped QKV rows `[(heads + 2 groups) * d, ...]` -> q `[heads * d, ...]`, k, v `[groups * d, ...]`.
-
-    Works on weights `[rows, hidden]` and biases `[rows]`.
-    """
+    """megalite's grouped QKV rows `[(heads + 2 groups) * d, ...]` -> q `[heads * d, ...]`, k, v
+    `[groups * d, ...]`, for weights `[rows, hidden]` and biases `[rows]` alike."""
     groups, head_dim, rest = config.query_groups, config.head_dim, qkv.shape[1:]
     per_group = config.num_attention_heads // groups
     grouped = qkv.reshape(groups, per_group + 2, head_dim, *rest)
@@ -107,11 +101,9 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
 
 
 def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
-    """The HF tensors (one per `tensor_map.theirs`) of the full megalite tensor `tensor`; contiguous, same dtype.
-
-    Shapes: vocab `[padded vocab, h]` -> `[real vocab, h]`; qkv as split_qkv; SwiGLU fc1
-    `[2 ffn, h]` -> gate, up `[ffn, h]`; transposed maps swap the two dimensions.
-    """
+    """The HF tensors (one per `tensor_map.theirs`) of the full megalite tensor `tensor`; contiguous, same
+    dtype. vocab `[padded vocab, h]` -> `[real vocab, h]`; qkv as split_qkv; SwiGLU fc1 `[2 ffn, h]` ->
+    gate, up `[ffn, h]`; transposed maps swap the two dimensions."""
     layout = tensor_map.layout
     if layout == "vocab":
         parts = [tensor[:config.real_vocab_size]]
@@ -129,10 +121,8 @@ def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> l
 
 
 def from_hf(tensor_map: TensorMap, tensors: list[torch.Tensor], config: ModelConfig) -> torch.Tensor:
-    """The megalite tensor of `tensor_map` from its HF tensors (the exact inverse of to_hf; the HF dtype).
-
-    Vocabulary rows are padded with zero rows to `config.vocab_size`.
-    """
+    """The megalite tensor of `tensor_map` from its HF tensors (the exact inverse of to_hf; the HF dtype);
+    vocabulary rows are padded with zero rows to `config.vocab_size`."""
     parts = [part.t() for part in tensors] if tensor_map.transposed else list(tensors)
     layout = tensor_map.layout
     if layout == "vocab":

@@ -1,10 +1,8 @@
 """The megalite model an imported HF model becomes: a `--model` preset and the fields that override it.
-
-One dict of overrides builds the ModelConfig the checkpoint records (`model_config_from_preset`)
-and is spelled as the pretrain_gpt.py flags to continue with (`PresetModel.flags`). As
-`arguments.py` makes the same call, a run given those flags holds a ModelConfig equal to
-the checkpoint's, which `--load --finetune` requires field by field.
-"""
+One dict of overrides builds the ModelConfig the checkpoint records (`model_config_from_preset`) and is
+spelled as the pretrain_gpt.py flags to continue with (`PresetModel.flags`). As `arguments.py` makes the
+same call, a run given those flags holds a ModelConfig equal to the checkpoint's, which `--load
+--finetune` requires field by field."""
 
 import dataclasses
 from dataclasses import dataclass
@@ -45,12 +43,10 @@ class PresetModel:
 
 def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int = 1,
                  pipeline_model_parallel_size: int = 1) -> PresetModel:
-    """The preset, overrides and ModelConfig (vocabulary `vocab_size`, padded for TP) of the model `fields` describe.
-
-    `fields`: model_fields_from_hf's, plus make_vocab_size_divisible_by when not 128. The layout
-    is checked as a run would check it. UserError when no preset and overrides express the
-    model, or the layout does not fit it.
-    """
+    """The preset, overrides and ModelConfig (vocabulary `vocab_size`, padded for TP) of the model `fields`
+    describe (model_fields_from_hf's, plus make_vocab_size_divisible_by when not 128). The layout is checked
+    as a run would check it. UserError when no preset and overrides express the model, or the layout does
+    not fit it."""
     tp, pp = tensor_model_parallel_size, pipeline_model_parallel_size
     ParallelConfig(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
                    world_size=max(tp, 1) * max(pp, 1)).validate()  # sizes below 1, with the flag named
@@ -76,9 +72,7 @@ def preset_model(fields: dict, vocab_size: int, tensor_model_parallel_size: int 
 
 def _overrides_on_preset(fields: dict, preset: str) -> dict:
     """The fields that flags set on top of `preset` for the model `fields` describe, in flag order.
-
-    Booleans appear only where a flag exists for that value (True, or add_bias_linear False).
-    """
+    Booleans appear only where a flag exists for that value (True, or add_bias_linear False)."""
     overrides = {key: fields[key] for key in ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads")}
     if fields["num_query_groups"] != fields["num_attention_heads"] or MODEL_PRESETS[preset].get("num_query_groups"):
         overrides["num_query_groups"] = fields["num_query_groups"]

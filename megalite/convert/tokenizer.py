@@ -12,13 +12,10 @@ from megalite.errors import UserError
 
 def export_tokenizer(tokenizer_type: str, tokenizer_model: str | None, vocab_size: int | None, out_dir: str,
                      config: ModelConfig) -> tuple[str, dict]:
-    """Write a run's tokenizer (its --tokenizer-* flags) into HF folder `out_dir`.
-
-    SentencePiece models become an exactly equivalent `tokenizer.json` (with the `.model`
-    copied beside it), a Hugging Face tokenizer is re-saved, NullTokenizer becomes a
-    word-level tokenizer of its integer ids. Returns (a one-line description, the special
-    token ids {"bos", "eos", "pad"}).
-    """
+    """Write a run's tokenizer (its --tokenizer-* flags) into HF folder `out_dir`; return (a one-line
+    description, the special token ids {"bos", "eos", "pad"}). SentencePiece models become an exactly
+    equivalent `tokenizer.json` (with the `.model` copied beside it), a Hugging Face tokenizer is re-saved,
+    NullTokenizer becomes a word-level tokenizer of its integer ids."""
     ours = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)
     if ours.vocab_size != config.real_vocab_size:
         raise UserError(f"the tokenizer ({tokenizer_type} {tokenizer_model or ''}) has {ours.vocab_size} tokens but "
@@ -58,13 +55,11 @@ _NORMAL, _UNKNOWN, _CONTROL, _USER_DEFINED = 1, 2, 3, 4
 
 
 def sentencepiece_to_tokenizers(model_path: str, add_bos: bool = False):
-    """A `tokenizers.Tokenizer` that encodes and decodes exactly as SentencePiece model `model_path`.
-
-    BPE: SentencePiece merges the adjacent pair whose merged piece scores highest, so the
-    merges are every split of every piece into two pieces, ranked by the merged piece's
-    score. Unigram models keep their scores. Normalisation follows the model's spec.
-    add_bos: prepend bos (Llama2Tokenizer). Returns (tokenizer, the special tokens for tokenizer_config.json).
-    """
+    """(a `tokenizers.Tokenizer` that encodes and decodes exactly as SentencePiece model `model_path`, the
+    special tokens for tokenizer_config.json). BPE: SentencePiece merges the adjacent pair whose merged
+    piece scores highest, so the merges are every split of every piece into two pieces, ranked by the
+    merged piece's score. Unigram models keep their scores. Normalisation follows the model's spec.
+    add_bos: prepend bos (Llama2Tokenizer)."""
     from sentencepiece import sentencepiece_model_pb2
     from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, processors
     from tokenizers.models import BPE, Unigram

@@ -1,9 +1,5 @@
-"""Weighted blends of several datasets, sample by sample, as Megatron's BlendedDataset.
-
-Sample i of the blend is the next unused sample of the dataset whose share lags furthest
-behind its weight: the d maximising `w_d * max(i, 1) - count_d` (the lowest d on ties).
-Over any prefix of the blend each dataset's count stays within one sample of its share.
-"""
+"""Weighted blends of several datasets, sample by sample, as Megatron's BlendedDataset: sample i comes
+from the dataset d maximising `w_d * max(i, 1) - count_d` (the lowest d on ties)."""
 
 import numpy as np
 import torch

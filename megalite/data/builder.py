@@ -1,10 +1,5 @@
-"""`build_gpt_datasets`: train/valid/test datasets from `--data-path` style blends.
-
-A blend is one prefix, prefixes with weights (`w1 p1 w2 p2 ...`, normalised), or plain
-prefixes (weighted by their sizes). With `--data-path` every prefix is cut into
-train/valid/test by `--split`; with `--train-data-path/--valid-data-path/--test-data-path`
-each split has its own blend and uses whole files.
-"""
+"""`build_gpt_datasets`: train/valid/test datasets from `--data-path` style blends (docs/data.md):
+every prefix cut by `--split`, or one blend of whole files per split (`--train-data-path` ...)."""
 
 import difflib
 import glob
@@ -65,14 +60,11 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
                        pad: int | None = None, eod_mask_loss: bool = False, reset_position_ids: bool = False,
                        train_data_path=None, valid_data_path=None, test_data_path=None,
                        mock_vocab_size: int | None = None, mmap_bin_files: bool = True):
-    """Return (train, valid, test) datasets; a split with no data or no samples is None.
-
-    data_path: a blend (see module doc) cut by `split`; or None with the per-split paths;
-    or ignored when `mock_vocab_size` is set (synthetic documents, eod = `eod`). `mmap_bin_files` False
-    reads the token files instead of mapping them (--no-mmap-bin-files).
-    num_samples: samples each split must provide (None: one epoch). Items are dicts of
-    `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length].
-    """
+    """Return (train, valid, test) datasets; a split with no data or no samples is None. data_path: a blend
+    cut by `split`; or None with the per-split paths; or ignored when `mock_vocab_size` is set (synthetic
+    documents, eod = `eod`). `mmap_bin_files` False reads the token files instead of mapping them
+    (--no-mmap-bin-files). num_samples: samples each split must provide (None: one epoch). Items are dicts of
+    `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length]."""
     if (eod_mask_loss or reset_position_ids) and eod is None:
         raise UserError("--eod-mask-loss and --reset-position-ids need an end-of-document token, but the tokenizer "
                         "has none; use a tokenizer with an EOS/EOD id or drop those flags")

@@ -1,9 +1,5 @@
-"""GPT training samples from token files, in the order Megatron's GPTDataset gives them.
-
-docs/data.md explains the three indices: the document index (the split's documents for
-enough epochs, shuffled; a short final epoch apart), the sample index (where each sample of
-`seq_length + 1` tokens starts; consecutive samples share one token) and the shuffle index.
-"""
+"""GPT training samples from token files, in the order Megatron's GPTDataset gives them, through the
+document, sample and shuffle indices that docs/data.md explains."""
 
 from dataclasses import dataclass
 import os
@@ -33,11 +29,8 @@ class GPTDatasetConfig:
 
 
 def split_document_ranges(split: str, num_documents: int) -> list[tuple[int, int] | None]:
-    """Contiguous document ranges `[begin, end)` for train, valid and test from `--split` ("969,30,1").
-
-    Bounds are the cumulative normalised weights times the document count, rounded with
-    Python's round as Megatron does. A split of weight 0 is None.
-    """
+    """Contiguous document ranges `[begin, end)` for train, valid and test from `--split` ("969,30,1"): the
+    cumulative normalised weights times the document count, rounded as Megatron does; None for weight 0."""
     parts = re.findall(r"[^,/\s]+", split)
     if not parts or len(parts) > 3 or not all(re.fullmatch(r"\d*\.?\d+", p) for p in parts):
         raise UserError(f"--split {split!r} is not up to three non-negative numbers such as 969,30,1")
@@ -61,11 +54,8 @@ def needs_separate_final_epoch(num_samples: int | None, num_epochs: int, tokens_
 
 def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray, seq_length: int, num_epochs: int,
                        tokens_per_epoch: int) -> np.ndarray:
-    """Start of every sample in the document index, plus one end row. Shape: [n + 1, 2].
-
-    Row i = (position p in the document index, token offset in document_index[p]); the
-    last partial sample is dropped.
-    """
+    """Start of every sample, plus one end row, as [n + 1, 2] rows (position p in the document index, token
+    offset in document_index[p]); the last partial sample is dropped."""
     num_samples = (num_epochs * tokens_per_epoch - 1) // seq_length
     lengths = sequence_lengths[document_index].astype(np.int64)
     ends = np.cumsum(lengths)  # [len(document_index)]: token position just past each document
@@ -110,12 +100,9 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
 
 
 class GPTDataset(torch.utils.data.Dataset):
-    """Samples of `seq_length` tokens from one split of a token dataset.
-
-    indexed: an IndexedDataset or MockTokenDataset. documents: the split's document ids.
-    num_samples: how many samples training needs (None: one epoch). Items are dicts of
-    `tokens`, `labels`, `loss_mask`, `position_ids`, each of shape [seq_length].
-    """
+    """Samples of `seq_length` tokens from the split `documents` (document ids) of `indexed`, an
+    IndexedDataset or MockTokenDataset; `num_samples` None: one epoch. Items are dicts of `tokens`,
+    `labels`, `loss_mask`, `position_ids`, each of shape [seq_length]."""
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: int | None, split_name: str,
                  config: GPTDatasetConfig):
@@ -156,12 +143,9 @@ class GPTDataset(torch.utils.data.Dataset):
 
 
 def ltor_masks(tokens: torch.Tensor, labels: torch.Tensor, config: GPTDatasetConfig) -> dict:
-    """Loss mask and position ids of one left-to-right sample. tokens, labels: [s].
-
-    As in Megatron, `eod_mask_loss` masks the positions whose *input* is EOD (predicting
-    across a document boundary), and `reset_position_ids` restarts positions after each
-    EOD; labels equal to the pad id are masked.
-    """
+    """Loss mask and position ids of one left-to-right sample (tokens, labels: [s]). As in Megatron,
+    `eod_mask_loss` masks the positions whose *input* is EOD, `reset_position_ids` restarts positions
+    after each EOD, and labels equal to the pad id are masked."""
     loss_mask = torch.ones(tokens.shape, dtype=torch.float32)
     if config.eod_mask_loss:
         loss_mask[tokens == config.eod] = 0.0

@@ -1,10 +1,5 @@
-"""Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs).
-
-Local rank 0 builds missing indices and publishes them atomically: each array under a
-temporary name and renamed, then a `description.json` marking the set complete, which
-every other process waits for. Nodes sharing a filesystem may both build; the renames make
-that harmless because the content is identical.
-"""
+"""Build-once cache for dataset indices (`.npy` files keyed by a hash of their inputs): local rank 0
+builds and publishes atomically, a `description.json` last; the others wait for it (docs/data.md)."""
 
 import hashlib
 import json
@@ -47,11 +42,9 @@ def is_builder_process() -> bool:
 
 
 def load_or_build(cache_dir: str | None, name: str, description: dict, build):
-    """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them.
-
-    cache_dir None builds in memory. name: readable part of the file names ("GPTDataset-train").
-    description: JSON-able inputs of `build`, whose hash keys the files.
-    """
+    """The dict of arrays `build()` makes, from the cache in `cache_dir` when it holds them. cache_dir None
+    builds in memory. name: readable part of the file names ("GPTDataset-train"). description: JSON-able
+    inputs of `build`, whose hash keys the files."""
     if cache_dir is None:
         return build()
     base = os.path.join(cache_dir, f"{description_hash(description)}-{name}")
@@ -78,15 +71,17 @@ def _publish(cache_dir, base, marker, description, arrays) -> None:
     try:
         os.makedirs(cache_dir, exist_ok=True)
         for key, array in arrays.items():
-            _atomic_save(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+            atomic_write(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
         record = {"description": description, "arrays": sorted(arrays)}
-        _atomic_save(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
+        atomic_write(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
     except OSError as err:
         raise UserError(f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); point "
                         "--data-cache-path at a writable folder") from err
 
 
-def _atomic_save(path: str, write) -> None:
+def atomic_write(path: str, write) -> None:
+    """`write(file)` into a temporary file opened for binary writing, then renamed to `path`: a reader sees
+    the old file or the whole new one."""
     tmp = f"{path}.tmp-{os.getpid()}"
     try:
         with open(tmp, "wb") as f:

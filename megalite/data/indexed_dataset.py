@@ -1,11 +1,6 @@
-"""Megatron's indexed token format: a `.bin` of token ids and a `.idx` that locates them.
-
-`.idx` (little-endian, no padding): magic, version u64, dtype code u8, S u64 (sequences),
-D u64 (document bounds), lengths int32[S], byte pointers into `.bin` int64[S], and the
-sequence index where each document starts int64[D]; docs/data.md has the table. As in
-Megatron's GPT dataset, every sequence is a document. The reader memory-maps both files
-and returns views, never copies.
-"""
+"""Megatron's indexed token format: a `.bin` of token ids and a `.idx` that locates them (docs/data.md has
+the layout). As in Megatron's GPT dataset, every sequence is a document. The reader memory-maps both
+files and returns views, never copies."""
 
 import os
 import struct
@@ -19,10 +14,8 @@ MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1
 DTYPE_CODES = {1: np.uint8, 2: np.int8, 3: np.int16, 4: np.int32, 5: np.int64, 6: np.float64, 7: np.float32,
                8: np.uint16}
-_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, S, D
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document bounds
 _REBUILD = "rebuild it with tools/preprocess_data.py"
-
-
 _CODE_OF_DTYPE = {np.dtype(dtype): code for code, dtype in DTYPE_CODES.items()}
 
 
@@ -37,12 +30,9 @@ def exists(prefix: str) -> bool:
 
 
 class IndexedDataset:
-    """Read-only, memory-mapped view of a `.bin/.idx` pair; `ds[i]` is sequence i, shape [length].
-    `mmap=False` (--no-mmap-bin-files) reads each request from the .bin file instead of mapping it, for
-    file systems where mapping is slow or not allowed.
-
-    Opening validates the header and every size, naming the file and the problem.
-    """
+    """Read-only, memory-mapped view of a `.bin/.idx` pair; `ds[i]` is sequence i, shape [length]. Opening
+    validates the header and every size. `mmap=False` (--no-mmap-bin-files) reads each request from the
+    .bin file instead, for file systems where mapping is slow or not allowed."""
 
     def __init__(self, path_prefix: str, mmap: bool = True):
         self.path_prefix = path_prefix
@@ -131,11 +121,8 @@ class IndexedDataset:
 
 
 class IndexedDatasetBuilder:
-    """Writes a `.bin/.idx` pair as a context manager; nothing appears under the final names until it succeeds.
-
-    Tokens stream into `<prefix>.bin.tmp`; a clean exit writes the `.idx` and renames both
-    into place, an exception removes the temporaries.
-    """
+    """Writes a `.bin/.idx` pair as a context manager: tokens stream into `<prefix>.bin.tmp`; a clean exit
+    writes the `.idx` and renames both into place, an exception removes the temporaries."""
 
     def __init__(self, path_prefix: str, dtype):
         self.path_prefix = path_prefix

@@ -1,12 +1,6 @@
-"""Global batches that are the same samples, in the same order, for every layout.
-
-Global batch k holds samples `[c0 + k*G, c0 + (k+1)*G)`, where G is the global batch size
-and c0 the samples consumed before this run started (resume). Data-parallel rank r takes
-the slice `[r*G/dp, (r+1)*G/dp)` of each and cuts it into micro-batches in order, so the DP
-slices concatenated are the DP=1 batch, and a resumed run continues exactly where it stopped.
-Under --rampup-batch-size G is the ramp's size at the samples consumed so far (`global_batch_at`),
-so batch k starts where batch k-1 ended: every sample once, in order, on any layout and after a resume.
-"""
+"""Global batches that are the same samples, in the same order, for every layout and after a resume:
+batch k starts where batch k-1 ended, and DP rank r takes the r-th contiguous slice of it, cut into
+micro-batches in order (docs/data.md, "Batches and resume")."""
 
 import functools
 import itertools

@@ -1,8 +1,5 @@
-"""Deterministic synthetic documents for `--mock-data`: no files, same code path as real data.
-
-Document i has a length, a start token and a stride drawn from `RandomState(seed)`, a
-pattern a model can learn, and ends with the tokenizer's EOD id.
-"""
+"""Deterministic synthetic documents for `--mock-data`: no files, same code path as real data. Each
+document is an arithmetic pattern of ids drawn from `RandomState(seed)`, ending with the EOD id."""
 
 import numpy as np
 

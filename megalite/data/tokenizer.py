@@ -1,9 +1,7 @@
-"""Tokenizers (SentencePiece, Hugging Face, Megatron's GPT-2 BPE and NullTokenizer) and SentencePiece training.
-
-Each offers `vocab_size`, the special ids `bos`, `eos`, `eod`, `pad`, `unk` (None where
-absent), `tokenize`, `tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path)
-and `detokenize`. They pickle cheaply (reloading from their model path) for worker processes.
-"""
+"""Tokenizers (SentencePiece, Hugging Face, Megatron's GPT-2 BPE and NullTokenizer) and SentencePiece
+training. Each offers `vocab_size`, the special ids `bos`, `eos`, `eod`, `pad`, `unk` (None where absent),
+`tokenize`, `tokenize_batch`, `tokenize_batch_flat` (the preprocessing fast path) and `detokenize`, and
+pickles cheaply (reloading from its model path) for worker processes."""
 
 import io
 import os
@@ -14,6 +12,7 @@ import numpy as np
 import sentencepiece
 
 from megalite.config.data import TOKENIZER_TYPES
+from megalite.data.index_cache import atomic_write
 from megalite.errors import UserError
 
 # SentencePiece drops training sentences longer than this (bytes); we cut them to it instead.
@@ -50,9 +49,7 @@ class Tokenizer:
 
 class SentencePieceTokenizer(Tokenizer):
     """A SentencePiece model; eod is its eos id. add_bos: start every text with bos (Llama2Tokenizer).
-
-    num_threads: threads of one batch encode; 1 suits preprocessing, which runs a process per core.
-    """
+    num_threads: threads of one batch encode; 1 suits preprocessing, which runs a process per core."""
 
     def __init__(self, model_path: str, add_bos: bool = False, num_threads: int = 1):
         self.model_path = model_path
@@ -89,10 +86,8 @@ class SentencePieceTokenizer(Tokenizer):
 
 
 class NullTokenizer(Tokenizer):
-    """Megatron's _NullTokenizer: the text is whitespace-separated integer ids in [0, V].
-
-    Given `vocab_size` V, eod is V and the reported vocab_size is V + 1.
-    """
+    """Megatron's _NullTokenizer: the text is whitespace-separated integer ids in [0, V]. Given
+    `vocab_size` V, eod is V and the reported vocab_size is V + 1."""
 
     def __init__(self, vocab_size: int):
         self.eod = int(vocab_size)
@@ -111,9 +106,7 @@ class NullTokenizer(Tokenizer):
 
 class HuggingFaceTokenizer(Tokenizer):
     """A `transformers` tokenizer from a local folder (or a hub name, which needs internet); eod is its eos id.
-
-    Like Megatron's, `tokenize` adds the tokenizer's own special tokens (a Llama tokenizer starts with bos).
-    """
+    Like Megatron's, `tokenize` adds the tokenizer's own special tokens (a Llama tokenizer starts with bos)."""
 
     def __init__(self, path: str):
         try:
@@ -225,15 +218,12 @@ class TrainingSentences:
 def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int = 8192,
                         model_type: str = "bpe", character_coverage: float = 0.9995, max_sentences: int = 0,
                         seed: int = 0, hard_vocab_limit: bool = True) -> dict:
-    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`.
-
-    Suited to code and prose alike: no normalisation, whitespace kept (indentation becomes
-    pieces), digits split and byte fallback, so decode(encode(text)) == text for any text.
-    ids: unk 0, bos 1, eos 2, pad 3. max_sentences > 0 samples that many lines (seeded by
-    `seed`); hard_vocab_limit=False lets a small corpus give a smaller vocabulary instead of
-    an error. The same inputs give a byte-identical model.
-    Returns {"model", "vocab", "vocab_size", "num_sentences", "seconds"}.
-    """
+    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`; return
+    {"model", "vocab", "vocab_size", "num_sentences", "seconds"}. Suited to code and prose alike: no
+    normalisation, whitespace kept (indentation becomes pieces), digits split and byte fallback, so
+    decode(encode(text)) == text for any text. ids: unk 0, bos 1, eos 2, pad 3. max_sentences > 0 samples
+    that many lines (seeded by `seed`); hard_vocab_limit=False lets a small corpus give a smaller
+    vocabulary instead of an error. The same inputs give a byte-identical model."""
     start = time.perf_counter()
     sentences = TrainingSentences(documents)
     model = io.BytesIO()
@@ -253,19 +243,13 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
         raise UserError(f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it "
                         "more text") from err
     model_path, vocab_path = f"{output_prefix}.model", f"{output_prefix}.vocab"
-    _write_atomically(model_path, model.getvalue())
+    os.makedirs(os.path.dirname(os.path.abspath(model_path)), exist_ok=True)
+    atomic_write(model_path, lambda file: file.write(model.getvalue()))
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     # SentencePiece's .vocab format: one "piece<TAB>score" line per id.
     ids = range(processor.vocab_size())
     vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in ids)
-    _write_atomically(vocab_path, vocab.encode("utf-8"))
+    atomic_write(vocab_path, lambda file: file.write(vocab.encode("utf-8")))
     return {"model": model_path, "vocab": vocab_path, "vocab_size": processor.vocab_size(),
             "num_sentences": sentences.count, "seconds": time.perf_counter() - start}
 
-
-def _write_atomically(path: str, content: bytes) -> None:
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    temporary = f"{path}.tmp{os.getpid()}"
-    with open(temporary, "wb") as file:
-        file.write(content)
-    os.replace(temporary, path)

@@ -1,15 +1,11 @@
 """The signal policy of every worker process megalite starts: data-loader workers and tokenizing pools.
 
-A SIGINT or SIGTERM meant for the whole job is its main process's to handle. Ctrl-C reaches the
-terminal's whole process group, a shell can kill a group, and SLURM's scancel and time limit signal
-every process of the job step. Under the run's exit signal handler the main process saves at its next
-boundary, then stops its workers itself. A worker must not die of such a signal: torch's loader would
-raise "DataLoader worker is killed by signal" in the middle of the loop, and a multiprocessing pool
-waits forever for the dead worker's task. It must not ignore SIGTERM outright either, nor keep a
-handler inherited from the main process that only records it: a pool's terminate() and the
-interpreter's exit (which terminates daemonic children, then joins them) would then wait forever.
-
-So a worker ignores SIGINT, and exits on a SIGTERM sent by its main process, or once that process is gone.
+A SIGINT or SIGTERM meant for the whole job (Ctrl-C, a shell killing the group, SLURM's scancel) is the
+main process's to handle: under the exit signal handler it saves, then stops its workers itself. A worker
+dying of it would break the loop ("DataLoader worker is killed by signal") or leave a pool waiting
+forever; one ignoring SIGTERM, or keeping the main process's recording handler, would hang a pool's
+terminate() and the interpreter's exit. So a worker ignores SIGINT, and exits on a SIGTERM sent by its
+main process, or once that process is gone (docs/reliability.md).
 """
 
 import contextlib

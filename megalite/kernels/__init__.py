@@ -1,8 +1,7 @@
-"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point: each op takes
-the `--kernels` mode, auto (Triton on CUDA tensors), triton (also on a CPU, through Triton's slow
-interpreter, TRITON_INTERPRET=1) or torch, which the model holds from when it is built, and asks
-`use_triton(x, kernels)`. No mode is kept here: two models in one process may use different ones.
-"""
+"""Triton fused kernels, each beside its PyTorch reference, behind one dispatch point: each op takes the
+`--kernels` mode, auto (Triton on CUDA tensors), triton (also on a CPU, through Triton's slow interpreter,
+TRITON_INTERPRET=1) or torch, which the model holds from when it is built, and asks `use_triton(x, kernels)`.
+No mode is kept here: two models in one process may use different ones."""
 
 import os
 

@@ -1,12 +1,10 @@
 """Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on:
-padding), Triton beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP:
-
-    stats:    m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
-    combine:  lse = M + log(sum_r s_r exp(m_r - M)) with M = max_r m_r,  t = sum_r t_r
-    loss = lse - t + w * lse^2 (w: --z-loss-weight),  grad: dz_v = g * (softmax_v (1 + 2 w lse) - [v == label])
-
-The softmax is never stored; for fp32 logits nothing else reads, the PyTorch path takes
-Megatron's in-place route (`keep_exp`): exp(z - m) stays in the logits and becomes the grad.
+padding), Triton beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP
+(docs/kernels.md has the whole computation):
+    stats:  m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
+    grad:   dz_v = g * (softmax_v (1 + 2 w lse) - [v == label])   (w: --z-loss-weight)
+For fp32 logits nothing else reads, the PyTorch path takes Megatron's in-place route (`keep_exp`):
+exp(z - m) stays in the logits and becomes the grad.
 """
 
 import torch
@@ -102,11 +100,9 @@ if triton is not None:
 
 def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index: int = IGNORE_INDEX,
               keep_exp: bool = False, kernels: str = "auto"):
-    """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32; Triton or PyTorch per `kernels`.
-
-    logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32 logits
-    nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns.
-    """
+    """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32; Triton or PyTorch per
+    `kernels`. logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32
+    logits nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns."""
     if not use_triton(logits, kernels):
         return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp)
     rows = logits.shape[0]
@@ -121,11 +117,9 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
                 ignore_index: int = IGNORE_INDEX, out: torch.Tensor | None = None, shift: torch.Tensor | None = None,
                 exp_in_logits: bool = False, kernels: str = "auto") -> torch.Tensor:
     """d loss / d logits `[rows, v_local]` in the logits' dtype (into `out` if given, which may be `logits`).
-
-    lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the
-    PyTorch path exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift)
-    from `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode.
-    """
+    lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the PyTorch path
+    exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift) from
+    `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode."""
     if exp_in_logits:
         out = logits
     out = torch.empty_like(logits) if out is None else out

@@ -1,12 +1,8 @@
 """Rotary embedding of q `[s, b, heads, d]` and k `[s, b, groups, d]` together, Triton beside PyTorch.
-
-cos/sin: `[s, b or 1, 1, r]` fp32 tables (model/rotary.py). Channel i pairs with i + r/2:
+cos/sin: `[s, b or 1, 1, r]` fp32 tables (model/rotary.py); channel i pairs with i + r/2:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
-r = d rotates whole heads; r < d (--rotary-percent) rotates the first r channels of each head and
-passes the other d - r through unchanged, as Megatron's partial rotary embedding does.
-The backward is the same kernel with the opposite sign, saving only cos and sin. A Triton program
-rotates every head of a few tokens, reading q and k where they lie (channel stride 1: the views
-split from the fused QKV) and writing contiguous outputs, in fp32.
+r < d (--rotary-percent) rotates the first r channels of each head and passes the rest through, as
+Megatron's partial rotary embedding does. The backward is the same kernel with the opposite sign.
 """
 
 import torch

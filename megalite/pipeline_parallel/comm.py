@@ -1,9 +1,7 @@
-"""Point-to-point exchange of activations and gradients (`[s or s/tp, b, h]`) between pipeline stages.
-
-A step's sends and receives go as one `batch_isend_irecv`: NCCL's sends complete only once the
-peer posts the receive, so batching both directions avoids deadlock. Messages between two ranks
-match in posting order (NCCL ignores tags), which the schedule keeps and simulation.py checks.
-"""
+"""Point-to-point exchange of activations and gradients (`[s or s/tp, b, h]`) between pipeline stages. A
+step's sends and receives go as one `batch_isend_irecv`: NCCL's sends complete only once the peer posts the
+receive, so batching both directions avoids deadlock. Messages between two ranks match in posting order (NCCL
+ignores tags), which the schedule keeps and simulation.py checks."""
 
 from dataclasses import dataclass
 

@@ -1,9 +1,7 @@
-"""A discrete-event run of the real schedule steps with NCCL's rules: idle time, deadlocks, message order.
-
-A step posts its sends and receives together and completes when each has met its counterpart;
-then its ops run (`forward_cost` or `backward_cost` per whole stage). Messages between two ranks
-match in posting order: a mismatch (tensors swapped on NCCL) or a deadlock raises SimulationError.
-"""
+"""A discrete-event run of the real schedule steps with NCCL's rules: idle time, deadlocks, message order. A
+step posts its sends and receives together and completes when each has met its counterpart; then its ops run
+(`forward_cost` or `backward_cost` per whole stage). Messages between two ranks match in posting order: a
+mismatch (tensors swapped on NCCL) or a deadlock raises SimulationError."""
 
 from collections import defaultdict
 from dataclasses import dataclass

@@ -1,9 +1,7 @@
-"""Which layers each pipeline rank holds, and the model chunks it builds from them.
-
-The layers are cut into P x V virtual stages (config/rules.py). Megatron's interleaving: chunk c
-of rank r is virtual stage c*P + r, so with P=2, V=2 and 8 layers rank 0 holds layers 0-1 and
-4-5. The first stage also holds the embedding, the last the final norm, output layer and loss.
-"""
+"""Which layers each pipeline rank holds, and the model chunks it builds from them. The layers are cut into P
+x V virtual stages (config/rules.py). Megatron's interleaving: chunk c of rank r is virtual stage c*P + r, so
+with P=2, V=2 and 8 layers rank 0 holds layers 0-1 and 4-5. The first stage also holds the embedding, the last
+the final norm, output layer and loss."""
 
 import torch
 from torch import nn

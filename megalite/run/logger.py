@@ -26,7 +26,7 @@ def peak_memory_bytes(device) -> int:
 
 
 PEAK_REMEASURES = 2  # log lines at which a CPU's peak is measured again (TrainingLogger._update_peak)
-SPLITS = {"validation": "valid", "valid": "valid", "test": "test"}  # printed name / metrics name
+SPLITS = {"valid": "validation", "test": "test"}  # the metrics file's name -> the printed name
 
 
 @dataclass
@@ -50,25 +50,21 @@ class TrainingLogger:
 
     def __init__(self, config: ModelConfig, global_batch_size: int, seq_length: int, train_iters: int,
                  log_interval: int = 1, metrics_file: str | os.PathLike | None = None, *,
-                 device="cpu", dtype: torch.dtype = torch.float32, num_devices: int | None = None,
-                 is_logging_rank: bool | None = None, start_iteration: int = 0, start_evaluations=None,
+                 device="cpu", dtype: torch.dtype = torch.float32, num_devices: int = 1,
+                 is_logging_rank: bool = True, start_iteration: int = 0, start_evaluations=None,
                  progress_bar: bool | None = None, peak: tuple[float | None, str] | None = None,
                  print_fn: Callable[[str], None] | None = None):
-        """num_devices: devices sharing the FLOPs (None: the torch.distributed world size). is_logging_rank:
-        None is the last torch.distributed rank, which holds the loss under pipeline parallelism.
-        start_iteration, start_evaluations: a resumed run's iteration and the evaluations its checkpoint had
-        logged at it; the metrics file's lines past them are dropped (`MetricsFile`). progress_bar: None
-        shows one when stdout is a terminal that the lines go to. peak: (FLOP/s or None, source) instead
-        of `peak_flops(device, dtype)`. print_fn: where lines go (None: stdout, above the progress bar)."""
-        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-        world_size = torch.distributed.get_world_size() if distributed else 1
-        if is_logging_rank is None:
-            is_logging_rank = not distributed or torch.distributed.get_rank() == world_size - 1
+        """num_devices: devices sharing the FLOPs (the world size). is_logging_rank: whether this rank prints
+        (`ParallelState.is_logging_rank`). start_iteration, start_evaluations: a resumed run's iteration and
+        the evaluations its checkpoint had logged at it; the metrics file's lines past them are dropped
+        (`MetricsFile`). progress_bar: None shows one when stdout is a terminal that the lines go to. peak:
+        (FLOP/s or None, source) instead of `peak_flops(device, dtype)`. print_fn: where lines go (None:
+        stdout, above the progress bar)."""
         self.config, self.global_batch_size = config, global_batch_size
         self.seq_length, self.train_iters = seq_length, train_iters
         self.log_interval = max(1, log_interval)
         self.device, self.dtype = torch.device(device), dtype
-        self.num_devices = num_devices or world_size
+        self.num_devices = num_devices
         self.is_logging_rank = is_logging_rank
         self._print_fn = print_fn
         self._interval = _Interval()
@@ -222,19 +218,18 @@ class TrainingLogger:
         return " |".join(parts) + " |"
 
     def log_evaluation(self, iteration: int, split: str, lm_loss: float) -> dict | None:
-        """Print Megatron's evaluation block for `split` ("validation" or "valid", or "test") and write
+        """Print Megatron's evaluation block for `split` ("valid" or "test") and write
         `{"iteration", "split", "lm_loss"}`; returns that record (None off the logging rank)."""
         if split not in SPLITS:
             raise ValueError(f"split must be one of {sorted(SPLITS)}, got {split!r}")
         if not self.is_logging_rank:
             return None
-        printed = "validation" if SPLITS[split] == "valid" else "test"
         perplexity = math.exp(lm_loss) if lm_loss < 700 else float("inf")  # exp overflows past ~709
-        line = (f" {printed} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
+        line = (f" {SPLITS[split]} loss at iteration {iteration} | lm loss value: {lm_loss:.6E} | "
                 f"lm loss PPL: {perplexity:.6E} |")
         rule = "-" * len(line)
         self.print("\n".join((rule, line, rule)))
-        record = {"iteration": iteration, "split": SPLITS[split], "lm_loss": finite_or_none(lm_loss)}
+        record = {"iteration": iteration, "split": split, "lm_loss": finite_or_none(lm_loss)}
         self._emit(record)
         return record
 

@@ -1,18 +1,15 @@
 """The learning-rate schedule: Megatron's OptimizerParamScheduler, counted in iterations, or in samples
 when the run is given in samples (--train-samples with --lr-warmup-samples / --lr-decay-samples).
-
 `lr_at(iteration, consumed_samples, batch)` is a pure function of the run's position and the settings, so
-resuming needs only the checkpoint's position and settings (`state_dict`). Counted in samples, a step of
-`batch` samples from `consumed_samples` stands where an iteration stands in the iteration count (a step
-of 1 from `iteration`), so the two agree whenever the sample lengths are the iteration lengths x batch.
+a resume needs only the checkpoint's position and settings (`state_dict`). Counted in samples, a step of
+`batch` samples from `consumed_samples` stands where an iteration stands (a step of 1 from `iteration`).
 
-Two deliberate departures from Megatron: warmup is
-`lr * (iteration + 1) / warmup_iters`, so the first step already moves and the last warmup step reaches
-`lr`; inverse-square-root decays as `lr * sqrt(w / t)` in steps taken t = iteration + 1, which meets the
-warmup at t = w, so `lr` is not repeated. WSD holds `lr` until decay_iters - wsd_decay_iters, then anneals.
-Every style but constant reaches `min_lr` at decay_iters and stays there. With `decoupled_lr` (Megatron's
---decoupled-lr) the word embeddings and the output layer follow a second schedule of the same shape from
-`decoupled_lr` to `decoupled_min_lr` (default `min_lr`): `decoupled_lr_at`.
+Two deliberate departures from Megatron: warmup is `lr * (iteration + 1) / warmup_iters`, so the first
+step already moves and the last warmup step reaches `lr`; inverse-square-root decays as `lr * sqrt(w / t)`
+in steps taken t = iteration + 1, which meets the warmup at t = w, so `lr` is not repeated. WSD holds `lr`
+until decay_iters - wsd_decay_iters, then anneals. Every style but constant reaches `min_lr` at
+decay_iters and stays there. `decoupled_lr_at` (--decoupled-lr) follows a second schedule of the same
+shape from `decoupled_lr` to `decoupled_min_lr` (default `min_lr`): the word embeddings' and output layer's.
 """
 
 import math

@@ -1,6 +1,5 @@
 """What keeps a long run alive and honest: exit signals, dead ranks, NaNs, loss spikes, skipped steps and
-token ids outside the vocabulary. docs/reliability.md says what happens in each case, and why.
-"""
+token ids outside the vocabulary. docs/reliability.md says what happens in each case, and why."""
 
 import atexit
 import contextlib
@@ -21,12 +20,11 @@ from megalite.errors import PeerLostError, UserError
 
 
 class RunSignals:
-    """The one owner of SIGTERM and SIGINT for a run (or, under `hold_signals_until_exit`, the process).
-    The handler records the first signal. With `save_and_exit` (--exit-signal-handler) the loop agrees on
-    it across ranks at its next boundary and saves; a second SIGINT raises KeyboardInterrupt. Without, the
-    signal ends the run at once as SystemExit(128 + signum) (KeyboardInterrupt for SIGINT), so the loop's
-    `finally` finishes the tracking, or when a `deferred()` block ends. Only the main thread owns signals.
-    """
+    """The one owner of SIGTERM and SIGINT for a run (or, under `hold_signals_until_exit`, the process). The
+    handler records the first signal. With `save_and_exit` (--exit-signal-handler) the loop agrees on it
+    across ranks at its next boundary and saves; a second SIGINT raises KeyboardInterrupt. Without, the signal
+    ends the run at once as SystemExit(128 + signum) (KeyboardInterrupt for SIGINT), so the loop's `finally`
+    finishes the tracking, or when a `deferred()` block ends. Only the main thread owns signals."""
 
     def __init__(self, save_and_exit: bool):
         self._previous: dict = {}
@@ -183,7 +181,8 @@ class PeerWatch:
 
     def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> PeerLostError:
         """The error to raise on this rank for a collective that failed with `error` during `iteration`; it
-        names the ranks found dead or suspended, so that the lowest rank still running prints it (`megalite.errors.run_main`)."""
+        names the ranks found dead or suspended, so that the lowest rank still running prints it
+        (`megalite.errors.run_main`)."""
         states = self.peer_states(wait=3.0)
         if states:
             who = " and ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))

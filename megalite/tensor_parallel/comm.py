@@ -1,9 +1,7 @@
-"""Autograd collectives of tensor and sequence parallelism (Megatron's f and g operators).
-
-TP acts on the last (hidden) dimension; SP splits the sequence of `[s, b, h]` activations into
-TP equal chunks, rank r holding chunk r. Every collective is the identity for a group of one
-(or None) and modifies nothing a caller passes in; the same code runs on gloo and NCCL.
-"""
+"""Autograd collectives of tensor and sequence parallelism (Megatron's f and g operators). TP acts on the last
+(hidden) dimension; SP splits the sequence of `[s, b, h]` activations into TP equal chunks, rank r holding
+chunk r. Every collective is the identity for a group of one (or None) and modifies nothing a caller passes
+in; the same code runs on gloo and NCCL."""
 
 import torch
 import torch.distributed as dist

@@ -1,12 +1,10 @@
-"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding.
-
-Each reads its TP rank, size, group and SP flag from `parallel` (default one process: plain
-`F.linear` / `F.embedding`). Each weight is drawn as the full tensor from (seed, global name),
-then sliced, so initialisation is layout-independent. Parameter attributes, read by grad
-clipping, DDP, SP and checkpoints: `tensor_model_parallel` (sharded, else replicated),
-`partition_dim` and `partition_chunks` (see shard_full_tensor), `sequence_parallel` (acts on
-sequence-split activations: its grads are summed over TP under SP).
-"""
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding. Each reads its TP
+rank, size, group and SP flag from `parallel` (default one process: plain `F.linear` / `F.embedding`). Each
+weight is drawn as the full tensor from (seed, global name), then sliced, so initialisation is
+layout-independent. Parameter attributes, read by grad clipping, DDP, SP and checkpoints:
+`tensor_model_parallel` (sharded, else replicated), `partition_dim` and `partition_chunks` (see
+shard_full_tensor), `sequence_parallel` (acts on sequence-split activations: its grads are summed over TP
+under SP)."""
 
 import hashlib
 
@@ -75,11 +73,9 @@ def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (output features) split across TP ranks: `[*, in]` (TP+SP: `[s/tp, b, in]`,
-    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`.
-
-    output_chunks: the output is that many equal blocks sharded block by block. skip_weight_param:
-    the weight is passed to forward (tied output layer). real_output_size: rows from it on are padding.
-    """
+    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`. output_chunks: the output is that many
+    equal blocks sharded block by block. skip_weight_param: the weight is passed to forward (tied output
+    layer). real_output_size: rows from it on are padding."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
                  gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,

@@ -1,9 +1,7 @@
-"""Named RNG states for dropout inside tensor-parallel regions (Megatron's RNG tracker).
-
-Dropout on replicated activations draws from the default RNG, alike on every TP rank; on split
-ones (attention heads, hidden states under SP) from the per-rank "tensor-parallel" state, inside
-`with model_parallel_rng_tracker.fork():`. Recomputation must use this module's `checkpoint`.
-"""
+"""Named RNG states for dropout inside tensor-parallel regions (Megatron's RNG tracker). Dropout on replicated
+activations draws from the default RNG, alike on every TP rank; on split ones (attention heads, hidden states
+under SP) from the per-rank "tensor-parallel" state, inside `with model_parallel_rng_tracker.fork():`.
+Recomputation must use this module's `checkpoint`."""
 
 import contextlib
 
@@ -88,12 +86,10 @@ def recomputing() -> bool:
 
 
 def checkpoint(function, *args, **kwargs):
-    """torch.utils.checkpoint (non-reentrant) that also replays the tracker's streams.
-
-    torch restores the default RNG for the recomputation, but a `fork` inside `function` would
-    draw from the tracker's backward-time state (other dropout masks). Here the recomputation
-    starts from the forward's tracker states, and the tracker is left as it was.
-    """
+    """torch.utils.checkpoint (non-reentrant) that also replays the tracker's streams. torch restores the
+    default RNG for the recomputation, but a `fork` inside `function` would draw from the tracker's
+    backward-time state (other dropout masks). Here the recomputation starts from the forward's tracker
+    states, and the tracker is left as it was."""
     states_at_forward = model_parallel_rng_tracker.get_states()
     calls = 0
 

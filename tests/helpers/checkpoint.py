@@ -131,7 +131,8 @@ def save_pieces(save_dir, iteration, pieces_per_rank: list[dict]):
 
 def run_ranks(world_size, rank_main):
     """Run `rank_main(world)` on `world_size` threads, as ranks of one save; re-raise errors. `world`:
-    `save_checkpoint`'s `rank`, `barrier` and `gather` (every rank's report on rank 0)."""
+    `save_checkpoint`'s `rank`, `failed_ranks` (this rank's own failure, after a barrier) and `gather`
+    (every rank's report on rank 0)."""
     barrier = threading.Barrier(world_size)
     reports, errors = [None] * world_size, []
 
@@ -144,9 +145,16 @@ def run_ranks(world_size, rank_main):
             return gathered
         return gather
 
+    def own_failures(rank):
+        def failed_ranks(ok):
+            if ok:  # a failed rank raises at once; the others must not wait for it at the barrier
+                barrier.wait()
+            return [] if ok else [rank]
+        return failed_ranks
+
     def guarded(rank):
         try:
-            rank_main({"rank": rank, "barrier": barrier.wait, "gather": gatherer(rank)})
+            rank_main({"rank": rank, "failed_ranks": own_failures(rank), "gather": gatherer(rank)})
         except Exception as error:  # surfaced below; a dead thread would otherwise hang the others
             errors.append(error)
             barrier.abort()

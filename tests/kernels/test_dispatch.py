@@ -8,7 +8,7 @@ import torch
 from megalite import kernels
 from megalite.config import ModelConfig, TrainConfig
 from megalite.errors import UserError
-from megalite.kernels import cross_entropy, rmsnorm, rotary, swiglu
+from megalite.kernels import cross_entropy, layernorm, rotary, swiglu
 from megalite.model.gpt import build_model
 
 
@@ -45,7 +45,7 @@ def test_two_models_in_one_process_each_use_their_own_kernels(monkeypatch, one_t
             return function(*args)
         return call
 
-    for module, op in ((rmsnorm, "_RMSNorm"), (rotary, "_Rotary"), (swiglu, "_SwiGLU")):
+    for module, op in ((layernorm, "TritonNorm"), (rotary, "_Rotary"), (swiglu, "_SwiGLU")):
         monkeypatch.setattr(getattr(module, op), "apply", counted("triton", getattr(module, op).apply))
     monkeypatch.setattr(cross_entropy, "_row_stats_torch", counted("torch loss", cross_entropy._row_stats_torch))
     config = ModelConfig.of(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,

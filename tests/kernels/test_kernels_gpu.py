@@ -17,9 +17,9 @@ import torch
 
 from megalite import kernels
 from megalite.kernels.cross_entropy import IGNORE_INDEX
-from megalite.kernels.layernorm import _LayerNorm, layer_norm_reference
+from megalite.kernels.layernorm import TritonNorm, layer_norm_reference
 from megalite.kernels.linear_cross_entropy import linear_cross_entropy
-from megalite.kernels.rmsnorm import _RMSNorm, rms_norm_reference
+from megalite.kernels.rmsnorm import rms_norm_reference
 from megalite.kernels.rotary import _Rotary, apply_rotary_reference
 from megalite.kernels.swiglu import _SwiGLU, swiglu_reference
 from megalite.model.rotary import RotaryEmbedding
@@ -73,8 +73,8 @@ def leaves(tensors, dtype):
 
 
 NORMS = {  # name -> (PyTorch reference, Triton Function, has bias)
-    "rmsnorm": (rms_norm_reference, _RMSNorm.apply, False),
-    "layernorm": (layer_norm_reference, _LayerNorm.apply, True),
+    "rmsnorm": (rms_norm_reference, lambda x, weight, eps: TritonNorm.apply(x, weight, None, eps), False),
+    "layernorm": (layer_norm_reference, TritonNorm.apply, True),
 }
 
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from megalite import kernels
-from megalite.kernels.layernorm import _LayerNorm, layer_norm_reference
-from megalite.kernels.rmsnorm import _RMSNorm, rms_norm, rms_norm_reference
+from megalite.kernels.layernorm import TritonNorm, layer_norm_reference
+from megalite.kernels.rmsnorm import rms_norm, rms_norm_reference
 from tests.helpers.kernel_device import FP32_FLOOR
 
 pytestmark = pytest.mark.skipif(not kernels.triton_available(), reason="triton is not installed")
@@ -20,8 +20,8 @@ FLOOR = {torch.float32: FP32_FLOOR, torch.bfloat16: 4e-3}  # FP32_FLOOR: tests/h
 
 
 NORMS = {  # name -> (PyTorch reference, Triton Function, has bias)
-    "rmsnorm": (rms_norm_reference, _RMSNorm.apply, False),
-    "layernorm": (layer_norm_reference, _LayerNorm.apply, True),
+    "rmsnorm": (rms_norm_reference, lambda x, weight, eps: TritonNorm.apply(x, weight, None, eps), False),
+    "layernorm": (layer_norm_reference, TritonNorm.apply, True),
 }
 
 

@@ -65,7 +65,7 @@ def test_metrics_lines_have_exactly_the_documented_keys(tmp_path):
     with make_logger(tmp_path) as logger:
         for iteration in range(1, 5):
             logger.log_iteration(iteration, iteration * 4, 0.25, 1e-3, 3.0, 1.0, 0.5)
-        logger.log_evaluation(4, "validation", 2.5)
+        logger.log_evaluation(4, "valid", 2.5)
         logger.log_evaluation(4, "test", 2.75)
     lines = read_lines(tmp_path / "run" / "metrics.jsonl")  # the parent directory was created
     assert [line["iteration"] for line in lines] == [2, 4, 4, 4]
@@ -152,7 +152,7 @@ def test_skipped_and_nan_iterations(tmp_path):
 def test_evaluation_line_is_megatrons():
     lines = []
     logger = make_logger(lines=lines)
-    logger.log_evaluation(100, "validation", 4.1)
+    logger.log_evaluation(100, "valid", 4.1)
     rule, line, rule_after = "\n".join(lines).splitlines()[1:4]
     assert line == " validation loss at iteration 100 | lm loss value: 4.100000E+00 | lm loss PPL: 6.034029E+01 |"
     assert rule == rule_after == "-" * len(line)
@@ -165,7 +165,7 @@ def test_evaluation_line_is_megatrons():
 def test_non_logging_rank_writes_nothing(tmp_path, capsys):
     logger = make_logger(tmp_path, is_logging_rank=False, peak=None, print_fn=None)
     assert logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, 1.0, 0.5, force=True) is None
-    assert logger.log_evaluation(2, "validation", 3.0) is None
+    assert logger.log_evaluation(2, "valid", 3.0) is None
     logger.close()
     assert not (tmp_path / "run").exists()
     assert capsys.readouterr() == ("", "")
@@ -176,7 +176,7 @@ def test_resumed_run_drops_lines_past_its_start(tmp_path):
     with make_logger(tmp_path) as logger:
         for iteration in range(1, 7):
             logger.log_iteration(iteration, iteration * 4, 0.1, 1e-3, 3.0)
-        logger.log_evaluation(4, "validation", 2.0)
+        logger.log_evaluation(4, "valid", 2.0)
     with open(path, "a") as f:
         f.write('{"iteration": 8, "consum')  # a crash in the middle of a line
     lines = []
@@ -207,7 +207,7 @@ def test_progress_bar_only_on_request_or_terminal(capsys):
 
 
 def test_defaults_without_torch_distributed_and_batch_ramp_up():
-    logger = make_logger(is_logging_rank=None, num_devices=None)
+    logger = make_logger()
     assert logger.is_logging_rank and logger.num_devices == 1
     record = logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, global_batch_size=2)
     assert record["tokens_per_sec"] == pytest.approx(2 * 16 / 0.5)

@@ -1,10 +1,7 @@
-"""The built-in default corpus: the running interpreter's standard library, tokenized.
-
-Every stdlib `.py` file (one document each) goes into `corpus.jsonl`, which trains a
-SentencePiece tokenizer and is tokenized with end-of-document tokens. The result in
-`data/build/stdlib-py<version>/` is reused while its `manifest.json`, written last, checks
-out. Building is deterministic and safe when several processes ask at once.
-"""
+"""The built-in default corpus: the running interpreter's standard library (one document per `.py`
+file), with a SentencePiece tokenizer trained on it, tokenized into `data/build/stdlib-py<version>/`.
+Reused while its `manifest.json`, written last, checks out; deterministic and safe when several
+processes ask at once."""
 
 import fcntl
 import json
@@ -34,11 +31,9 @@ TOKENIZER_NAME = "tokenizer"  # training writes tokenizer.model/.vocab
 
 def ensure_builtin_corpus(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None,
                           force: bool = False) -> tuple[str, str]:
-    """Build the corpus if needed; return (data_prefix, tokenizer_model_path).
-
-    build_dir: relative to the repository root, not the cwd. max_files: keep only the first
-    N files (by path), for tests, built in its own folder. force: rebuild even if complete.
-    """
+    """Build the corpus if needed; return (data_prefix, tokenizer_model_path). build_dir: relative to the
+    repository root, not the cwd. max_files: keep only the first N files (by path), for tests, built in its
+    own folder. force: rebuild even if complete."""
     corpus_dir = corpus_folder(build_dir, max_files)
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(corpus_dir.with_name(corpus_dir.name + ".lock"), "a") as lock:

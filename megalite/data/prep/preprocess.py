@@ -1,9 +1,6 @@
-"""Tokenize text into Megatron's .bin/.idx token files: the core of tools/preprocess_data.py.
-
-The parent cuts the inputs (text_sources.py) into chunks of raw lines; each worker parses
-its chunk, batch-encodes it and sends back numpy arrays. Results are taken in input order,
-so the output is byte-identical for any number of workers.
-"""
+"""Tokenize text into Megatron's .bin/.idx token files: the core of tools/preprocess_data.py. Workers
+parse and batch-encode chunks of raw lines (text_sources.py); results are taken in input order, so the
+output is byte-identical for any number of workers."""
 
 import functools
 import multiprocessing
@@ -79,11 +76,9 @@ def _encode_in_worker(chunk) -> EncodedChunk:
 
 
 def encoded_chunks(chunks, encode, workers: int) -> Iterator[EncodedChunk]:
-    """`encode(chunk)` over `chunks`, in order; in this process or in a pool of `workers`.
-
-    At most 2 x workers chunks are in flight, so the reader never runs far ahead of the
-    encoders. `encode` (and its tokenizer) travels to each worker once, through the pool's initializer.
-    """
+    """`encode(chunk)` over `chunks`, in order; in this process or in a pool of `workers`, with at most
+    2 x workers chunks in flight (the reader never runs far ahead of the encoders). `encode` (and its
+    tokenizer) travels to each worker once, through the pool's initializer."""
     if workers == 1:
         yield from map(encode, chunks)
         return
@@ -104,16 +99,13 @@ def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: 
                json_keys: Sequence[str] = ("text",), hf_split: str | None = None, skip_bad_lines: bool = False,
                append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
-    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per key.
-
-    The tokenizer flags are build_tokenizer's. skip_bad_lines: count malformed lines and go
-    on. append_eod: end every document with the end-of-document token. workers: encoding
-    processes (1: this one). log_interval: a progress line to stderr every this many
-    documents (0: never). chunk_bytes: input bytes per worker task.
-    Returns {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad",
-    "bad_examples", "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}.
-    Bad input raises UserError and leaves no output files.
-    """
+    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per
+    key; bad input raises UserError and leaves no output files. The tokenizer flags are build_tokenizer's.
+    skip_bad_lines: count malformed lines and go on. append_eod: end every document with the
+    end-of-document token. workers: encoding processes (1: this one). log_interval: a progress line to
+    stderr every this many documents (0: never). chunk_bytes: input bytes per worker task. Returns
+    {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad", "bad_examples",
+    "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}."""
     if workers < 1 or chunk_bytes < 1:
         raise ValueError(f"workers ({workers}) and chunk_bytes ({chunk_bytes}) must be at least 1")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)

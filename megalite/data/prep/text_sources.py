@@ -1,10 +1,7 @@
-"""Documents from the data tools' `--input`: JSONL files (Megatron's "loose json"), .txt files
-(one document each), `datasets` folders or data files, or a hub dataset (with `--hf-split`).
-
-So that preprocessing scales with worker processes, the parent only cuts the inputs into
-chunks and `parse`, run in the workers, turns a chunk into documents, naming the file and
-1-based line of a bad one.
-"""
+"""Documents from the data tools' `--input`: JSONL files (Megatron's "loose json"), .txt files (one
+document each), `datasets` folders or data files, or a hub dataset (with `--hf-split`). So that
+preprocessing scales with worker processes, the parent only cuts the inputs into chunks, and `parse`,
+run in the workers, turns a chunk into documents, naming the file and 1-based line of a bad one."""
 
 import glob
 import itertools
@@ -69,11 +66,9 @@ class ReadStats:
 
 
 class ParsedChunk:
-    """Documents of one chunk: key -> its non-empty texts in input order, and for each the index
-    of its line (file, row) in the chunk, which the chunk's `location` names in errors.
-
-    A bad line is skipped for every key, so all keys see the same lines.
-    """
+    """Documents of one chunk: key -> its non-empty texts in input order, and for each the index of its
+    line (file, row) in the chunk, which the chunk's `location` names in errors. A bad line is skipped for
+    every key, so all keys see the same lines."""
 
     def __init__(self, json_keys, num_bytes: int):
         self.texts: dict[str, list[str]] = {key: [] for key in json_keys}
@@ -318,10 +313,8 @@ def load_dataset_source(source: Source, hf_split: str | None):
 
 def iter_documents(inputs: list[str], json_keys=("text",), hf_split: str | None = None,
                    skip_bad_lines: bool = False, stats: ReadStats | None = None) -> Iterator[str]:
-    """Every non-empty document of the inputs, in order, parsed in this process.
-
-    With several keys, each chunk yields its documents key by key. Skips are added to `stats`.
-    """
+    """Every non-empty document of the inputs, in order, parsed in this process (with several keys, each
+    chunk's documents key by key); skips are added to `stats`."""
     for chunk in iter_chunks(resolve_inputs(inputs, hf_split), json_keys, hf_split):
         parsed = chunk.parse(json_keys, skip_bad_lines)
         if stats is not None:
