@@ -51,45 +51,51 @@ class TrainingLogger:
     def __init__(self, config: ModelConfig, global_batch_size: int, seq_length: int, train_iters: int,
                  log_interval: int = 1, metrics_file: str | os.PathLike | None = None, *,
                  device="cpu", dtype: torch.dtype = torch.float32, num_devices: int = 1,
-                 is_logging_rank: bool = True, start_iteration: int = 0, start_evaluations=None,
-                 progress_bar: bool | None = None, peak: tuple[float | None, str] | None = None,
-                 print_fn: Callable[[str], None] | None = None):
+                 is_logging_rank: bool = True, progress_bar: bool | None = None,
+                 peak: tuple[float | None, str] | None = None, print_fn: Callable[[str], None] | None = None):
         """num_devices: devices sharing the FLOPs (the world size). is_logging_rank: whether this rank prints
-        (`ParallelState.is_logging_rank`). start_iteration, start_evaluations: a resumed run's iteration and
-        the evaluations its checkpoint had logged at it; the metrics file's lines past them are dropped
-        (`MetricsFile`). progress_bar: None shows one when stdout is a terminal that the lines go to. peak:
-        (FLOP/s or None, source) instead of `peak_flops(device, dtype)`. print_fn: where lines go (None:
-        stdout, above the progress bar)."""
+        (`ParallelState.is_logging_rank`). progress_bar: None shows one when stdout is a terminal that the lines
+        go to. peak: (FLOP/s or None, source) instead of `peak_flops(device, dtype)`. print_fn: where lines go
+        (None: stdout, above the progress bar). `print` works at once; the rest waits for `start`."""
         self.config, self.global_batch_size = config, global_batch_size
         self.seq_length, self.train_iters = seq_length, train_iters
         self.log_interval = max(1, log_interval)
         self.device, self.dtype = torch.device(device), dtype
         self.num_devices = num_devices
         self.is_logging_rank = is_logging_rank
+        self._metrics_file, self._progress_bar, self._peak = metrics_file, progress_bar, peak
         self._print_fn = print_fn
         self._interval = _Interval()
         self._sinks: list[Callable[[dict], None]] = []
         self._metrics = self._bar = None
         self.peak, self.peak_source = None, "not the logging rank"
         self._remeasures = 0  # log lines left at which a measured (CPU) peak is measured again
-        if not is_logging_rank:
-            return
-        self.peak, self.peak_source = peak if peak is not None else peak_flops(self.device, dtype)
+
+    def start(self, iteration: int = 0, evaluations=None) -> "TrainingLogger":
+        """Open the metrics file, the progress bar and the peak FLOP/s for a run starting after `iteration`
+        (a resumed run's, with the `evaluations` its checkpoint had logged at it: the metrics file's lines past
+        them are dropped, `MetricsFile`), and print how throughput is computed; returns the logger."""
+        if not self.is_logging_rank:
+            return self
+        peak = self._peak
+        self.peak, self.peak_source = peak if peak is not None else peak_flops(self.device, self.dtype)
         if peak is None and self.device.type == "cpu":
             self._remeasures = PEAK_REMEASURES
-        if metrics_file is not None:
-            self._metrics = MetricsFile(metrics_file, start_iteration, start_evaluations)
+        if self._metrics_file is not None:
+            self._metrics = MetricsFile(self._metrics_file, iteration, evaluations)
             if self._metrics.dropped:
                 self.print(f"metrics file {self._metrics.path}: dropped {self._metrics.dropped} line(s) after "
-                           f"iteration {start_iteration}, which this run writes again")
+                           f"iteration {iteration}, which this run writes again")
             self._sinks.append(self._metrics.write)
+        progress_bar = self._progress_bar
         if progress_bar is None:
             progress_bar = self._print_fn is None and sys.stdout.isatty()
         if progress_bar:
             from tqdm import tqdm  # only terminals need it
-            self._bar = tqdm(total=train_iters, initial=start_iteration, file=sys.stdout,
+            self._bar = tqdm(total=self.train_iters, initial=iteration, file=sys.stdout,
                              dynamic_ncols=True, unit="it", desc="training")
         self.print(self.startup_line())
+        return self
 
     def add_sink(self, sink: Callable[[dict], None]) -> None:
         """Send every later metrics record (training and evaluation) to `sink(record)` too."""

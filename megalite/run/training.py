@@ -141,7 +141,6 @@ class Trainer:
         self.signals = opened.enter_context(owned_signals(train.exit_signal_handler))  # before wandb starts
         self.parallel = parallel_state.initialize(run.parallel)
         opened.callback(parallel_state.destroy, self.parallel)
-        self.log = self._print if self.parallel.is_logging_rank else lambda line: None
         self.peers = PeerWatch(self.parallel)  # to name a rank that dies later
         self.stop_signal = 0  # an exit signal every rank has agreed on
         self.evaluation_pending = False  # this iteration's evaluation was cut short by a signal
@@ -156,6 +155,19 @@ class Trainer:
         run, self.tokenizer = final_run_config(run)  # every rank
         self.run = run
         self.device = self.parallel.device
+        metrics_file = run.logging.metrics_file
+        if metrics_file is None and run.checkpoint.save:
+            metrics_file = os.path.join(run.checkpoint.save, "metrics.jsonl")
+        self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length, train.train_iters,
+                                     run.logging.log_interval, metrics_file, device=self.device,
+                                     dtype=train.params_dtype, num_devices=self.parallel.world_size,
+                                     is_logging_rank=self.parallel.is_logging_rank,
+                                     print_fn=None if self._print is print_flushed else self._print)
+        opened.callback(self.logger.close)
+        # The console: the logging rank's lines, above the progress bar. The logger's method, not a closure over
+        # the Trainer: a reference cycle would keep the process groups alive until interpreter exit, where gloo
+        # aborts the process.
+        self.log = self.logger.print
         layout = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
                                         layout.virtual_pipeline_model_parallel_size,
@@ -179,22 +191,7 @@ class Trainer:
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples,
                                              train.rampup_batch_size)
         self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
-        metrics_file = run.logging.metrics_file
-        if metrics_file is None and run.checkpoint.save:
-            metrics_file = os.path.join(run.checkpoint.save, "metrics.jsonl")
-        to_console = self._print is print_flushed
-        self.logger = TrainingLogger(run.model, train.global_batch_size, run.model.seq_length, train.train_iters,
-                                     run.logging.log_interval, metrics_file, device=self.device,
-                                     dtype=train.params_dtype, num_devices=self.parallel.world_size,
-                                     is_logging_rank=self.parallel.is_logging_rank,
-                                     start_iteration=self.state.iteration,
-                                     start_evaluations=self.evaluations_logged,
-                                     print_fn=None if to_console else self._print)
-        opened.callback(self.logger.close)
-        if to_console:
-            # Above the progress bar. The logger's method, not a closure over the Trainer: a reference cycle would
-            # keep the process groups alive until interpreter exit, where gloo aborts the process.
-            self.log = self.checkpointer.log = self.logger.print
+        self.logger.start(self.state.iteration, self.evaluations_logged)
         self._log_rampup(run.train)
         self.profiler = self._build_profiler(run)
         opened.callback(self.profiler.close)

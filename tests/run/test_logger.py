@@ -25,8 +25,9 @@ def make_logger(tmp_path=None, lines=None, **overrides) -> TrainingLogger:
                   print_fn=(lines if lines is not None else []).append)
     if tmp_path is not None:
         values["metrics_file"] = tmp_path / "run" / "metrics.jsonl"
+    start_iteration = overrides.pop("start_iteration", 0)
     values.update(overrides)
-    return TrainingLogger(**values)
+    return TrainingLogger(**values).start(start_iteration)
 
 
 def read_lines(path) -> list[dict]:
