@@ -1,28 +1,13 @@
-"""DDP: the one gradient synchronisation of an iteration (Megatron's DDP and finalize_model_grads).
+"""ParallelModel: data parallelism of a built model, Megatron's DDP and finalize_model_grads in one object.
 
-Losses are already divided by the global batch's token count, so the global grad is the plain
-SUM over DP ranks. `finish_grad_sync`, after the last backward: (1) sums the tied embedding's
-grads over the first and last stage; (2) all-reduces each grad-buffer bucket over DP, or
-reduce-scatters it (distributed optimizer: rank d gets shard d, the rest goes stale); (3) under
-SP sums TP-replicated grads over TP. With `overlap`, a bucket's collective starts in the last
-backward once its grads are final; (2) launches the others (the tied embedding's among them).
-
-The sharding strategy (--data-parallel-sharding-strategy, docs/parallelism.md): no_shard
-all-reduces in place; optim (ZeRO-1) reduce-scatters in place into the own shard of the whole buffer,
-once per iteration; optim_grads (ZeRO-2) has no whole buffer: each micro-batch's backward
-reduce-scatters every bucket as soon as its grads are in, adds the result to the owned shard and frees
-the bucket's full grads, with one reduction in flight, so about two buckets of full grads live at a time
-whatever the number of micro-batches (Megatron-FSDP's shape; the bucket of an embedding tied over the
-pipeline waits for step (1) and accumulates whole); (3) then sums the own shard's SP parts over TP
-(TP peers own the same ranges); optim_grads_params (ZeRO-3) adds one bucket per unit and sharded
-parameters (param_shards.py). Every strategy holds the parameters in the buffer's layout (`hold_params`):
-after the distributed optimizer's step, `start_param_sync` all-gathers each bucket's parameters in place
-(with --overlap-param-gather, each forward waits for the buckets it reads), and ZeRO-3 gathers a unit's.
-
-With `grad_reduce_in_bf16` (Megatron's --grad-reduce-in-bf16) step (2) sends half the bytes: each
-bucket is cast to a bf16 copy, the copy is all-reduced or reduce-scattered, and the result is cast back
-into the fp32 buffer or shard once the collective completes. Accumulation over micro-batches stays fp32;
-only the sum over DP ranks is rounded (to bf16's 8 bits of mantissa).
+Losses are already divided by the global batch's token count, so the global grad is the plain SUM over
+DP ranks. `finish_grad_sync`, after the last backward: (1) sums the tied embedding's grads over the first
+and last stage; (2) all-reduces each bucket over DP, or reduce-scatters it into this rank's shard (every
+sharding strategy but no_shard; ZeRO-2/3 already did so bucket by bucket in each backward, freeing the
+full grads); (3) under SP sums TP-replicated grads over TP. With overlap, a bucket's collective starts in
+the last backward once its grads are final; with --grad-reduce-in-bf16 it runs on a bf16 copy. The
+parameters live in the buffer's layout under every strategy, so the distributed optimizer's all-gather
+lands in them in place. docs/parallelism.md has each strategy's memory and communication.
 """
 
 import torch
