@@ -13,8 +13,10 @@ Hooks applied to the built model from outside it (the model stays plain):
   did), then start the next unit's all-gather (prefetch, asynchronous);
 - after its last module: while autograd records, hook the outputs' grads so the unit is
   gathered again (and the unit whose backward comes next is prefetched) before its
-  backward; release it;
-- when every parameter of the unit has accumulated its grad in a backward: release it.
+  backward; release it, except the head, which the loss reads after the chunk's forward
+  (model/loss.py) and whose backward comes first: it stays gathered;
+- when every parameter of the unit has accumulated its grad in a backward: release it (the
+  head once every micro-batch forwarded through it has).
 So at most the running unit and the prefetched one are gathered, plus, with tied
 embeddings, the embedding unit, which the head needs from the first layer to the last.
 A recomputed layer (--recompute-granularity full) runs again inside the backward: its unit
@@ -45,6 +47,8 @@ class Unit:
     work: object = None  # a pending asynchronous all-gather
     gathered: bool = False
     grads_seen: int = 0
+    held: bool = False  # the head: kept gathered after its forward, for the loss and the backward
+    backwards_due: int = 0  # a held unit's forwards whose backward has not finished
 
 
 def unit_params(chunk: nn.Module) -> list[tuple[list[nn.Parameter], list[nn.Module], nn.Module]]:
@@ -92,6 +96,7 @@ class ParamShards:
         for params, entries, exit_module in groups:
             bucket = self.buffer.bucket_of[next(p for p in params if p.requires_grad)]
             unit = self._shard_bucket(bucket)
+            unit.held = exit_module is chunk
             units.append(unit)
             for module in entries:
                 module.register_forward_pre_hook(lambda *_, unit=unit: self._before_forward(unit))
@@ -99,8 +104,8 @@ class ParamShards:
                 lambda _module, _args, output, unit=unit: self._after_forward(unit, output))
         for unit, following in zip(units, units[1:]):
             unit.forward_next = following
-        # Released after the chunk's forward, the head (and a tied embedding) is the first unit
-        # gathered for the backward; the layers follow from the top down, then the embedding.
+        # Held after the chunk's forward, the head (and a tied embedding) is the first unit
+        # needed by the backward; the layers follow from the top down, then the embedding.
         exits = [unit for unit, (_, _, exit_module) in zip(units, groups) if exit_module is not chunk]
         backward = [unit for unit, (_, _, exit_module) in zip(units, groups) if exit_module is chunk]
         backward += exits[::-1]
@@ -158,7 +163,7 @@ class ParamShards:
         if unit.gathered:
             free(unit.full)
             unit.gathered = False
-        unit.grads_seen = 0
+        unit.grads_seen = unit.backwards_due = 0
 
     def release_all(self) -> None:
         for unit in self.units:
@@ -192,7 +197,9 @@ class ParamShards:
         if torch.is_grad_enabled() and outputs:
             torch.autograd.graph.register_multi_grad_hook(outputs, lambda _grads: self._before_backward(unit),
                                                           mode="any")
-        self.release(unit)
+            unit.backwards_due += 1
+        if not unit.held:
+            self.release(unit)
 
     def _before_backward(self, unit: Unit) -> None:
         self.gather(unit)
@@ -203,7 +210,12 @@ class ParamShards:
         """A grad-buffer hook: `param` accumulated its grad; release its unit once all of them did."""
         unit = self.unit_of[id(param)]
         unit.grads_seen += 1
-        if unit.grads_seen == len(unit.bucket.params):
+        if unit.grads_seen < len(unit.bucket.params):
+            return
+        if unit.held and unit.backwards_due > 1:  # another micro-batch's loss backward still reads the head
+            unit.backwards_due -= 1
+            unit.grads_seen = 0
+        else:
             self.release(unit)
 
     # -- ownership -----------------------------------------------------------------------------
