@@ -1,4 +1,5 @@
-"""GPTModel: embedding -> transformer layers -> final norm -> output layer -> loss.
+"""GPTModel: embedding -> transformer layers -> final norm, and the output layer that the loss
+(model/loss.py) or `GPTModel.logits` applies to the last stage's hidden states.
 
 GPT-2 (learned positions, LayerNorm, GELU, biases, tied) or LLaMA (rope, RMSNorm, SwiGLU, GQA,
 untied). Layers are keyed by global id, so parameter names and initial values are the same under
@@ -10,12 +11,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
-from megalite.kernels.linear_cross_entropy import linear_cross_entropy
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import Norm, TransformerLayer, hidden_dropout
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import gather_from_tensor_parallel_region, scatter_to_sequence_parallel_region
-from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, VocabParallelEmbedding, init_full_tensor,
                                              initialize, mark_parameter, tensor_parallel_group)
 
@@ -54,8 +53,9 @@ class Embedding(nn.Module):
 
 class GPTModel(nn.Module):
     """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the
-    embedding if `pre_process`, the final norm, output layer and loss if `post_process`; its fused ops
-    (norms, rotary, SwiGLU, the loss) on the path `kernels` (`--kernels`) picks."""
+    embedding if `pre_process`, the final norm and output layer if `post_process`; its fused ops
+    (norms, rotary, SwiGLU) on the path `kernels` (`--kernels`) picks. The forward returns hidden states;
+    the loss (model/loss.py) or `logits` applies the output layer to the last stage's."""
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
                  post_process: bool = True, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
@@ -75,8 +75,6 @@ class GPTModel(nn.Module):
             self.embedding = Embedding(config, parallel, with_positions=pre_process)
         if self.embedding is not None and self.tied:
             self.embedding.word_embeddings.weight.shared_embedding = True
-        # RunConfig.validate refuses it; a model built in code would take the loss over its vocabulary shard only.
-        assert not (config.fused_output_cross_entropy and parallel.tp_size > 1), "fused cross-entropy needs TP 1"
 
         self.rotary = None
         if config.position_embedding_type == "rope":
@@ -89,7 +87,7 @@ class GPTModel(nn.Module):
         self.final_layernorm = self.output_layer = None
         if post_process:
             self.final_layernorm = Norm(config, kernels)
-            # TP: the logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
+            # TP: the loss's logits stay vocab-sharded; the vocab-parallel cross-entropy combines them.
             self.output_layer = ColumnParallelLinear(
                 config.hidden_size, config.vocab_size, bias=False, init_std=config.init_method_std,
                 skip_weight_param=self.tied, real_output_size=config.real_vocab_size, parallel=parallel)
@@ -98,12 +96,10 @@ class GPTModel(nn.Module):
             initialize(self, seed)
 
     def forward(self, tokens: torch.Tensor | None, position_ids: torch.Tensor | None = None,
-                labels: torch.Tensor | None = None, loss_mask: torch.Tensor | None = None,
                 hidden_states: torch.Tensor | None = None) -> torch.Tensor:
-        """Run this stage on tokens, position_ids (None: 0..s-1), labels, loss_mask `[b, s]`, or on the
-        previous stage's hidden_states `[s, b, h]`. Returns on the last stage per-token fp32 losses
-        `[b, s]` (times loss_mask) if labels are given, else logits `[b, s, real_vocab]`; elsewhere
-        the hidden states `[s, b, h]`."""
+        """Run this stage on tokens and position_ids `[b, s]` (None: 0..s-1), or on the previous stage's
+        hidden_states `[s, b, h]`. Returns the hidden states `[s, b, h]` (`[s/tp, b, h]` under sequence
+        parallelism), the last stage's after the final norm."""
         hidden = self.embedding(tokens, position_ids) if self.pre_process else hidden_states
         rotary = None
         if self.rotary is not None:
@@ -111,25 +107,18 @@ class GPTModel(nn.Module):
             rotary = self.rotary(seq_length, position_ids, device=hidden.device)
 
         hidden = self.run_layers(hidden, rotary)
-        if not self.post_process:
-            return hidden
-        hidden = self.final_layernorm(hidden)
-        weight = self.embedding.word_embeddings.weight if self.tied else None
-        if labels is not None and self.config.fused_output_cross_entropy:  # TP = 1: no logits at all
-            weight = self.output_layer.weight if weight is None else weight
-            losses = linear_cross_entropy(hidden, weight, labels.t(), self.config.real_vocab_size,
-                                          self.config.z_loss_weight, kernels=self.kernels).t()  # [b, s] fp32
-        else:
-            logits = self.output_layer(hidden, weight)  # [s, b, vocab/tp]: never gathered for the loss
-            group = tensor_parallel_group(self.parallel)
-            if labels is None:
-                logits = gather_from_tensor_parallel_region(logits, group)
-                return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
-            vocab_start = self.output_layer.tp_rank * self.output_layer.output_size_per_partition
-            # The logits are this forward's own: the loss may overwrite them with their grad.
-            losses = vocab_parallel_cross_entropy(logits, labels.t(), group, vocab_start, self.config.real_vocab_size,
-                                                  self.config.z_loss_weight, inplace=True, kernels=self.kernels).t()
-        return (losses if loss_mask is None else losses * loss_mask).contiguous()
+        return self.final_layernorm(hidden) if self.post_process else hidden
+
+    def output_weight(self) -> torch.Tensor:
+        """The output layer's weight `[vocab/tp, h]` (last stage): the word embeddings' when they are tied."""
+        return self.embedding.word_embeddings.weight if self.tied else self.output_layer.weight
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The last stage's hidden states `[s, b, h]` -> logits `[b, s, real_vocab]`, gathered over TP (for
+        inference, generation and comparisons; the loss never gathers them)."""
+        logits = self.output_layer(hidden, self.output_weight())  # [s, b, vocab/tp]
+        logits = gather_from_tensor_parallel_region(logits, tensor_parallel_group(self.parallel))
+        return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
 
     def sharding_units(self) -> list[list[nn.Module]]:
         """ZeRO-3's units (data_parallel/param_shards.py) in forward order: each a list of modules whose parameters

@@ -135,14 +135,20 @@ def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class ScheduleRunner:
-    """Runs one rank's steps for one global batch on its model chunks (GPTModels), freeing each output
-    once sent. micro_batches: dicts of `[b, s]` tensors. total_tokens: the global batch's unmasked
-    tokens, each micro-batch loss's divisor. comm: a PipelineComm, or None for one stage.
-    scale_loss: the optimizer's loss scaling; None runs forward only.
+    """Runs one rank's steps for one global batch on its model chunks, freeing each output once sent.
+    The model and the loss come from outside (Megatron's forward_step_func and loss_func):
+    `forward_step(chunk, micro_batch, hidden_states)` runs a chunk on a micro-batch (the first stage,
+    hidden_states None) or on the received hidden states, and returns its output; on the last stage
+    `loss_fn(chunk, output, micro_batch)` turns that output into losses whose sum, divided by
+    total_tokens (the global batch's unmasked tokens), is the micro-batch's loss. micro_batches: one
+    object per micro-batch (dicts of `[b, s]` tensors for the language model). comm: a PipelineComm, or
+    None for one stage. scale_loss: the optimizer's loss scaling; None runs forward only.
     """
 
-    def __init__(self, chunks, micro_batches, total_tokens: float, comm=None, scale_loss=None, log=None, rank: int = 0):
+    def __init__(self, chunks, micro_batches, total_tokens: float, forward_step, loss_fn, comm=None,
+                 scale_loss=None, log=None, rank: int = 0):
         self.chunks, self.micro_batches, self.total_tokens = chunks, micro_batches, total_tokens
+        self.forward_step, self.loss_fn = forward_step, loss_fn
         self.comm, self.scale_loss, self.log, self.rank = comm, scale_loss, log, rank
         self.pp, self.pp_rank = (comm.parallel.pp_size, comm.parallel.pp_rank) if comm is not None else (1, 0)
         self.received: dict[Message, torch.Tensor] = {}  # not yet used by their op
@@ -172,32 +178,29 @@ class ScheduleRunner:
 
     def _forward(self, op: Op) -> None:
         chunk, mb = self.chunks[op.chunk], self.micro_batches[op.microbatch]
-        recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)
-        hidden = self.received.pop(recv).requires_grad_(self.scale_loss is not None) if not chunk.pre_process else None
-        labels = mb["labels"] if chunk.post_process else None
-        output = chunk(mb["tokens"], mb["position_ids"], labels, mb["loss_mask"] if labels is not None else None,
-                       hidden_states=hidden)
-        if chunk.post_process:
-            output = output.sum() / self.total_tokens
+        recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)  # None: the first (last) stage
+        hidden = self.received.pop(recv).requires_grad_(self.scale_loss is not None) if recv is not None else None
+        output = self.forward_step(chunk, mb, hidden)
+        if send is None:
+            output = self.loss_fn(chunk, output, mb).sum() / self.total_tokens
             self.loss = (self.loss if self.loss is not None else 0) + output.detach().double()
         else:
             self.outbox[send] = output.detach()
         if self.scale_loss is None:
             return
         self.saved[(op.chunk, op.microbatch)] = (hidden, output)
-        if not chunk.post_process and output._base is None and output is not hidden:
+        if send is not None and output._base is None and output is not hidden:
             # The outbox's detached alias keeps the values until the send; then only the graph remains.
             _release(output)
 
     def _backward(self, op: Op) -> None:
-        chunk = self.chunks[op.chunk]
         recv, send = _messages(op, self.pp, len(self.chunks), self.pp_rank)
         hidden, output = self.saved.pop((op.chunk, op.microbatch))
-        if chunk.post_process:
+        if recv is None:  # the last stage: the loss
             self.scale_loss(output).backward()
         else:
             _backward_from(output, self.received.pop(recv))
-        if not chunk.pre_process:
+        if send is not None:
             self.outbox[send] = hidden.grad
 
     def _trace(self, text: str) -> None:

@@ -53,7 +53,7 @@ def generate(model, tokens: list[int], max_new_tokens: int = SAMPLING.max_new_to
     out = list(tokens)
     for _ in range(max_new_tokens):
         context = torch.tensor([out[-seq_length:]], device=device)
-        logits = model(context)[0, -1].float().cpu()  # [vocab]
+        logits = model.logits(model(context))[0, -1].float().cpu()  # [vocab]
         if temperature <= 0:
             next_id = int(logits.argmax())
         else:

@@ -38,6 +38,7 @@ from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps,
                                      divergence_message, exit_reason, is_collective_failure, owned_signals)
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
+from megalite.model.loss import LanguageModelLoss
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -90,13 +91,15 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
 
 
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
-                     log=None) -> torch.Tensor:
+                     log=None, loss_fn: LanguageModelLoss | None = None) -> torch.Tensor:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
     the device (nothing waits for the device until it is read); with `optimizer`, backward too.
     model: a GPTModel, or this pipeline rank's ModelChunks. micro_batches: dicts of [b, s] tensors, this DP
     rank's part of the global batch; each one's loss is divided by the token count of the whole global batch,
-    so the gradients summed over DP are those of the global mean."""
+    so the gradients summed over DP are those of the global mean. loss_fn: the loss the last stage applies to
+    its hidden states (default: the language-model loss of the model's config)."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
+    loss_fn = loss_fn if loss_fn is not None else LanguageModelLoss.of(chunks[-1])
     device = next(chunks[0].parameters()).device
     total_tokens = global_token_count(micro_batches, parallel, device)
     if total_tokens == 0:
@@ -106,7 +109,10 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     steps = schedule_steps(parallel.pp_size, len(chunks), len(micro_batches), parallel.pp_rank,
                            forward_only=optimizer is None)
     scale_loss = optimizer.scale_loss if optimizer is not None else None
-    loss = ScheduleRunner(chunks, micro_batches, total_tokens, comm, scale_loss, log, parallel.rank).run(steps)
+    runner = ScheduleRunner(chunks, micro_batches, total_tokens, _forward_step,
+                            lambda chunk, hidden, mb: loss_fn(chunk, hidden, mb["labels"], mb["loss_mask"]),
+                            comm, scale_loss, log, parallel.rank)
+    loss = runner.run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
     # The last stage's loss to every stage, summed over data-parallel ranks (each already
     # divided by the global token count): every rank gets the global mean and decides alike.
@@ -114,6 +120,11 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return total_loss
+
+
+def _forward_step(chunk, micro_batch: dict, hidden_states: torch.Tensor | None) -> torch.Tensor:
+    """A model chunk on a micro-batch's tokens and positions, or on the previous stage's hidden states."""
+    return chunk(micro_batch["tokens"], micro_batch["position_ids"], hidden_states=hidden_states)
 
 
 class Trainer:
@@ -174,6 +185,7 @@ class Trainer:
                                         layout.decoder_first_pipeline_num_layers,
                                         layout.decoder_last_pipeline_num_layers, train.kernels)
         self.parallel_model = parallelize(self.model, run, self.parallel)
+        self.loss_fn = LanguageModelLoss(run.model, self.parallel, train.kernels)
         self.comm = None
         if self.parallel.pp_size > 1:
             tokens = run.model.seq_length // (self.parallel.tp_size if layout.sequence_parallel else 1)
@@ -269,7 +281,8 @@ class Trainer:
         self.optimizer.zero_grad()
         self.parallel_model.start_iteration(num_microbatches)
         batch = next_global_batch(self.train_iterator, num_microbatches)
-        loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log)
+        loss = forward_backward(self.model, batch, self.optimizer, self.parallel, self.comm, self.schedule_log,
+                                self.loss_fn)
         empty_unused_memory(self.run.train.empty_unused_memory_level, 1)  # Megatron's two points, by level
         # Once per iteration, after the last backward: tied embedding over PP, DP, SP grads over TP.
         self.parallel_model.finish_grad_sync()
@@ -341,7 +354,8 @@ class Trainer:
                     if self.agreed_stop()[0]:  # before each batch, a boundary every rank reaches
                         return False
                     batch = next_global_batch(iterator, self.num_microbatches)
-                    losses.append(forward_backward(self.model, batch, parallel=self.parallel, comm=self.comm))
+                    losses.append(forward_backward(self.model, batch, parallel=self.parallel, comm=self.comm,
+                                                   loss_fn=self.loss_fn))
                     empty_unused_memory(train.empty_unused_memory_level, 1)
         finally:
             self.model.train()

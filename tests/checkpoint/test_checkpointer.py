@@ -16,6 +16,7 @@ from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.parallel_state import build_parallel_state
 from megalite.run.training import TrainState, build_lr_schedule
+from tests.helpers.model import token_losses
 
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--num-layers", "1",
          "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
@@ -40,7 +41,8 @@ class Run:
         tokens = torch.randint(0, 99, (2, 16), generator=torch.Generator().manual_seed(0))
         self.optimizer.zero_grad()
         self.ddp.start_iteration(1)
-        self.optimizer.scale_loss(self.model(tokens, labels=tokens.roll(-1, dims=1)).float().mean()).backward()
+        loss = token_losses(self.model, tokens, tokens.roll(-1, dims=1)).float().mean()
+        self.optimizer.scale_loss(loss).backward()
         self.ddp.finish_grad_sync()
         self.optimizer.step(1e-2)
 

@@ -9,6 +9,7 @@ from megalite.checkpoint import load_checkpoint, read_metadata
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from tests.helpers.checkpoint import FakeAdamW, assert_same_tensors, run_ranks, save, small_config, train
+from tests.helpers.model import token_losses
 
 
 def test_round_trip_restores_model_optimizer_and_counters_bitwise(tmp_path):
@@ -60,7 +61,7 @@ def test_resume_with_megalites_optimizer_is_exact(tmp_path, dtype):
         for step in range(first, first + 2):
             tokens = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(step))
             optimizer.zero_grad()
-            loss = model(tokens, labels=tokens.roll(-1, dims=1)).float().mean()
+            loss = token_losses(model, tokens, tokens.roll(-1, dims=1)).float().mean()
             optimizer.scale_loss(loss).backward()
             optimizer.step(1e-2)
             losses.append(loss.item())
@@ -164,7 +165,7 @@ def test_a_different_vocabulary_padding_loads_with_zero_padding_rows(tmp_path):
     model = build_model(small, seed=1)
     optimizer = FakeAdamW(model)
     train_tokens = torch.randint(0, 50, (2, 8))
-    loss = model(train_tokens, labels=train_tokens.roll(-1, dims=1)).mean()
+    loss = token_losses(model, train_tokens, train_tokens.roll(-1, dims=1)).mean()
     loss.backward()
     optimizer.step()
     save(tmp_path, 1, model, optimizer)

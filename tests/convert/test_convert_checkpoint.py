@@ -64,7 +64,7 @@ def compare_with_hf(run_folder, hf_folder) -> float:
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.real_vocab_size, (2, config.seq_length), generator=generator)
     with torch.no_grad():
-        logits, hf_logits = ours(tokens), theirs(tokens).logits
+        logits, hf_logits = ours.logits(ours(tokens)), theirs(tokens).logits
     assert logits.shape == hf_logits.shape == (2, config.seq_length, config.real_vocab_size)
     difference = (logits - hf_logits).abs().max().item()
     print(f"{type(theirs).__name__}: max |logit difference| {difference:.2e}")

@@ -10,12 +10,13 @@ import torch
 from megalite import cpu
 from megalite.model.gpt import GPTModel
 from megalite.model.options import apply_options
+from tests.helpers.model import token_losses
 
 
 def loss_and_grads(model, config, seed=3):
     generator = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, config.real_vocab_size, (2, config.seq_length), generator=generator)
-    loss = model(tokens, labels=tokens.roll(-1, dims=1)).mean()
+    loss = token_losses(model, tokens, tokens.roll(-1, dims=1)).mean()
     loss.backward()
     return loss.detach(), {name: param.grad for name, param in model.named_parameters()}
 

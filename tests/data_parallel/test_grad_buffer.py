@@ -9,6 +9,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.model.gpt import GPTModel
+from tests.helpers.model import token_losses
 
 
 def tiny_gpt2(seed: int = 0) -> GPTModel:
@@ -26,7 +27,7 @@ def micro_batch(seed: int, vocab: int = 32, b: int = 2, s: int = 8):
 
 def loss_of(model, seed: int) -> torch.Tensor:
     tokens, labels = micro_batch(seed)
-    return model(tokens, labels=labels).mean()
+    return token_losses(model, tokens, labels).mean()
 
 
 def test_layout_is_reverse_registration_order_contiguous_and_padded_to_the_shard_count():

@@ -8,6 +8,7 @@ import torch
 from megalite.checkpoint import (Piece, begin_save, checkpoint_dir, finalize_save, save_checkpoint,
                                  write_rank_files)
 from megalite.config import ModelConfig
+from tests.helpers.model import token_losses
 
 
 def small_config(**overrides) -> ModelConfig:
@@ -101,7 +102,7 @@ def train(model, optimizer, first_step, steps):
     for step in range(first_step, first_step + steps):
         tokens = torch.randint(0, model.config.vocab_size, (2, model.config.seq_length),
                                generator=torch.Generator().manual_seed(step))
-        loss = model(tokens, labels=tokens.roll(-1, dims=1)).mean()
+        loss = token_losses(model, tokens, tokens.roll(-1, dims=1)).mean()
         model.zero_grad()
         loss.backward()
         optimizer.step()

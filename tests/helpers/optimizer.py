@@ -5,6 +5,7 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.model.gpt import build_model
+from tests.helpers.model import token_losses
 
 HYPER = dict(weight_decay=0.1, betas=(0.9, 0.95), eps=1e-8)
 
@@ -24,7 +25,7 @@ def backward_iteration(model, step: int, optimizer=None, num_microbatches: int =
     for micro in range(num_microbatches):
         generator = torch.Generator().manual_seed(100 * step + micro)
         tokens = torch.randint(0, 64, (2, 8), generator=generator)
-        loss = model(tokens, labels=tokens.roll(-1, dims=1)).mean() / num_microbatches
+        loss = token_losses(model, tokens, tokens.roll(-1, dims=1)).mean() / num_microbatches
         (loss if optimizer is None else optimizer.scale_loss(loss)).backward()
 
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 
 from megalite.model.gpt import GPTModel, build_model
 from megalite.model.options import apply_options
+from tests.helpers.model import logits as logits_of, token_losses
 
 
 def batch(config, b=2, seed=0):
@@ -50,20 +51,20 @@ def test_pipeline_stages_chained_equal_the_whole_model(gpt2_config):
     hidden = stage0(tokens, positions)
     assert hidden.shape == (config.seq_length, 2, config.hidden_size)  # [s, b, h] between stages
     hidden = stage1(None, positions, hidden_states=hidden)
-    losses = stage2(None, positions, labels=labels, hidden_states=hidden)
-    torch.testing.assert_close(losses, whole(tokens, positions, labels=labels), atol=0, rtol=0)
+    losses = token_losses(stage2, None, labels, position_ids=positions, hidden_states=hidden)
+    torch.testing.assert_close(losses, token_losses(whole, tokens, labels, position_ids=positions), atol=0, rtol=0)
 
 
 def test_losses_are_fp32_cross_entropy_times_loss_mask(llama_config):
     config = llama_config()
     model = GPTModel(config, seed=5)
     tokens, positions, labels = batch(config)
-    logits = model(tokens, positions)
+    logits = logits_of(model, tokens, positions)
     expected = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)
-    torch.testing.assert_close(model(tokens, positions, labels=labels), expected)
+    torch.testing.assert_close(token_losses(model, tokens, labels, position_ids=positions), expected)
     loss_mask = torch.ones_like(tokens, dtype=torch.float32)
     loss_mask[0, 4:] = 0
-    masked = model(tokens, positions, labels=labels, loss_mask=loss_mask)
+    masked = token_losses(model, tokens, labels, loss_mask, positions)
     torch.testing.assert_close(masked, expected * loss_mask)
     assert masked.is_contiguous()
 
@@ -72,9 +73,9 @@ def test_bf16_model_returns_fp32_losses(llama_config):
     config = llama_config()
     model = build_model(config, seed=5, dtype=torch.bfloat16)
     tokens, positions, labels = batch(config)
-    losses = model(tokens, positions, labels=labels)
+    losses = token_losses(model, tokens, labels, position_ids=positions)
     assert losses.dtype == torch.float32
-    reference = build_model(config, seed=5)(tokens, positions, labels=labels)
+    reference = token_losses(build_model(config, seed=5), tokens, labels, position_ids=positions)
     torch.testing.assert_close(losses, reference, atol=0.1, rtol=0.02)
 
 
@@ -87,9 +88,9 @@ def test_vocabulary_padding_changes_nothing(llama_config):
     assert padded.output_layer.weight[250:].abs().max() == 0
     assert padded.embedding.word_embeddings.weight[250:].abs().max() == 0
     tokens, positions, labels = batch(plain.config)
-    torch.testing.assert_close(padded(tokens, positions), plain(tokens, positions))
-    losses = padded(tokens, positions, labels=labels)
-    torch.testing.assert_close(losses, plain(tokens, positions, labels=labels))
+    torch.testing.assert_close(logits_of(padded, tokens, positions), logits_of(plain, tokens, positions))
+    losses = token_losses(padded, tokens, labels, position_ids=positions)
+    torch.testing.assert_close(losses, token_losses(plain, tokens, labels, position_ids=positions))
     losses.sum().backward()
     assert padded.output_layer.weight.grad[250:].abs().max() == 0
     assert padded.embedding.word_embeddings.weight.grad[250:].abs().max() == 0
@@ -101,7 +102,7 @@ def test_tied_output_uses_the_embedding_weight(gpt2_config):
     names = [name for name, _ in model.named_parameters()]
     assert "output_layer.weight" not in names and "embedding.word_embeddings.weight" in names
     tokens, positions, labels = batch(model.config)
-    model(tokens, positions, labels=labels).sum().backward()
+    token_losses(model, tokens, labels, position_ids=positions).sum().backward()
     assert model.embedding.word_embeddings.weight.grad.abs().max() > 0
     assert model.embedding.word_embeddings.weight.shared_embedding
 
@@ -155,12 +156,13 @@ def test_recomputation_option_keeps_the_names_and_the_results(llama_config, gran
     """apply_options(recompute_granularity=...) recomputes in the backward: same loss and grads, and
     the forward under no_grad (evaluation) runs the layers plainly."""
     config = llama_config()
-    assert_trains_like_eager(config, 5, lambda model: apply_options(model, recompute_granularity=granularity))
+    assert_trains_like_eager(config, 5,
+                             lambda model: _losses_of(apply_options(model, recompute_granularity=granularity)))
     model = apply_options(GPTModel(config, seed=5), recompute_granularity=granularity)
     tokens, positions, labels = batch(config)
     with torch.no_grad():
-        torch.testing.assert_close(model(tokens, positions, labels=labels), GPTModel(config, seed=5)(
-            tokens, positions, labels=labels))
+        torch.testing.assert_close(token_losses(model, tokens, labels, position_ids=positions),
+                                   token_losses(GPTModel(config, seed=5), tokens, labels, position_ids=positions))
 
 
 def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(llama_config):
@@ -168,21 +170,21 @@ def test_logits_returned_to_the_caller_are_not_overwritten_by_the_next_forward(l
     model = GPTModel(config, seed=7)
     tokens, positions, _ = batch(config, b=1)
     with torch.no_grad():
-        logits = model(tokens, positions)
+        logits = logits_of(model, tokens, positions)
         kept = logits.clone()
-        other = model(tokens.flip(1), positions)
+        other = logits_of(model, tokens.flip(1), positions)
     assert torch.equal(logits, kept) and not torch.equal(other, kept)
 
 
 def assert_trains_like_eager(config, seed, prepare):
-    """prepare(model) -> the callable to run (the model compiled some way): one step of it gives the loss
-    and parameter grads of the same model in eager."""
+    """prepare(model) -> a callable (tokens, positions, labels) -> per-token losses (the model compiled some
+    way): one step of it gives the loss and parameter grads of the same model in eager."""
     model, reference = GPTModel(config, seed=seed), GPTModel(config, seed=seed)
     run = prepare(model)
     tokens, positions, labels = batch(config)
-    loss = run(tokens, positions, labels=labels).mean()
+    loss = run(tokens, positions, labels).mean()
     loss.backward()
-    expected = reference(tokens, positions, labels=labels).mean()
+    expected = token_losses(reference, tokens, labels, position_ids=positions).mean()
     expected.backward()
     torch.testing.assert_close(loss, expected)
     for (name, param), other in zip(model.named_parameters(), reference.parameters()):
@@ -190,14 +192,20 @@ def assert_trains_like_eager(config, seed, prepare):
 
 
 def test_a_whole_model_under_torch_compile_trains_like_eager(llama_config):
-    """Traced whole (torch.compile(model), not only its layers), with the in-place loss over the model's
-    own logits. aot_eager: dynamo and AOTAutograd, no C++ build."""
-    assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024), 3,
-                             lambda model: torch.compile(model, backend="aot_eager"))
+    """Traced whole (the model's forward and its loss, not only its layers), with the in-place loss over
+    the loss's own logits. aot_eager: dynamo and AOTAutograd, no C++ build."""
+    def compiled(model):
+        return torch.compile(_losses_of(model), backend="aot_eager")
+    assert_trains_like_eager(llama_config(num_layers=1, vocab_size=1024), 3, compiled)
+
+
+def _losses_of(model):
+    """The per-token losses of `model` as assert_trains_like_eager runs them."""
+    return lambda tokens, positions, labels: token_losses(model, tokens, labels, position_ids=positions)
 
 
 def _layers_compiled(model):
-    return apply_options(model, compile=True)
+    return _losses_of(apply_options(model, compile=True))
 
 
 def test_compiled_layers_train_like_eager(llama_config, one_thread):

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from megalite.config import ModelConfig
 from megalite.convert import gpt2_config_to_hf, hf_state_dict, llama_config_to_hf
 from megalite.model.gpt import GPTModel
+from tests.helpers.model import logits as logits_of, token_losses
 
 transformers = pytest.importorskip("transformers")
 
@@ -60,10 +61,10 @@ def compare(ours: GPTModel, hf_model, config: ModelConfig, reset_at: int | None 
     hf_model.eval()
     tokens, positions = inputs(config, reset_at)
     with torch.no_grad():
-        logits = ours(tokens, positions)
+        logits = logits_of(ours, tokens, positions)
         hf_logits = hf_model(input_ids=tokens, position_ids=positions).logits
         labels = tokens.roll(-1, dims=1)
-        losses = ours(tokens, positions, labels=labels)
+        losses = token_losses(ours, tokens, labels, position_ids=positions)
     assert logits.shape == hf_logits.shape == (*tokens.shape, config.real_vocab_size)
     torch.testing.assert_close(logits, hf_logits, atol=ATOL, rtol=0)
     hf_losses = F.cross_entropy(hf_logits.flatten(0, 1), labels.flatten(), reduction="none").view(labels.shape)

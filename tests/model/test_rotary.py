@@ -14,6 +14,7 @@ from megalite.model.gpt import build_model
 from megalite.model.rotary import RotaryEmbedding
 from megalite.parallel_state import build_parallel_state
 from tests.helpers.distributed import run_world
+from tests.helpers.model import token_losses
 from tests.helpers.pipeline import config, full_grads, micro_batches
 
 HEAD_DIM = 16
@@ -163,7 +164,7 @@ def tp_world(rank, world_size, percent):
     parallel = build_parallel_state(world_size, 1)
     model = build_model(replace(config(tied=False), rotary_percent=percent), seed=11, parallel=parallel)
     batch = micro_batches()[0]
-    losses = model(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"])
+    losses = token_losses(model, batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"])
     loss = losses.sum() / batch["loss_mask"].sum()
     loss.backward()
     return loss.item(), {name: grad.numpy() for name, grad in full_grads(model, parallel).items()}

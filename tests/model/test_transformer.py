@@ -11,6 +11,7 @@ from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import MLP, Attention, TransformerLayer
 from megalite.pipeline_parallel.stages import chunk_layers
 from megalite.tensor_parallel.layers import initialize
+from tests.helpers.model import logits as logits_of, token_losses
 
 
 def test_layer_shapes(llama_config):
@@ -32,8 +33,9 @@ def test_model_output_shapes(llama_config, gpt2_config, which):
     config = llama_config() if which == "llama" else gpt2_config()
     model = GPTModel(config, seed=0)
     tokens = torch.randint(0, config.vocab_size, (3, config.seq_length))
-    assert model(tokens).shape == (3, config.seq_length, config.vocab_size)
-    losses = model(tokens, labels=tokens)
+    assert model(tokens).shape == (config.seq_length, 3, config.hidden_size)
+    assert logits_of(model, tokens).shape == (3, config.seq_length, config.vocab_size)
+    losses = token_losses(model, tokens, tokens)
     assert losses.shape == tokens.shape and losses.dtype == torch.float32
 
 
@@ -46,7 +48,7 @@ def test_causality(llama_config, gpt2_config, which):
     changed = tokens.clone()
     changed[:, 9] = (changed[:, 9] + 1) % config.vocab_size
     with torch.no_grad():
-        before, after = model(tokens), model(changed)
+        before, after = logits_of(model, tokens), logits_of(model, changed)
     torch.testing.assert_close(before[:, :9], after[:, :9], atol=0, rtol=0)
     assert (before[:, 9:] - after[:, 9:]).abs().amax(dim=-1).min() > 0  # every later position sees it
 
@@ -129,7 +131,7 @@ def recompute_options(config) -> dict:
 def loss_and_grads(config, tokens):
     model = apply_options(GPTModel(config, seed=5), **recompute_options(config)).train()
     torch.manual_seed(123)  # the dropout masks
-    losses = model(tokens, labels=tokens.roll(-1, dims=1))
+    losses = token_losses(model, tokens, tokens.roll(-1, dims=1))
     losses.mean().backward()
     return losses.detach(), {name: p.grad for name, p in model.named_parameters()}
 

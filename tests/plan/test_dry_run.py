@@ -15,6 +15,7 @@ from megalite.model.gpt import build_model
 from megalite.model.options import apply_options
 from megalite.pipeline_parallel.stages import build_model_chunks
 from tests.helpers.distributed import run_world
+from tests.helpers.model import token_losses
 
 # A GPT-2-shaped model small enough for 4 CPU ranks, TP 2 (SP) x DP 2: odd head size (11) and FFN
 # share (125) give odd bias lengths, so the small buckets need padding under the distributed
@@ -71,7 +72,8 @@ def _live_rank(rank, world_size, flags):
                                    kernels="triton")[0]
         tokens = torch.randint(0, config.real_vocab_size, (micro_batch_size, config.seq_length))
         positions = torch.arange(config.seq_length).repeat(micro_batch_size, 1)  # a real [b, s] tensor, as in batches
-        saved = _saved_bytes(lambda: chunk(tokens, positions, tokens))
+        saved = _saved_bytes(lambda: token_losses(chunk, tokens, tokens, position_ids=positions) if chunk.post_process
+                             else chunk(tokens, positions))
         params = {param.untyped_storage().data_ptr() for param in chunk.parameters()}
         live["activations"] = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
         return live
@@ -150,7 +152,7 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
                           recompute_num_layers=config.recompute_num_layers)
     tokens = torch.randint(0, 100, (3, 8))
     positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
-    saved = _saved_bytes(lambda: model(tokens, positions, labels=tokens).sum())
+    saved = _saved_bytes(lambda: token_losses(model, tokens, tokens, position_ids=positions).sum())
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
     measured = sum(nbytes for pointer, nbytes in saved.items() if pointer not in params)
     estimate = ActivationModel(config, micro_batch_size=3, element_size=2)

@@ -16,6 +16,7 @@ from megalite.parallel_state import build_parallel_state
 from megalite.run.lr_schedule import LRSchedule
 from megalite.run.training import forward_backward, pretrain
 from tests.helpers.distributed import run_world
+from tests.helpers.model import token_losses
 from tests.helpers.optimizer import HYPER, backward_iteration, params_of, tiny_llama
 from tests.helpers.runs import MOCK, SMALL
 from tools.check_layouts import COMMON, MODELS, run
@@ -119,7 +120,7 @@ def test_per_token_loss_sums_over_micro_batches_and_dp_ranks_and_divides_once():
 
     reference = tiny_llama()
     micro_batches = sum(batches, [])
-    per_token = [reference(mb["tokens"], labels=mb["labels"]) * mb["loss_mask"] for mb in micro_batches]
+    per_token = [token_losses(reference, mb["tokens"], mb["labels"]) * mb["loss_mask"] for mb in micro_batches]
     loss = sum(losses.sum() for losses in per_token) / 27
     loss.backward()
     loss = float(loss.detach())

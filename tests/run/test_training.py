@@ -14,6 +14,7 @@ from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.run.training import Trainer, pretrain
+from tests.helpers.model import token_losses
 from tests.helpers.runs import MOCK, SMALL
 
 
@@ -208,7 +209,7 @@ def test_finetune_continues_a_rope_model_at_a_longer_context(tmp_path):
         samples = [trainer.train_ds[i] for i in range(trainer.run.train.global_batch_size)]
         batch = {key: torch.stack([sample[key] for sample in samples]) for key in samples[0]}
         with torch.no_grad():
-            losses = model(batch["tokens"], batch["position_ids"], batch["labels"], batch["loss_mask"])
+            losses = token_losses(model, batch["tokens"], batch["labels"], batch["loss_mask"], batch["position_ids"])
         return float(losses.sum() / batch["loss_mask"].sum())
 
     assert state.losses[0] == pytest.approx(first_batch_loss(trainer.run.model), rel=1e-6)

@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from megalite.config import ParallelConfig, model_config_from_preset
 from megalite.model.gpt import build_model
+from megalite.model.loss import LanguageModelLoss
 from megalite.parallel_state import initialize
 from megalite.tensor_parallel import comm
 
@@ -56,6 +57,7 @@ def main(args) -> None:
                                          world_size=int(os.environ["WORLD_SIZE"])))
     config = model_config_from_preset(args.model, args.tp, seq_length=args.seq_length)
     model = build_model(config, seed=1234, parallel=parallel)
+    loss_fn = LanguageModelLoss.of(model)
     generator = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, config.real_vocab_size, (args.micro_batch_size, config.seq_length + 1),
                            generator=generator)
@@ -65,7 +67,7 @@ def main(args) -> None:
         if iteration == args.warmup_iters:
             totals.update(seconds=0.0, calls=0)
             start = time.perf_counter()
-        model(inputs, labels=labels).mean().backward()
+        loss_fn(model, model(inputs), labels).mean().backward()
     elapsed = (time.perf_counter() - start) / args.iters
     comm = totals["seconds"] / args.iters
     if parallel.rank == 0:

@@ -70,6 +70,7 @@ from megalite.errors import UserError, run_main
 from megalite.convert import llama_config_to_hf
 from megalite.run.flops import flops_per_iteration, peak_flops
 from megalite.model.gpt import build_model
+from megalite.model.loss import LanguageModelLoss
 from megalite.model.options import apply_options
 from megalite.model.rotary import RotaryEmbedding
 from tools.bench.minimal_llama import MinimalLlama
@@ -183,9 +184,9 @@ def make_optimizer(model):
 
 
 def megalite_step(model, optimizer, batch) -> float:
-    """One iteration; megalite returns per-token losses [b, s]."""
+    """One iteration; megalite's loss returns per-token losses [b, s]."""
     tokens, labels, positions = batch
-    losses = model(tokens, positions, labels)
+    losses = LanguageModelLoss.of(model)(model, model(tokens, positions), labels)
     loss = losses.sum() / losses.numel()
     loss.backward()
     optimizer.step()
