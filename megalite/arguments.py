@@ -9,8 +9,8 @@ import dataclasses
 import difflib
 import os
 
-from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
-                             RunConfig, TrainConfig, model_config_from_preset, num_parameters)
+from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
+                             ParallelConfig, RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.megatron import COMPAT_FLAGS, accepted_flags, refusal_of_unknown
 from megalite.config.options import HELP_GROUPS, Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context
