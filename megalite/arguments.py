@@ -1,8 +1,7 @@
 """The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
 parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite
-accepts without effect or refuses (config/megatron.py). Each group's `from_flags` derives its own defaults;
-what lies outside the flags (the built-in corpus, the tokenizer's vocabulary, a resumed checkpoint's LR
-schedule) completes the config before the run builds anything (`megalite.run.data.final_run_config`)."""
+accepts without effect or refuses (config/megatron.py); megalite.run.data.final_run_config completes the
+config with what lies outside the flags."""
 
 import argparse
 import dataclasses

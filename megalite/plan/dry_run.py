@@ -26,8 +26,7 @@ GIB = 2 ** 30
 def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
-    pipelines = group_ranks(world_size, tp, pp)
-    embedding = pipelines["embedding"][next(i for i, ranks in enumerate(pipelines["pp"]) if rank in ranks)]
+    embedding = group_ranks(world_size, tp, pp)["embedding"][dp_rank * tp + tp_rank]  # pipelines in (dp, tp) order
     group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
                          pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
