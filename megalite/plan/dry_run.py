@@ -89,6 +89,9 @@ class DryRunReport:
     classes: list[RankClass]
     seconds: float  # how long planning took
 
+    def rank_class(self, rank: int) -> RankClass:
+        return next(cls for cls in self.classes if rank in cls.ranks)
+
 
 def plan(run: RunConfig) -> DryRunReport:
     """Every rank's figures for `run`, grouped into classes of equal figures."""
@@ -103,10 +106,9 @@ def plan(run: RunConfig) -> DryRunReport:
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
     sharding = layout.sharding
     shards = dp if sharding.optimizer_state else 1
-    bf16_reduce = None  # the bf16 copies of buckets in flight (ddp.py): one at a time, or every bucket's
-    if layout.grad_reduce_in_bf16 and dp > 1:
-        overlapped = layout.overlap_grad_reduce and not sharding.grads
-        bf16_reduce = "all" if overlapped else "one"
+    # The bf16 copies of buckets in flight (ddp.py): every bucket's when reductions overlap the backward, else one.
+    overlapped = layout.overlap_grad_reduce and not sharding.grads
+    bf16_reduce = ("all" if overlapped else "one") if layout.grad_reduce_in_bf16 and dp > 1 else None
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
     recomputed_layers = 0  # the layers full recomputation rebuilds in a backward, over every pipeline rank

@@ -77,10 +77,6 @@ def _live_rank(rank, world_size, flags):
         return live
 
 
-
-def rank_class(report, rank: int):
-    return next(cls for cls in report.classes if rank in cls.ranks)
-
 # The ranks are a CPU world with Triton in its interpreter on any machine (tests/helpers/distributed.py).
 @pytest.mark.skipif(not triton_available(), reason="needs Triton's CPU interpreter: triton is not installed")
 @pytest.mark.interpreter
@@ -90,7 +86,7 @@ def test_dry_run_figures_equal_a_live_tp2_dp2_run():
     report = plan(parse_args(LIVE_FLAGS + ["--dry-run", "--world-size", "4"]))
     live = run_world(4, _live_rank, LIVE_FLAGS)
     for rank, figures in enumerate(live):
-        cls = rank_class(report, rank)
+        cls = report.rank_class(rank)
         assert cls.in_flight == 1  # no pipeline: the activation figure is one micro-batch's
         assert (figures["params"], figures["grads"], figures["optimizer"], figures["activations"]) == \
                (cls.param_bytes, cls.grad_bytes, cls.optimizer_bytes, cls.activation_bytes), f"rank {rank}"
@@ -124,8 +120,8 @@ def test_llama2_7b_on_64_ranks_plans_in_seconds(capsys):
     s, t = 4096, 8
     per_layer = (2 * (2 * s // t * h + 4 * s // t) + 2 * 2 * s * h + 2 * s * 128 * (12 + 8) + 4 * s * 4
                  + 2 * s * 4 * 128 + 2 * s * (f // t) * 3)
-    stage0 = rank_class(report, 0)
-    assert stage0.in_flight == 2 and rank_class(report, 63).in_flight == 1
+    stage0 = report.rank_class(0)
+    assert stage0.in_flight == 2 and report.rank_class(63).in_flight == 1
     # int64 token ids, the mask of the ids other TP ranks own, and the rest of the embedding output
     # that the first layer's SP slice (a view) keeps alive
     embedding = 8 * s + s + 2 * (s - s // t) * h
