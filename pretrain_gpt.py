@@ -1,18 +1,7 @@
-"""Pretrain a GPT / LLaMA model. With no arguments: the tiny model on the built-in corpus.
-
-    python pretrain_gpt.py                                   # a few minutes on a CPU
-    python pretrain_gpt.py --data-path data/my_text_document \\
-        --tokenizer-type SentencePieceTokenizer --tokenizer-model tokenizers/my.model
-    python pretrain_gpt.py --mock-data --tokenizer-type NullTokenizer --vocab-size 1000
-    python pretrain_gpt.py --list-models
-    python pretrain_gpt.py --model llama2-7b --tensor-model-parallel-size 8 --sequence-parallel --bf16 \\
-        --data-path data/llama2_text_document --tokenizer-type Llama2Tokenizer \\
-        --tokenizer-model tokenizers/llama2/tokenizer.model --dry-run --world-size 64   # plan only
-
-The flags follow Megatron-LM's names (`python pretrain_gpt.py --help`). The default run (no flags)
-saves checkpoints and metrics.jsonl under runs/default, resumes from there when run again, and ends
-with a generated sample; a run with flags saves only with --save DIR.
-"""
+"""Pretrain a GPT / LLaMA model with Megatron-LM's flags (`python pretrain_gpt.py --help`; README.md has
+examples). The default run (no flags): the tiny model on the built-in corpus, saving checkpoints and
+metrics.jsonl under runs/default, resuming from there when run again, and ending with a generated sample;
+a run with flags saves only with --save DIR."""
 
 import math
 import os

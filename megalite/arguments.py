@@ -1,16 +1,15 @@
 """The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
 parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite
-accepts without effect or refuses (config/megatron.py). Each group's `from_flags` derives its own defaults;
-what lies outside the flags (the built-in corpus, the tokenizer's vocabulary, a resumed checkpoint's LR
-schedule) completes the config before the run builds anything (`megalite.run.data.final_run_config`)."""
+accepts without effect or refuses (config/megatron.py); megalite.run.data.final_run_config completes the
+config with what lies outside the flags."""
 
 import argparse
 import dataclasses
 import difflib
 import os
 
-from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig, ParallelConfig,
-                             RunConfig, TrainConfig, model_config_from_preset, num_parameters)
+from megalite.config import (DEFAULT_RUN_SAVE, MODEL_PRESETS, CheckpointConfig, DataConfig, LoggingConfig, ModelConfig,
+                             ParallelConfig, RunConfig, TrainConfig, model_config_from_preset, num_parameters)
 from megalite.config.megatron import COMPAT_FLAGS, accepted_flags, refusal_of_unknown
 from megalite.config.options import HELP_GROUPS, Option, flags_of, option_fields, value_type
 from megalite.config.rules import check_rope_context

@@ -25,13 +25,7 @@ GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
-    """The global ranks as an int array of shape [pp, dp, tp]; UserError if the sizes don't fit."""
-    for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp)]:
-        if not isinstance(size, int) or size < 1:
-            raise UserError(f"{flag} must be a positive integer, got {size!r}")
-    if world_size < 1 or world_size % (tp * pp):
-        raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-                        f"not divide the world size {world_size}; launch a multiple of {tp * pp} processes")
+    """The global ranks as an int array of shape [pp, dp, tp], for sizes ParallelConfig.validate accepted."""
     return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
 
 
@@ -148,6 +142,7 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
     if parallel_config.world_size != world_size:
         raise ValueError(f"the ParallelConfig was made for a world of {parallel_config.world_size} but "
                          f"WORLD_SIZE is {world_size}; pass world_size_from_env() to parse_args")
+    parallel_config.validate()  # the sizes fit the world (a config built in code may not have been validated)
     tp, pp = parallel_config.tensor_model_parallel_size, parallel_config.pipeline_model_parallel_size
     already = dist.is_available() and dist.is_initialized()
     backend = dist.get_backend() if already else choose_backend(parallel_config.distributed_backend)

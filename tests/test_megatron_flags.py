@@ -208,8 +208,9 @@ def test_resume_after_raising_train_iters_names_the_flags_that_keep_the_schedule
     assert "--lr-warmup-iters 20 --lr-decay-iters 200" in str(err.value)
     assert "--use-checkpoint-opt_param-scheduler" in str(err.value)
     LRSchedule(1e-3, 1e-4, warmup_iters=20, decay_iters=200).load_state_dict(old)  # those flags resume cleanly
-    legacy = {key: value for key, value in old.items() if key != "unit"}  # a checkpoint from before units
-    LRSchedule(1e-3, 1e-4, warmup_iters=20, decay_iters=200).load_state_dict(legacy)
+    assert old["unit"] == "iterations"  # the checkpoint says what its lengths count
+    with pytest.raises(UserError, match="counts iterations but this run's counts samples"):
+        LRSchedule(1e-3, 1e-4, warmup_iters=20, decay_iters=200, unit="samples").load_state_dict(old)
 
 
 def test_apply_layernorm_1p_stores_w_minus_one_and_computes_the_same():

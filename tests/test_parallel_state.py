@@ -63,13 +63,14 @@ def test_coordinates_round_trip(world, tp, pp):
 
 
 def test_sizes_that_do_not_fit_name_the_flags_and_numbers():
+    """The grid trusts sizes ParallelConfig.validate accepted; initialize validates the config it is given."""
     with pytest.raises(UserError, match=r"--tensor-model-parallel-size 2 x --pipeline-model-parallel-size 3 "
                                         r"= 6 does not divide the world size 8"):
-        rank_grid(8, 2, 3)
-    with pytest.raises(UserError, match="--tensor-model-parallel-size must be a positive integer, got 0"):
-        group_ranks(8, 0, 1)
-    with pytest.raises(UserError, match="--pipeline-model-parallel-size must be a positive integer, got -2"):
-        coordinates(0, 8, 1, -2)
+        ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=3, world_size=8).validate()
+    with pytest.raises(UserError, match="--tensor-model-parallel-size must be at least 1, got 0"):
+        ParallelConfig(tensor_model_parallel_size=0, world_size=8).validate()
+    with pytest.raises(UserError, match="--pipeline-model-parallel-size must be at least 1, got -2"):
+        ParallelConfig(pipeline_model_parallel_size=-2, world_size=8).validate()
     with pytest.raises(ValueError, match="rank 8 is outside a world of 8"):
         coordinates(8, 8, 2, 2)
 
@@ -88,8 +89,6 @@ def test_world_of_one_without_torch_distributed():
         assert state.device == torch.device("cuda", torch.cuda.current_device()) and state.backend == "nccl"
     else:
         assert state.device == torch.device("cpu") and state.backend == "gloo"
-    with pytest.raises(UserError, match="does not divide the world size 1"):
-        build_parallel_state(tp=2)
 
 
 def test_initialize_world_of_one(monkeypatch):
@@ -101,6 +100,8 @@ def test_initialize_world_of_one(monkeypatch):
     parallel_state.destroy(state)  # nothing to tear down
     with pytest.raises(UserError, match="--pipeline-model-parallel-size 2 = 2 does not divide the world size 1"):
         initialize(ParallelConfig(pipeline_model_parallel_size=2))
+    with pytest.raises(UserError, match="--tensor-model-parallel-size 2 x"):
+        initialize(ParallelConfig(tensor_model_parallel_size=2))
     with pytest.raises(ValueError, match="WORLD_SIZE is 1"):
         initialize(ParallelConfig(world_size=4))
 

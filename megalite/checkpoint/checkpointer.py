@@ -37,9 +37,9 @@ class Checkpointer:
         self.resumed_from: int | None = None
 
     def load(self, model, optimizer, schedule) -> Resumed | None:
-        """Restore `model` (a ParallelModel: its chunks, or ZeRO-3's shards of them), `optimizer`, `schedule` (an LRSchedule) and the RNG states
-        from the checkpoint `choose_checkpoint` picks; None when the run starts at iteration 0 (no checkpoint, or
-        --finetune). --load defaults to --save when that exists, so a restarted job resumes by itself."""
+        """Restore `model` (a ParallelModel: its chunks, or ZeRO-3's shards of them), `optimizer`, `schedule`
+        (an LRSchedule) and the RNG states from the checkpoint `choose_checkpoint` picks; None when the run starts
+        at iteration 0 (no checkpoint, or --finetune); `resume_folder` says where it looks."""
         ckpt = self.run.checkpoint
         load, implicit = resume_folder(ckpt)
         if load is None:
@@ -90,8 +90,7 @@ class Checkpointer:
         """Whether the checkpoint was saved by this parallel layout; if not, say that RNG states stay
         behind. They are per rank, and under another layout a rank's dropout masks cover other
         activations anyway."""
-        saved = {"virtual_pipeline_model_parallel_size": 1,  # checkpoints from before pipelining
-                 **metadata["extra"].get("run", {}).get("parallel", {})}
+        saved = metadata["extra"].get("run", {}).get("parallel", {})  # none in a Hugging Face import
         keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size")
         now = dataclasses.asdict(self.run.parallel)

@@ -158,7 +158,6 @@ def check_model_config(saved: dict, current: ModelConfig, path: str, finetune: b
     model's stated context (`max_position_embeddings`) may always differ, and with `finetune` (a new run
     from the weights) the _CONTEXT_FIELDS too."""
     now = dataclasses.asdict(current)
-    saved = {**{field.name: field.default for field in dataclasses.fields(ModelConfig)}, **saved}
     free = set(_FREE_FIELDS) | (set(_CONTEXT_FIELDS) if finetune else set())
     if (saved["tokenizer_vocab_size"] or saved["vocab_size"]) == current.real_vocab_size:
         free |= {"vocab_size", "tokenizer_vocab_size"}

@@ -1,8 +1,6 @@
 """Named architectures: `--model NAME` -> ModelConfig field values with the published numbers
 (`vocab_size` is the tokenizer's, padded by `model_config_from_preset`)."""
 
-import dataclasses
-
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
@@ -57,10 +55,6 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
     if name not in MODEL_PRESETS:
         raise UserError(f"--model {name!r} is not a known preset; use one of "
                         f"{', '.join(MODEL_PRESETS)} (see --list-models)")
-    fields = {field.name for field in dataclasses.fields(ModelConfig)}
-    unknown = sorted(set(overrides) - fields)
-    if unknown:
-        raise ValueError(f"unknown ModelConfig fields: {unknown}")
     values = {**MODEL_PRESETS[name], **overrides}
     # Validated once the vocabulary is padded, which needs a sound --make-vocab-size-divisible-by.
     unpadded = ModelConfig.of(**values)
@@ -69,21 +63,15 @@ def model_config_from_preset(name: str, tensor_model_parallel_size: int = 1, **o
     return with_tokenizer_vocab(unpadded, values["vocab_size"], tensor_model_parallel_size)
 
 
-def changes_from_preset(name: str, model: ModelConfig) -> list[str]:
-    """How `model` differs from preset `name`: "field value" for each network-size field set otherwise, and
-    "vocabulary N" for a tokenizer of another size. Empty: the model is the preset. How it is trained
-    (dropout, initialisation, recomputation: the options of other --help groups) does not change it."""
+def describe_model(name: str, model: ModelConfig) -> str:
+    """How a run names its model: "model tiny" when it is preset `name`, else "custom model (--model tiny
+    with num_layers 2, ...)", naming each network-size field set otherwise and "vocabulary N" for a tokenizer
+    of another size. How it is trained (dropout, initialisation, recomputation: the options of other --help
+    groups) does not change it."""
     preset = MODEL_PRESETS[name]
     reference = ModelConfig.of(**preset)
     changes = [f"{field.name} {getattr(model, field.name)}" for field, spec in option_fields(ModelConfig)
                if spec.group is None and getattr(model, field.name) != getattr(reference, field.name)]
     if model.real_vocab_size != preset["vocab_size"]:
         changes.append(f"vocabulary {model.real_vocab_size}")
-    return changes
-
-
-def describe_model(name: str, model: ModelConfig) -> str:
-    """How a run names its model: "model tiny" when it is preset `name`, else "custom model (--model tiny
-    with num_layers 2, ...)"."""
-    changes = changes_from_preset(name, model)
     return f"custom model (--model {name} with {', '.join(changes)})" if changes else f"model {name}"

@@ -99,19 +99,12 @@ def check_rampup(rampup: list[int], global_batch_size: int) -> None:
                         f"{global_batch_size} whose distance to it is a multiple of INCREMENT")
 
 
-def rampup_batch_sizes(global_batch_size: int, rampup: list[int] | None) -> list[int]:
-    """Every global batch size the ramp-up can use, smallest first (just the global batch without one)."""
-    if rampup is None:
-        return [global_batch_size]
-    return list(range(rampup[0], global_batch_size + 1, rampup[1]))
-
-
 def check_rampup_layout(global_batch_size: int, rampup: list[int], micro_batch_size: int, data_parallel_size: int,
                         pp: int, vp: int) -> None:
     """UserError when a global batch of the ramp-up does not split into micro-batches, or into a count the
     interleaved pipeline schedule can run."""
     per_step = micro_batch_size * data_parallel_size
-    for size in rampup_batch_sizes(global_batch_size, rampup):
+    for size in range(rampup[0], global_batch_size + 1, rampup[1]):  # every global batch the ramp-up uses
         if size % per_step:
             raise UserError(f"--rampup-batch-size {' '.join(map(str, rampup))} reaches a global batch of {size}, "
                             f"which is not a multiple of --micro-batch-size {micro_batch_size} x data-parallel "

@@ -151,10 +151,10 @@ class TrainConfig:
 
     def with_lr_schedule(self, settings: dict) -> "TrainConfig":
         """A copy holding an LRSchedule's `settings` (its state_dict): lr_schedule_settings' inverse."""
-        suffix = "samples" if settings.get("unit") == "samples" else "iters"
+        suffix = "samples" if settings["unit"] == "samples" else "iters"
         return replace(self, lr=settings["lr"], min_lr=settings["min_lr"], lr_decay_style=settings["decay_style"],
-                       lr_wsd_decay_style=settings["wsd_decay_style"], decoupled_lr=settings.get("decoupled_lr"),
-                       decoupled_min_lr=settings.get("decoupled_min_lr"),
+                       lr_wsd_decay_style=settings["wsd_decay_style"], decoupled_lr=settings["decoupled_lr"],
+                       decoupled_min_lr=settings["decoupled_min_lr"],
                        **{f"lr_warmup_{suffix}": settings["warmup_iters"],
                           f"lr_decay_{suffix}": settings["decay_iters"],
                           f"lr_wsd_decay_{suffix}": settings["wsd_decay_iters"]})

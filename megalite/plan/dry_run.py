@@ -1,10 +1,6 @@
 """`pretrain_gpt.py --dry-run [--world-size N]`: what a configuration needs on every rank, with no process,
-GPU or data (docs/memory.md).
-
-Each pipeline rank's model chunks are built on the meta device, and the grad buffer is laid out over them
-as the optimizer lays it out, so its buckets, padding and shards are the real ones. One build serves all
-TP ranks of a pipeline rank (every TP split is even); DP ranks differ only in their optimizer shard.
-"""
+GPU or data, from each pipeline rank's model chunks built on the meta device and the real grad buffer laid
+out over them (docs/memory.md)."""
 
 import dataclasses
 import os
@@ -30,8 +26,7 @@ GIB = 2 ** 30
 def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
-    pipelines = group_ranks(world_size, tp, pp)
-    embedding = pipelines["embedding"][next(i for i, ranks in enumerate(pipelines["pp"]) if rank in ranks)]
+    embedding = group_ranks(world_size, tp, pp)["embedding"][dp_rank * tp + tp_rank]  # pipelines in (dp, tp) order
     group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
                          pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
@@ -111,12 +106,12 @@ def plan(run: RunConfig) -> DryRunReport:
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
     sharding = layout.sharding
     shards = dp if sharding.optimizer_state else 1
-    bf16_reduce = None  # the bf16 copies of buckets in flight (ddp.py): one at a time, or every bucket's
-    if layout.grad_reduce_in_bf16 and dp > 1:
-        overlapped = layout.overlap_grad_reduce and not sharding.grads
-        bf16_reduce = "all" if overlapped else "one"
+    # The bf16 copies of buckets in flight (ddp.py): every bucket's when reductions overlap the backward, else one.
+    overlapped = layout.overlap_grad_reduce and not sharding.grads
+    bf16_reduce = ("all" if overlapped else "one") if layout.grad_reduce_in_bf16 and dp > 1 else None
     grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
+    recomputed_layers = 0  # the layers full recomputation rebuilds in a backward, over every pipeline rank
     for pp_rank in range(pp):
         state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel)
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
@@ -126,6 +121,9 @@ def plan(run: RunConfig) -> DryRunReport:
                             bucket_size=None if sharding.params else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
         layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
+        recomputed_layers += sum(len(positions) for ids in layers for positions, checkpointed
+                                 in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers)
+                                 if checkpointed)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
         chunk_bytes = [chunk_activation_bytes(activations, len(ids), chunk * pp + pp_rank == 0,
                                               chunk * pp + pp_rank == pp * vp - 1)
@@ -147,26 +145,8 @@ def plan(run: RunConfig) -> DryRunReport:
     return DryRunReport(run, vocab, source,
                         flops_per_iteration(model, train.global_batch_size, model.seq_length),
                         flops_per_iteration(model, train.global_batch_size, model.seq_length, include_recompute=True,
-                                            recomputed_layers=recomputed_layers(run)),
+                                            recomputed_layers=recomputed_layers),
                         classes, time.perf_counter() - start)
-
-
-def recomputed_layers(run: RunConfig) -> int:
-    """The layers full recomputation rebuilds in a backward, over every pipeline rank's chunks."""
-    model, layout = run.model, run.parallel
-    pp = layout.pipeline_model_parallel_size
-    chunks = [ids for pp_rank in range(pp) for ids in chunk_layers(
-        model.num_layers, pp, pp_rank, layout.virtual_pipeline_model_parallel_size,
-        layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers)]
-    return sum(len(positions) for ids in chunks for positions, checkpointed
-               in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers) if checkpointed)
-
-
-def recompute_text(model) -> str:
-    """The dry run's words for --recompute-*: "none", "selective", "full", "full, uniform 2", "full, block 1"."""
-    if model.recompute_method is None:
-        return model.recompute_granularity or "none"
-    return f"{model.recompute_granularity}, {model.recompute_method} {model.recompute_num_layers}"
 
 
 def format_ranks(ranks: list[int]) -> str:
@@ -194,6 +174,10 @@ def format_report(report: DryRunReport) -> str:
     dtype = DTYPE_NAMES[train.params_dtype]
     schedule = "no pipelining" if pp == 1 else "1F1B" if vp == 1 else f"interleaved 1F1B, {vp} chunks per rank"
     padded_params = num_parameters(model)
+    # --recompute-*: "none", "selective", "full", "full, uniform 2", "full, block 1"
+    recompute = model.recompute_granularity or "none"
+    if model.recompute_method is not None:
+        recompute += f", {model.recompute_method} {model.recompute_num_layers}"
     params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
     lines = [
         f"dry run: {run.model_name} on {layout.describe()}, {dtype}",
@@ -204,7 +188,7 @@ def format_report(report: DryRunReport) -> str:
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
         f"{run.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
-        f"recompute: {recompute_text(model)}",
+        f"recompute: {recompute}",
         f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
         f"{report.hardware_flops:.3e} with recomputation",
         "per rank (GiB = 2^30 bytes; activations: estimate at the schedule's peak, docs/memory.md):",

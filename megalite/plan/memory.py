@@ -1,8 +1,7 @@
 """Bytes per rank in closed form (docs/memory.md derives each): parameters, gradients and optimizer state
 exactly under each sharding strategy, and an estimate of the activations autograd keeps on the GPU code path
 (flash attention, the fused kernels). Used by `--dry-run` and tools/bench/memory.py, which checks them
-against live tensors.
-"""
+against live tensors."""
 
 import torch
 
@@ -26,17 +25,9 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, shar
                 bf16_reduce: str | None = None, recomputed_unit: int = 0) -> dict[str, int]:
     """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
     when the optimizer state is sharded, else 1) of every bucket of `buffer`, a GradBuffer, under `sharding`.
-
-    The buffer pads each bucket to a multiple of `shards`; the optimizer keeps a step counter per parameter,
-    or per piece of one inside the shard. ZeRO-2/3 keep the shard of the grads, ZeRO-3 of the params (as
-    laid out in its units) too. `working` exists only during an iteration: ZeRO-3's gathered units (the
-    two largest, or the `recomputed_unit` largest when full recomputation rebuilds that many layers together,
-    plus a tied embedding's unit, gathered from the first layer to the last) and ZeRO-2/3's
-    full grads of two buckets (the one filling and the one being reduced, whatever the number of
-    micro-batches), plus a tied embedding's, whose grad arrives last. bf16_reduce (--grad-reduce-in-bf16 at
-    DP > 1): "one" when one reduction is in flight at a time (ZeRO-2/3, or no overlap), "all" when every
-    bucket's is by the end of the last backward (--overlap-grad-reduce): each holds a bf16 copy of its bucket.
-    """
+    `working` (docs/memory.md) exists only during an iteration: ZeRO-3's gathered units (at least the
+    `recomputed_unit` largest), ZeRO-2/3's full grads, and with `bf16_reduce` (--grad-reduce-in-bf16 at
+    DP > 1) a bf16 copy of "one" bucket in flight or of "all" of them."""
     if buffer.shard_count != shards:
         raise ValueError(f"the buffer is cut into {buffer.shard_count} shards, not {shards}")
     bucket_sizes = sorted(-(-sum(param.numel() for param in bucket.params) // shards) * shards
@@ -64,10 +55,9 @@ class ActivationModel:
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
                  element_size: int = 2):
         self.config, self.tp, self.e = config, tp, element_size
-        self.sequence_parallel = sequence_parallel
         self.tokens = config.seq_length * micro_batch_size  # s*b: what TP-region tensors hold per rank
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
-        self.stream_tokens = self.tokens // tp if self.sequence_parallel else self.tokens
+        self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
         self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)
 
     def layer_terms(self) -> dict[str, int]:

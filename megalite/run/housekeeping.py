@@ -1,6 +1,6 @@
 """What the training loop does around its steps besides training, as Megatron's loop does it: manual garbage
 collection (--manual-gc), returning the CUDA allocator's cache (--empty-unused-memory-level) and a PyTorch
-profiler trace of chosen iterations (--profile)."""
+profiler trace of chosen iterations (--profile); docs/training.md says when each acts, and why."""
 
 import gc
 import os
@@ -12,10 +12,8 @@ from megalite.errors import UserError
 
 
 class ManualGC:
-    """--manual-gc: Python's automatic collector is off while the loop runs (its pauses then fall at the same
-    iterations on every rank instead of wherever allocation thresholds trip), with a full collection at the
-    start, every --manual-gc-interval iterations (0: never) and before each evaluation, and a young-generation
-    collection after it (unless --no-manual-gc-eval). Use as a context manager: leaving restores the state found."""
+    """--manual-gc: Python's automatic collector off while the loop runs, collecting at fixed points instead.
+    Use as a context manager: leaving restores the state found."""
 
     def __init__(self, enabled: bool, interval: int = 0, around_evaluation: bool = True):
         self.enabled, self.interval, self.around_evaluation = enabled, interval, around_evaluation
@@ -55,10 +53,9 @@ def empty_unused_memory(level: int, at_level: int) -> None:
 
 
 class StepProfiler:
-    """--profile: a torch.profiler trace (Chrome trace JSON) of the iterations after iteration
-    --profile-step-start up to iteration --profile-step-end (1-based, as the log lines count) on the ranks of
-    --profile-ranks (all without it). Each iteration is one `ProfilerStep#N` span, N its log-line number. Call
-    `at_iteration(iterations done)` at the top of every loop pass and `close()` after the loop."""
+    """--profile: a torch.profiler trace of the iterations after --profile-step-start up to --profile-step-end
+    on the ranks of --profile-ranks. Call `at_iteration(iterations done)` at the top of every loop pass and
+    `close()` after the loop."""
 
     def __init__(self, train: TrainConfig, rank: int, world_size: int, folder: str, device: torch.device):
         ranks = train.profile_ranks

@@ -1,16 +1,7 @@
 """The learning-rate schedule: Megatron's OptimizerParamScheduler, counted in iterations, or in samples
-when the run is given in samples (--train-samples with --lr-warmup-samples / --lr-decay-samples).
-`lr_at(iteration, consumed_samples, batch)` is a pure function of the run's position and the settings, so
-a resume needs only the checkpoint's position and settings (`state_dict`). Counted in samples, a step of
-`batch` samples from `consumed_samples` stands where an iteration stands (a step of 1 from `iteration`).
-
-Two deliberate departures from Megatron: warmup is `lr * (iteration + 1) / warmup_iters`, so the first
-step already moves and the last warmup step reaches `lr`; inverse-square-root decays as `lr * sqrt(w / t)`
-in steps taken t = iteration + 1, which meets the warmup at t = w, so `lr` is not repeated. WSD holds `lr`
-until decay_iters - wsd_decay_iters, then anneals. Every style but constant reaches `min_lr` at
-decay_iters and stays there. `decoupled_lr_at` (--decoupled-lr) follows a second schedule of the same
-shape from `decoupled_lr` to `decoupled_min_lr` (default `min_lr`): the word embeddings' and output layer's.
-"""
+when the run is given in samples (--train-samples). `lr_at` is a pure function of the run's position and
+the settings, so a resume needs only the checkpoint's position and settings (`state_dict`); the styles
+and megalite's two departures from Megatron are in docs/training.md."""
 
 import math
 
@@ -90,8 +81,6 @@ class LRSchedule:
         naming every differing setting. The WSD settings count only when either side is WSD."""
         if override:
             return
-        # Checkpoints from before the sample count are in iterations, and from before the decoupled LR without it.
-        state = {"unit": "iterations", "decoupled_lr": None, "decoupled_min_lr": None, **state}
         mine = self.state_dict()
         uses_wsd = "WSD" in (self.decay_style, state.get("decay_style"))
         differing = [key for key, value in mine.items()  # a setting absent from `state` differs too

@@ -103,10 +103,8 @@ LATE_SIGNAL_LINE = "{name} came after the run's last save: nothing was left to s
 
 
 def _at_exit() -> None:
-    """Say that a signal came too late to stop anything, and ignore SIGTERM from now on: the interpreter's
-    shutdown puts every Python handler back to the default action, and tearing down torch then takes a while,
-    so a SIGTERM there would end a process that had saved everything as killed (-15). SIG_IGN is the one
-    setting the shutdown keeps."""
+    """Say that a signal came too late to stop anything, and ignore SIGTERM from now on: SIG_IGN is the one
+    setting the interpreter's shutdown keeps, so a saved run is not ended as killed (docs/reliability.md)."""
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if _owner is not None and _owner.late is not None and _owner.save_and_exit:
         print(LATE_SIGNAL_LINE.format(name=signal.Signals(_owner.late).name), flush=True)

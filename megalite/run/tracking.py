@@ -1,10 +1,6 @@
 """Experiment tracking: a run's config and metrics records, sent to wandb (with --wandb-project, Megatron's
-rule) and TensorBoard (--tensorboard-dir) by the logging rank, under the same names (`scalars_of`).
-
-The network never blocks or stops a run: without --wandb-mode a run is online only with an API key, an
-online run first checks that the host answers, and wandb's start has a short timeout. When either fails
-the run logs offline; when wandb cannot start at all, training goes on without it; each in one warning.
-"""
+rule) and TensorBoard (--tensorboard-dir) by the logging rank, under the same names (`scalars_of`). The
+network never blocks or stops a run (README.md, "Experiment tracking", says how)."""
 
 import contextlib
 import math
