@@ -121,7 +121,8 @@ class GradBuffer:
         self.param_shards = torch.empty(self.size // self.shard_count, dtype=dtype, device=device) if sharded else None
         for bucket in self.buckets:
             length = bucket.end - bucket.start
-            bucket.param = torch.zeros(length, dtype=dtype, device=device) if sharded else self.param_bucket(bucket)
+            bucket.param = (torch.zeros(length, dtype=dtype, device=device) if sharded
+                            else self.param_data[bucket.start:bucket.end])
             for param in bucket.params:
                 offset, numel = self.offsets[param]
                 values = bucket.param[offset - bucket.start:offset - bucket.start + numel]
@@ -138,10 +139,6 @@ class GradBuffer:
         where an in-place reduce-scatter leaves its output and an in-place all-gather takes its input."""
         low, high = bucket.shard(self.shard_rank, self.shard_count)
         return values[low - bucket.start:high - bucket.start]
-
-    def param_bucket(self, bucket: Bucket) -> torch.Tensor:
-        """`bucket`'s part of `param_data`, 1-D (padding included)."""
-        return self.param_data[bucket.start:bucket.end]
 
     def param_shard(self, bucket: Bucket) -> torch.Tensor:
         """This rank's shard of `bucket`'s parameter values: of `param_shards` (sharded), else of `bucket.param`."""

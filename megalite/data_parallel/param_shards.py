@@ -35,10 +35,10 @@ from megalite.tensor_parallel.random import recomputing
 
 @dataclass(eq=False)
 class Unit:
-    """One gathered group: `full` (all its values, model dtype) and `shard` (this rank's part)."""
+    """One gathered group: its bucket (whose `param` holds all its values, model dtype, while gathered) and
+    `shard` (this rank's stored part)."""
 
     bucket: Bucket
-    full: torch.Tensor
     shard: torch.Tensor
     forward_next: "Unit | None" = None  # the unit whose forward starts after this one's
     backward_next: "Unit | None" = None  # the unit whose backward comes after this one's
@@ -80,7 +80,7 @@ class ParamShards:
         units = []
         for modules in declared:
             bucket = self.buffer.bucket_of[next(p for p in unit_params(modules) if p.requires_grad)]
-            unit = Unit(bucket, bucket.param, self.buffer.param_shard(bucket))
+            unit = Unit(bucket, self.buffer.param_shard(bucket))
             units.append(unit)
             self.units.append(unit)
             self.unit_of.update((id(param), unit) for param in bucket.params)
@@ -102,12 +102,12 @@ class ParamShards:
     def _start_gather(self, unit: Unit) -> None:
         if unit.gathered or unit.work is not None:
             return
-        allocate(unit.full)
+        allocate(unit.bucket.param)
         if self.parallel.dp_size == 1:
-            unit.full.copy_(unit.shard)
+            unit.bucket.param.copy_(unit.shard)
             unit.gathered = True
             return
-        unit.work = all_gather_single(unit.full, unit.shard, group=self.parallel.dp_group, async_op=True)
+        unit.work = all_gather_single(unit.bucket.param, unit.shard, group=self.parallel.dp_group, async_op=True)
 
     def gather(self, unit: Unit) -> None:
         """Make `unit`'s parameters whole (waiting for a prefetch in flight)."""
@@ -123,7 +123,7 @@ class ParamShards:
             unit.work.wait()
             unit.work = None
         if unit.gathered:
-            free(unit.full)
+            free(unit.bucket.param)
             unit.gathered = False
         unit.grads_seen = unit.kept_for = 0
 
