@@ -15,8 +15,9 @@ from megalite.arguments import parse_args
 from megalite.config import DEFAULT_RUN_SAVE
 from megalite.errors import run_main
 from megalite.parallel_state import choose_backend, world_size_from_env
-from megalite.run import hold_signals_until_exit, pretrain
 from megalite.run.generation import SAMPLING, generate
+from megalite.run.resilience import hold_signals_until_exit
+from megalite.run.training import pretrain
 
 SAMPLE_PROMPT = "def main("  # whole tokens: "def " would end in a lone "▁", which in the corpus precedes digits
 NO_SAVE = "this run keeps no checkpoints (no --save DIR)"
@@ -26,7 +27,7 @@ def main(argv) -> None:
     start = time.perf_counter()
     run = parse_args(argv, world_size_from_env())
     if run.dry_run:
-        from megalite.plan import dry_run
+        from megalite.plan.dry_run import dry_run
 
         dry_run(run)
         return

@@ -109,7 +109,8 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     steps = schedule_steps(parallel.pp_size, len(chunks), len(micro_batches), parallel.pp_rank,
                            forward_only=optimizer is None)
     scale_loss = optimizer.scale_loss if optimizer is not None else None
-    runner = ScheduleRunner(chunks, micro_batches, total_tokens, _forward_step,
+    runner = ScheduleRunner(chunks, micro_batches, total_tokens,
+                            lambda chunk, mb, hidden: chunk(mb["tokens"], mb["position_ids"], hidden_states=hidden),
                             lambda chunk, hidden, mb: loss_fn(chunk, hidden, mb["labels"], mb["loss_mask"]),
                             comm, scale_loss, log, parallel.rank)
     loss = runner.run(steps)
@@ -120,11 +121,6 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return total_loss
-
-
-def _forward_step(chunk, micro_batch: dict, hidden_states: torch.Tensor | None) -> torch.Tensor:
-    """A model chunk on a micro-batch's tokens and positions, or on the previous stage's hidden states."""
-    return chunk(micro_batch["tokens"], micro_batch["position_ids"], hidden_states=hidden_states)
 
 
 class Trainer:
@@ -175,9 +171,8 @@ class Trainer:
                                      is_logging_rank=self.parallel.is_logging_rank,
                                      print_fn=None if self._print is print_flushed else self._print)
         opened.callback(self.logger.close)
-        # The console: the logging rank's lines, above the progress bar. The logger's method, not a closure over
-        # the Trainer: a reference cycle would keep the process groups alive until interpreter exit, where gloo
-        # aborts the process.
+        # The logger's method, not a closure over the Trainer: that reference cycle would keep the process groups
+        # alive until interpreter exit, where gloo aborts the process.
         self.log = self.logger.print
         layout = run.parallel
         self.model = build_model_chunks(run.model, train.seed, self.device, train.params_dtype, self.parallel,
@@ -246,12 +241,8 @@ class Trainer:
         loader = build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
                                    self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers,
                                    rampup=rampup)
-        if data.mock_data:
-            source = "the mock data"
-        elif data.data_path:
-            source = f"--data-path {' '.join(data.data_path)}"
-        else:
-            source = "the --train/valid/test-data-path files"
+        source = ("the mock data" if data.mock_data else f"--data-path {' '.join(data.data_path)}" if data.data_path
+                  else "the --train/valid/test-data-path files")
         return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)
 
     def load(self) -> None:
@@ -459,9 +450,7 @@ def startup_line(run: RunConfig, largest_rank_params: int, device: torch.device)
         dtype += " (the default on a GPU with bf16 units; --fp32 for fp32)"
     threads = torch.get_num_threads()
     threads = f"{threads} thread{'s' * (threads > 1)}" + (" per rank" if layout.world_size > 1 else "")
-    # The whole model's count in closed form (checked against built models): every TP and PP part, a tied
-    # output layer's weight once.
-    params = f"{num_parameters(model):,} parameters"
+    params = f"{num_parameters(model):,} parameters"  # the whole model's, a tied output layer's weight once
     if layout.world_size > 1:
         params += f" (up to {largest_rank_params:,} per rank)"
     line = (f"{describe_model(run.model_name, model)}: {params}, {model.num_layers} layers, hidden "
