@@ -45,7 +45,7 @@ class _Interval:
 
 class TrainingLogger:
     """Console lines, progress bar and metrics file of one training run: `log_iteration` after each
-    iteration, `log_evaluation` after each evaluation, `close` at the end (or `with`). Only the logging
+    iteration, `log_evaluation` after each evaluation, `close` at the end. Only the logging
     rank prints, measures a CPU peak or writes; elsewhere every method returns at once."""
 
     def __init__(self, config: ModelConfig, global_batch_size: int, seq_length: int, train_iters: int,
@@ -87,10 +87,8 @@ class TrainingLogger:
                 self.print(f"metrics file {self._metrics.path}: dropped {self._metrics.dropped} line(s) after "
                            f"iteration {iteration}, which this run writes again")
             self._sinks.append(self._metrics.write)
-        progress_bar = self._progress_bar
-        if progress_bar is None:
-            progress_bar = self._print_fn is None and sys.stdout.isatty()
-        if progress_bar:
+        terminal = self._print_fn is None and sys.stdout.isatty()
+        if self._progress_bar or (self._progress_bar is None and terminal):
             from tqdm import tqdm  # only terminals need it
             self._bar = tqdm(total=self.train_iters, initial=iteration, file=sys.stdout,
                              dynamic_ncols=True, unit="it", desc="training")
@@ -130,11 +128,9 @@ class TrainingLogger:
 
     def log_iteration(self, iteration: int, consumed_samples: int, elapsed_s: float, lr: float,
                       lm_loss: float | None, loss_scale: float | None = 1.0, grad_norm: float | None = None,
-                      *, skipped: bool = False, global_batch_size: int | None = None,
-                      force: bool = False) -> dict | None:
-        """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations, at
-        `train_iters` or when `force`, print and write a line of averages since the last one and return its
-        record (else None). A `skipped` step's loss (fp16 overflow) stays out of the average; its time and
+                      *, skipped: bool = False, global_batch_size: int | None = None) -> dict | None:
+        """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations and at
+        `train_iters`, print and write a line of averages since the last one and return its record (else None). A `skipped` step's loss (fp16 overflow) stays out of the average; its time and
         tokens count. global_batch_size: this iteration's, under batch-size ramp-up."""
         if not self.is_logging_rank:
             return None
@@ -153,7 +149,7 @@ class TrainingLogger:
             interval.losses += 1
         if self._bar is not None:
             self._bar.update(1)
-        if not (force or self.logs_at(iteration)):
+        if not self.logs_at(iteration):
             return None
         mean_loss = interval.loss_sum / interval.losses if interval.losses else None
         seconds = max(interval.seconds, 1e-12)
@@ -248,9 +244,3 @@ class TrainingLogger:
             self._sinks.remove(self._metrics.write)
             self._metrics.close()
             self._metrics = None
-
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc_info):
-        self.close()

@@ -50,7 +50,6 @@ class RunSignals:
         return self
 
     def restore(self) -> None:
-        """Give the signals back to whoever had them."""
         for signum, previous in self._previous.items():
             signal.signal(signum, previous)
         self._previous = {}
@@ -149,8 +148,7 @@ def exit_reason(train, iteration: int, stop_signal: int, overtime: bool) -> str 
 def is_collective_failure(error: BaseException) -> bool:
     """Whether `error` came out of a collective whose peer is gone or hung: NCCL raises DistError
     subclasses, gloo a RuntimeError naming its transport (`.../gloo/transport/tcp/pair.cc: ...`)."""
-    dist_error = getattr(torch.distributed, "DistError", ())
-    return isinstance(error, dist_error) or (isinstance(error, RuntimeError) and "gloo" in str(error))
+    return isinstance(error, torch.distributed.DistError) or (isinstance(error, RuntimeError) and "gloo" in str(error))
 
 
 class PeerWatch:

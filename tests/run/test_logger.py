@@ -63,11 +63,12 @@ def test_startup_line_names_device_dtype_peak_and_flops():
 
 
 def test_metrics_lines_have_exactly_the_documented_keys(tmp_path):
-    with make_logger(tmp_path) as logger:
-        for iteration in range(1, 5):
-            logger.log_iteration(iteration, iteration * 4, 0.25, 1e-3, 3.0, 1.0, 0.5)
-        logger.log_evaluation(4, "valid", 2.5)
-        logger.log_evaluation(4, "test", 2.75)
+    logger = make_logger(tmp_path)
+    for iteration in range(1, 5):
+        logger.log_iteration(iteration, iteration * 4, 0.25, 1e-3, 3.0, 1.0, 0.5)
+    logger.log_evaluation(4, "valid", 2.5)
+    logger.log_evaluation(4, "test", 2.75)
+    logger.close()
     lines = read_lines(tmp_path / "run" / "metrics.jsonl")  # the parent directory was created
     assert [line["iteration"] for line in lines] == [2, 4, 4, 4]
     for line in lines[:2]:
@@ -100,8 +101,9 @@ def test_values_are_averages_over_the_interval():
 def test_mfu_unknown_for_an_unknown_device(tmp_path):
     lines = []
     peak = gpu_peak_flops("Mystery Accelerator 9000", torch.bfloat16)
-    with make_logger(tmp_path, lines=lines, peak=peak) as logger:
-        record = logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, 1.0, 0.5, force=True)
+    logger = make_logger(tmp_path, lines=lines, peak=peak)
+    record = logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, 1.0, 0.5)
+    logger.close()
     assert record["mfu"] is None
     assert "MFU: unknown |" in "\n".join(lines)
     assert "peak per device: unknown" in "\n".join(lines)
@@ -137,12 +139,13 @@ def test_mfu_never_reads_above_100_percent():
 
 def test_skipped_and_nan_iterations(tmp_path):
     lines = []
-    with make_logger(tmp_path, lines=lines, log_interval=3) as logger:
-        logger.log_iteration(1, 4, 0.1, 1e-3, 2.0, 65536.0, 0.5)
-        logger.log_iteration(2, 8, 0.1, 1e-3, 100.0, 32768.0, None, skipped=True)
-        record = logger.log_iteration(3, 12, 0.1, 1e-3, 4.0, 32768.0, 0.5)
-        assert record["lm_loss"] == pytest.approx(3.0)  # the skipped iteration's loss stays out
-        logger.log_iteration(6, 24, 0.1, 1e-3, float("nan"), 1.0, float("inf"), force=True)
+    logger = make_logger(tmp_path, lines=lines, log_interval=3)
+    logger.log_iteration(1, 4, 0.1, 1e-3, 2.0, 65536.0, 0.5)
+    logger.log_iteration(2, 8, 0.1, 1e-3, 100.0, 32768.0, None, skipped=True)
+    record = logger.log_iteration(3, 12, 0.1, 1e-3, 4.0, 32768.0, 0.5)
+    assert record["lm_loss"] == pytest.approx(3.0)  # the skipped iteration's loss stays out
+    logger.log_iteration(6, 24, 0.1, 1e-3, float("nan"), 1.0, float("inf"))
+    logger.close()
     lines = "\n".join(lines).splitlines()
     assert "number of skipped iterations:   1 |" in lines[1]
     assert "lm loss: NAN |" in lines[2] and "number of nan iterations:   1 |" in lines[2]
@@ -165,7 +168,7 @@ def test_evaluation_line_is_megatrons():
 
 def test_non_logging_rank_writes_nothing(tmp_path, capsys):
     logger = make_logger(tmp_path, is_logging_rank=False, peak=None, print_fn=None)
-    assert logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, 1.0, 0.5, force=True) is None
+    assert logger.log_iteration(2, 8, 0.5, 1e-3, 3.0, 1.0, 0.5) is None
     assert logger.log_evaluation(2, "valid", 3.0) is None
     logger.close()
     assert not (tmp_path / "run").exists()
@@ -174,15 +177,17 @@ def test_non_logging_rank_writes_nothing(tmp_path, capsys):
 
 def test_resumed_run_drops_lines_past_its_start(tmp_path):
     path = tmp_path / "run" / "metrics.jsonl"
-    with make_logger(tmp_path) as logger:
-        for iteration in range(1, 7):
-            logger.log_iteration(iteration, iteration * 4, 0.1, 1e-3, 3.0)
-        logger.log_evaluation(4, "valid", 2.0)
+    logger = make_logger(tmp_path)
+    for iteration in range(1, 7):
+        logger.log_iteration(iteration, iteration * 4, 0.1, 1e-3, 3.0)
+    logger.log_evaluation(4, "valid", 2.0)
+    logger.close()
     with open(path, "a") as f:
         f.write('{"iteration": 8, "consum')  # a crash in the middle of a line
     lines = []
-    with make_logger(tmp_path, lines=lines, start_iteration=4) as logger:
-        logger.log_iteration(6, 24, 0.1, 1e-3, 3.0)
+    logger = make_logger(tmp_path, lines=lines, start_iteration=4)
+    logger.log_iteration(6, 24, 0.1, 1e-3, 3.0)
+    logger.close()
     assert [line["iteration"] for line in read_lines(path)] == [2, 4, 4, 6]
     assert "dropped 2 line(s) after iteration 4" in "\n".join(lines)
 
