@@ -26,21 +26,20 @@ DRY_RUN_GROUP = "dry run (planning a layout)"
 # Flags that are not config fields: (group title, flags, argparse keywords), read by parse_args
 # and run_config_from_args.
 NON_FIELD_FLAGS = [
-    ("network size", ("--model",), dict(default="tiny", metavar="NAME", help="named architecture (see "
-                                                                            "--list-models) (default: tiny)")),
+    ("network size", ("--model",),
+     dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) (default: tiny)")),
     ("network size", ("--list-models",), dict(action="store_true", help="print the presets and exit")),
-    ("network size", ("--group-query-attention",), dict(action="store_true", help="use --num-query-groups "
-                                                                                  "key/value heads")),
-    ("training", ("--recompute-activations",), dict(action="store_true", help="same as --recompute-granularity "
-                                                                              "selective (the attention core)")),
+    ("network size", ("--group-query-attention",),
+     dict(action="store_true", help="use --num-query-groups key/value heads")),
+    ("training", ("--recompute-activations",),
+     dict(action="store_true", help="same as --recompute-granularity selective (the attention core)")),
     ("mixed precision", ("--fp32",), dict(action="store_true", help="fp32 params and compute (the default on CPUs "
-                                                                   "and on GPUs without bf16 units; a dry run plans "
-                                                                   "bf16)")),
-    (DRY_RUN_GROUP, ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and FLOPs "
-                                                                   "for the layout, then exit: no processes, GPUs or "
-                                                                   "data (megalite/plan/dry_run.py)")),
-    (DRY_RUN_GROUP, ("--world-size",), dict(type=int, help="with --dry-run: the number of ranks to plan for "
-                                                           "(default: TP x PP, DP 1)")),
+                                          "and on GPUs without bf16 units; a dry run plans bf16)")),
+    (DRY_RUN_GROUP, ("--dry-run",), dict(action="store_true", help="print each rank's parameters, memory and "
+                                         "FLOPs for the layout, then exit: no processes, GPUs or data "
+                                         "(megalite/plan/dry_run.py)")),
+    (DRY_RUN_GROUP, ("--world-size",),
+     dict(type=int, help="with --dry-run: the number of ranks to plan for (default: TP x PP, DP 1)")),
     (DRY_RUN_GROUP, ("--dry-run-gpu-memory",), dict(type=float, metavar="GIB", help="with --dry-run: warn when a "
                                                     "rank needs more than this many GiB (default: 80)")),
     ("logging", ("--debug",), dict(action="store_true", help="show tracebacks of user errors")),

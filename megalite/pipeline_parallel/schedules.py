@@ -75,7 +75,7 @@ def operation_units(pp: int, vp: int, num_microbatches: int, rank: int,
 
 
 def operation_order(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Op]:
-    """Rank `rank`'s forwards and backwards, in the order it runs them (see the module docstring)."""
+    """Rank `rank`'s forwards and backwards, in the order it runs them."""
     return [op for unit in operation_units(pp, vp, num_microbatches, rank, forward_only) for op in unit]
 
 
@@ -101,11 +101,9 @@ def _messages(op: Op, pp: int, vp: int, rank: int) -> tuple[Message | None, Mess
 
 
 def plan_steps(units: list[tuple[Op, ...]], pp: int, vp: int, rank: int) -> list[Step]:
-    """`operation_units` with their communication; a final step sends the last unit's output.
-
-    Receiving a steady-state backward's gradient together with its paired forward's input (V > 1)
-    keeps the interleaved schedule deadlock-free when sends wait for their receives (NCCL).
-    """
+    """`operation_units` with their communication; a final step sends the last unit's output. Receiving a
+    steady-state backward's gradient with its paired forward's input (V > 1) keeps the interleaved schedule
+    deadlock-free when sends wait for their receives (NCCL)."""
     steps, pending = [], ()
     for unit in units:
         messages = [_messages(op, pp, vp, rank) for op in unit]
@@ -135,15 +133,13 @@ def _backward_from(output: torch.Tensor, grad: torch.Tensor) -> None:
 
 
 class ScheduleRunner:
-    """Runs one rank's steps for one global batch on its model chunks, freeing each output once sent.
-    The model and the loss come from outside (Megatron's forward_step_func and loss_func):
-    `forward_step(chunk, micro_batch, hidden_states)` runs a chunk on a micro-batch (the first stage,
-    hidden_states None) or on the received hidden states, and returns its output; on the last stage
-    `loss_fn(chunk, output, micro_batch)` turns that output into losses whose sum, divided by
-    total_tokens (the global batch's unmasked tokens), is the micro-batch's loss. micro_batches: one
-    object per micro-batch (dicts of `[b, s]` tensors for the language model). comm: a PipelineComm, or
-    None for one stage. scale_loss: the optimizer's loss scaling; None runs forward only.
-    """
+    """Runs one rank's steps for one global batch on its model chunks, freeing each output once sent. The
+    model and the loss come from outside (Megatron's forward_step_func and loss_func): `forward_step(chunk,
+    micro_batch, hidden_states)` runs a chunk on a micro-batch (hidden_states None on the first stage) or on
+    the received hidden states; on the last stage `loss_fn(chunk, output, micro_batch)` turns its output into
+    losses whose sum over total_tokens (the global batch's unmasked tokens) is the micro-batch's loss.
+    micro_batches: dicts of `[b, s]` tensors. comm: a PipelineComm, or None for one stage. scale_loss: the
+    optimizer's loss scaling; None runs forward only."""
 
     def __init__(self, chunks, micro_batches, total_tokens: float, forward_step, loss_fn, comm=None,
                  scale_loss=None, log=None, rank: int = 0):
@@ -163,8 +159,6 @@ class ScheduleRunner:
             for op in step.ops:
                 self._trace(str(op))
                 (self._forward if op.kind == "F" else self._backward)(op)
-        if self.saved or self.outbox:
-            raise RuntimeError(f"schedule left work behind: saved {sorted(self.saved)}, unsent {list(self.outbox)}")
         return self.loss
 
     def _communicate(self, step: Step) -> None:

@@ -191,15 +191,22 @@ class Trainer:
         self.schedule = build_lr_schedule(run)
         self.state = TrainState()
         self.checkpointer = Checkpointer(run, self.parallel, log=self.log)
-        self.load()
-        self.num_microbatches = run.num_microbatches
+        # The checkpoint the Checkpointer picks: --load, or --save when it holds one.
+        resumed = self.checkpointer.load(self.parallel_model, self.optimizer, self.schedule)
+        if resumed is not None:
+            self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
+            self.evaluation_pending = resumed.evaluation_pending
+            self.evaluations_logged = set(resumed.evaluations_logged)
         self.train_ds, self.valid_ds, self.test_ds = build_datasets(run, self.tokenizer)
         check_token_dtypes((self.train_ds, self.valid_ds, self.test_ds), self.tokenizer.vocab_size)
         self.train_iterator = self._iterator(self.train_ds, self.state.consumed_train_samples,
                                              train.rampup_batch_size)
         self.valid_iterator = self._iterator(self.valid_ds, self.state.consumed_valid_samples)
         self.logger.start(self.state.iteration, self.evaluations_logged)
-        self._log_rampup(run.train)
+        if run.train.rampup_batch_size is not None:  # said once
+            start, increment, samples = run.train.rampup_batch_size
+            self.log(f"batch-size ramp-up: the global batch starts at {start} and grows by {increment} over the "
+                     f"first {samples} samples to {run.train.global_batch_size}")
         self.profiler = self._build_profiler(run)
         opened.callback(self.profiler.close)
         self.tracker = start_tracking(run, json_able(dataclasses.asdict(run)), self.logger,
@@ -211,13 +218,6 @@ class Trainer:
         reason = f"{type(error).__name__}: {error}" if error is not None else self.state.exit_reason
         self.tracker.finish(0 if error is None else exit_code_of(error),
                             {"exit_reason": reason, "final_iteration": self.state.iteration})
-
-    def _log_rampup(self, train) -> None:
-        """Say once what --rampup-batch-size does in this run."""
-        if train.rampup_batch_size is not None:
-            start, increment, samples = train.rampup_batch_size
-            self.log(f"batch-size ramp-up: the global batch starts at {start} and grows by {increment} over the "
-                     f"first {samples} samples to {train.global_batch_size}")
 
     def _build_profiler(self, run: RunConfig) -> StepProfiler:
         """--profile's profiler for this rank, said once at start-up with where the traces go."""
@@ -244,15 +244,6 @@ class Trainer:
         source = ("the mock data" if data.mock_data else f"--data-path {' '.join(data.data_path)}" if data.data_path
                   else "the --train/valid/test-data-path files")
         return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)
-
-    def load(self) -> None:
-        """Resume from the checkpoint the Checkpointer picks (--load, or --save when it holds one)."""
-        resumed = self.checkpointer.load(self.parallel_model, self.optimizer, self.schedule)
-        if resumed is None:
-            return
-        self.state = TrainState(resumed.iteration, resumed.consumed_train_samples, resumed.consumed_valid_samples)
-        self.evaluation_pending = resumed.evaluation_pending
-        self.evaluations_logged = set(resumed.evaluations_logged)
 
     def save(self) -> None:
         """Save a checkpoint into --save (nothing without it) and tell the tracking run."""
@@ -344,7 +335,7 @@ class Trainer:
                 for _ in range(train.eval_iters):
                     if self.agreed_stop()[0]:  # before each batch, a boundary every rank reaches
                         return False
-                    batch = next_global_batch(iterator, self.num_microbatches)
+                    batch = next_global_batch(iterator, self.run.num_microbatches)
                     losses.append(forward_backward(self.model, batch, parallel=self.parallel, comm=self.comm,
                                                    loss_fn=self.loss_fn))
                     empty_unused_memory(train.empty_unused_memory_level, 1)
