@@ -57,9 +57,8 @@ class Parser(argparse.ArgumentParser):
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The pretrain_gpt.py parser: one flag per option field (default None: not given), then the
-    non-field flags and Megatron's compatibility flags, in Megatron-LM's groups. --help shows each
-    flag's default."""
+    """The pretrain_gpt.py parser, in Megatron-LM's groups: one flag per option field (default None: not
+    given; --help shows the field's default), the non-field flags and Megatron's compatibility flags."""
     parser = Parser(prog="pretrain_gpt.py", allow_abbrev=False, usage="%(prog)s [options]",
                     description="Pretrain a GPT / LLaMA model with Megatron-LM's flags, in its groups; with none, "
                                 "the tiny model on the built-in corpus (README.md).")

@@ -21,8 +21,7 @@ def chunk_layers(num_layers: int, pp: int, pp_rank: int, vp: int = 1, first: int
 
 class ModelChunks(nn.ModuleList):
     """The model chunks one pipeline rank holds, seen as one model: `named_parameters()` and `state_dict()`
-    use global names, as one GPTModel holding them all would (each layer lives in one chunk, and the
-    embedding and output stages are on different ranks when P > 1)."""
+    use global names, as one GPTModel holding them all would (each layer lives in one chunk)."""
 
     def named_parameters(self, prefix: str = "", recurse: bool = True, remove_duplicate: bool = True):
         for chunk in self:

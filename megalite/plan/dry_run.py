@@ -132,7 +132,7 @@ def plan(run: RunConfig) -> DryRunReport:
         activation = peak_activation_bytes(ops, chunk_bytes, recomputed_unit * activations.layer_bytes())
         for dp_rank in range(dp):
             shard = dp_rank if sharding.optimizer_state else 0
-            figures = state_bytes(buffer, dtype, shard, shards, sharding, bf16_reduce, recomputed_unit)
+            figures = state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
             param_bytes = figures["params"] if sharding.params else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
                                   activation, max_in_flight(ops), figures["working"])

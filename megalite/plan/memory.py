@@ -21,15 +21,14 @@ def element_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def state_bytes(buffer, params_dtype: torch.dtype, shard: int, shards: int, sharding: Sharding = Sharding.NO_SHARD,
+def state_bytes(buffer, params_dtype: torch.dtype, shard: int, sharding: Sharding = Sharding.NO_SHARD,
                 bf16_reduce: str | None = None, recomputed_unit: int = 0) -> dict[str, int]:
-    """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of `shards` (DP
-    when the optimizer state is sharded, else 1) of every bucket of `buffer`, a GradBuffer, under `sharding`.
+    """{"params", "grads", "optimizer", "working"} bytes of the rank that owns shard `shard` of every bucket of
+    `buffer`, a GradBuffer (cut into DP shards when the optimizer state is sharded, else 1), under `sharding`.
     `working` (docs/memory.md) exists only during an iteration: ZeRO-3's gathered units (at least the
     `recomputed_unit` largest), ZeRO-2/3's full grads, and with `bf16_reduce` (--grad-reduce-in-bf16 at
     DP > 1) a bf16 copy of "one" bucket in flight or of "all" of them."""
-    if buffer.shard_count != shards:
-        raise ValueError(f"the buffer is cut into {buffer.shard_count} shards, not {shards}")
+    shards = buffer.shard_count
     bucket_sizes = sorted(-(-sum(param.numel() for param in bucket.params) // shards) * shards
                           for bucket in buffer.buckets)
     owned = [high - low for _, _, (low, high), _ in buffer.owned(shard)]

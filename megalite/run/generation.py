@@ -7,8 +7,7 @@ import torch
 
 @dataclass(frozen=True)
 class Sampling:
-    """How a continuation is sampled: the defaults of tools/generate.py and of pretrain_gpt.py's closing
-    sample alike (one place), so the closing sample reads as the checkpoint does under the generator.
+    """How a continuation is sampled, tools/generate.py's defaults and pretrain_gpt.py's closing sample's alike.
     Top-k and top-p cut the unlikely tail that makes a small model's samples read as noise."""
 
     max_new_tokens: int = 64
@@ -25,9 +24,8 @@ SAMPLING = Sampling()
 
 
 def filter_logits(logits: torch.Tensor, top_k: int = 0, top_p: float = 1.0) -> torch.Tensor:
-    """Set to -inf every logit outside the top-k and outside the top-p probability mass: the smallest set
-    of most likely tokens whose probability reaches top_p (at least one). logits: [vocab] fp32; top_k 0
-    and top_p 1.0 keep everything."""
+    """Set to -inf every logit outside the top-k and outside the top-p probability mass: the smallest set of
+    most likely tokens whose probability reaches top_p (at least one). logits: [vocab] fp32."""
     logits = logits.clone()
     if 0 < top_k < logits.numel():
         threshold = torch.topk(logits, top_k).values[-1]

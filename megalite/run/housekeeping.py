@@ -54,8 +54,7 @@ def empty_unused_memory(level: int, at_level: int) -> None:
 
 class StepProfiler:
     """--profile: a torch.profiler trace of the iterations after --profile-step-start up to --profile-step-end
-    on the ranks of --profile-ranks. Call `at_iteration(iterations done)` at the top of every loop pass and
-    `close()` after the loop."""
+    on the ranks of --profile-ranks; `at_iteration` at the top of every loop pass, `close()` after the loop."""
 
     def __init__(self, train: TrainConfig, rank: int, world_size: int, folder: str, device: torch.device):
         ranks = train.profile_ranks

@@ -130,8 +130,8 @@ class TrainingLogger:
                       lm_loss: float | None, loss_scale: float | None = 1.0, grad_norm: float | None = None,
                       *, skipped: bool = False, global_batch_size: int | None = None) -> dict | None:
         """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations and at
-        `train_iters`, print and write a line of averages since the last one and return its record (else None). A `skipped` step's loss (fp16 overflow) stays out of the average; its time and
-        tokens count. global_batch_size: this iteration's, under batch-size ramp-up."""
+        `train_iters`, print and write a line of averages since the last one and return its record (else None).
+        A `skipped` step's loss (fp16 overflow) stays out of the average; its time and tokens count."""
         if not self.is_logging_rank:
             return None
         global_batch_size = global_batch_size or self.global_batch_size

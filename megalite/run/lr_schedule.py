@@ -18,9 +18,8 @@ COEFFICIENTS = {
 
 
 class LRSchedule:
-    """The learning rate of every iteration, and its settings for a checkpoint. The lengths (`*_iters`)
-    count `unit`s: iterations, or samples. The settings are a validated TrainConfig's
-    (`lr_schedule_settings`), or a checkpoint's that `load_state_dict` checks."""
+    """The learning rate of every iteration, and its settings for a checkpoint. The lengths (`*_iters`) count
+    `unit`s: iterations, or samples."""
 
     def __init__(self, lr: float, min_lr: float, warmup_iters: int, decay_iters: int,
                  decay_style: str = "cosine", wsd_decay_style: str = "exponential",
@@ -96,9 +95,8 @@ class LRSchedule:
 
 
 def schedule_mismatch(checkpoint: dict, mine: dict, differing: list[str]) -> str:
-    """The sentence for a resume whose LR settings differ: each difference, the flags that keep the
-    checkpoint's schedule (the usual case: a larger --train-iters moved the default warmup and decay), and
-    the two switches."""
+    """The sentence for a resume whose LR settings differ: each difference, the flags that keep the checkpoint's
+    schedule (usually a larger --train-iters moved the default warmup and decay), and the two switches."""
     if "unit" in differing:
         return (f"the checkpoint's learning-rate schedule counts {checkpoint['unit']} but this run's counts "
                 f"{mine['unit']} (--train-samples counts samples); pass --use-checkpoint-opt_param-scheduler to "

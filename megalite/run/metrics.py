@@ -40,11 +40,10 @@ class MetricsFile:
     """The metrics file of one run, open for appending; each record is flushed as it is written."""
 
     def __init__(self, path: str | os.PathLike, start_iteration: int = 0, start_evaluations=None):
-        """Create `path` (and its folder) or open it. A run resumed from iteration K writes K+1... again,
-        so the lines past `start_iteration` go first, and so do its evaluations at K not in
-        `start_evaluations` (the splits logged before its checkpoint was saved; None keeps all), which it
-        writes again too; a torn last line goes as well. One atomic rewrite, done only when something has
-        to go; `self.dropped` says how many went."""
+        """Create `path` (and its folder) or open it. A run resumed from iteration K writes K+1... again, so the
+        lines past `start_iteration` go first (one atomic rewrite, counted in `self.dropped`), as do its
+        evaluations at K not in `start_evaluations` (the splits its checkpoint had logged; None keeps all) and
+        a torn last line."""
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         kept, self.dropped = [], 0

@@ -176,9 +176,8 @@ class PeerWatch:
             time.sleep(0.05)
 
     def failure(self, error: BaseException, iteration: int, last_checkpoint: str | None) -> PeerLostError:
-        """The error to raise on this rank for a collective that failed with `error` during `iteration`; it
-        names the ranks found dead or suspended, so that the lowest rank still running prints it
-        (`megalite.errors.run_main`)."""
+        """The error to raise for a collective that failed with `error` during `iteration`, naming the ranks found
+        dead or suspended (the lowest rank still running prints it, `megalite.errors.run_main`)."""
         states = self.peer_states(wait=3.0)
         if states:
             who = " and ".join(f"rank {rank} {state}" for rank, state in sorted(states.items()))
@@ -251,9 +250,8 @@ class SkippedSteps:
         self.in_a_row = 0
 
     def check(self, updated: bool, scaler, scale: float, iteration: int, last_checkpoint: str | None) -> None:
-        """Count iteration `iteration`'s step (`updated`: it was applied; `scaler`: the optimizer's
-        DynamicLossScaler or None, `scale`: its scale after the step); UserError once MAX_SKIPPED_AT_MIN_SCALE
-        came in a row."""
+        """Count `iteration`'s step (`updated`: applied; `scale`: the DynamicLossScaler `scaler`'s scale after it,
+        scaler None without fp16); UserError at MAX_SKIPPED_AT_MIN_SCALE stuck steps in a row."""
         stuck = not updated and (scaler is None or scale <= scaler.min_scale)
         self.in_a_row = self.in_a_row + 1 if stuck else 0
         if self.in_a_row < MAX_SKIPPED_AT_MIN_SCALE:
@@ -288,9 +286,8 @@ class LossSpikeDetector:
 
 
 def checked_token_ids(micro_batches, vocab_size: int, source: str):
-    """`micro_batches` unchanged, after checking every token id is in [0, vocab_size): an id outside
-    means another tokenizer made the data, and the embedding lookup would fail with an index error
-    (on a GPU, a device-side assert)."""
+    """`micro_batches` unchanged, after checking every token id is in [0, vocab_size): an id outside means
+    another tokenizer made the data, and the embedding lookup would fail (on a GPU, a device-side assert)."""
     for batch in micro_batches:
         tokens, labels = batch["tokens"], batch["labels"]
         low, high = int(tokens.min()), max(int(tokens.max()), int(labels.max()))

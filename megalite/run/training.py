@@ -93,11 +93,10 @@ def build_lr_schedule(run: RunConfig) -> LRSchedule:
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
                      log=None, loss_fn: LanguageModelLoss | None = None) -> torch.Tensor:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
-    the device (nothing waits for the device until it is read); with `optimizer`, backward too.
-    model: a GPTModel, or this pipeline rank's ModelChunks. micro_batches: dicts of [b, s] tensors, this DP
-    rank's part of the global batch; each one's loss is divided by the token count of the whole global batch,
-    so the gradients summed over DP are those of the global mean. loss_fn: the loss the last stage applies to
-    its hidden states (default: the language-model loss of the model's config)."""
+    the device (not waited for); with `optimizer`, backward too. model: a GPTModel, or this pipeline rank's
+    ModelChunks. micro_batches: dicts of [b, s] tensors, this DP rank's part of the global batch; each one's
+    loss is divided by the whole global batch's token count, so the gradients summed over DP are those of the
+    global mean. loss_fn: the last stage's loss on its hidden states (default: the model config's)."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     loss_fn = loss_fn if loss_fn is not None else LanguageModelLoss.of(chunks[-1])
     device = next(chunks[0].parameters()).device
@@ -252,10 +251,9 @@ class Trainer:
             self.tracker.log_checkpoint(self.state.iteration)
 
     def train_step(self) -> tuple[torch.Tensor, float]:
-        """One iteration, without waiting for the device: returns (results, lr). results: float64 [4] on the
-        device, the lm loss, the grad norm (nan when skipped), 1.0 when the step was applied (else 0.0) and the
-        loss scale after it. Its global batch is `run.global_batch_at(consumed samples)`: --global-batch-size, or
-        the ramp-up's size."""
+        """One iteration on `run.global_batch_at(consumed samples)`, without waiting for the device: (results,
+        lr). results: float64 [4] on the device, the lm loss, the grad norm (nan when skipped), 1.0 when the
+        step was applied (else 0.0) and the loss scale after it."""
         consumed = self.state.consumed_train_samples
         num_microbatches = self.run.num_microbatches_at(consumed)
         position = (self.state.iteration, consumed, self.run.global_batch_at(consumed))
@@ -322,8 +320,7 @@ class Trainer:
 
     def evaluate_split(self, split: str, iterator) -> bool:
         """Evaluate `split` (the mean of --eval-iters global batches' mean token loss, dropout off) and log it;
-        False when an exit signal cut it short (nothing logged, no samples counted: a resumed run evaluates
-        the same batches again)."""
+        False when an exit signal cut it short (nothing logged or counted: a resumed run evaluates it again)."""
         train = self.run.train
         if iterator is None or train.eval_iters == 0:
             return True
@@ -433,8 +430,7 @@ def largest_rank_parameters(trainer: Trainer) -> int:
 
 def startup_line(run: RunConfig, largest_rank_params: int, device: torch.device) -> str:
     """The line a run starts with, once per world: the model (named by its preset only when it is the preset),
-    its parameters and the most any rank holds, its shape, dtype, device and threads, and the layout. `run`
-    holds the tokenizer's vocabulary."""
+    its parameters and the most any rank holds, its shape, dtype, device and threads, and the layout."""
     model, layout = run.model, run.parallel
     dtype = DTYPE_NAMES[run.train.params_dtype]
     if run.train.bf16_default:

@@ -172,9 +172,8 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, mi
     sampler.sample()
     sampler.remove()
     measured = model_state_bytes(model, ddp, optimizer)
-    # Without sharding every rank updates all of it: shard 0 of 1.
-    shard, shards = (parallel.dp_rank, parallel.dp_size) if strategy != "no_shard" else (0, 1)
-    expected = state_bytes(optimizer.grad_buffer, dtype, shard, shards, Sharding(strategy))
+    shard = parallel.dp_rank if strategy != "no_shard" else 0  # without sharding every rank updates all of it
+    expected = state_bytes(optimizer.grad_buffer, dtype, shard, Sharding(strategy))
     if strategy != "optim_grads_params":
         expected["params"] = num_parameters(config) * element_bytes(dtype)
     return {"measured": measured, "expected": {key: expected[key] for key in measured}, "peak": sampler.peak,
