@@ -23,8 +23,7 @@ GROUP_NOTES = {"network size": "defaults: the --model preset's (each flag says t
                "logging": "the console, the metrics file and experiment tracking (wandb, TensorBoard)"}
 DRY_RUN_GROUP = "dry run (planning a layout)"
 
-# Flags that are not config fields: (group title, flags, argparse keywords), read by parse_args
-# and run_config_from_args.
+# Flags that are not config fields: (group title, flags, argparse keywords).
 NON_FIELD_FLAGS = [
     ("network size", ("--model",),
      dict(default="tiny", metavar="NAME", help="named architecture (see --list-models) (default: tiny)")),

@@ -58,7 +58,7 @@ def _virtual_microbatch(k: int, pp: int, vp: int, forward: bool) -> tuple[int, i
 
 def operation_units(pp: int, vp: int, num_microbatches: int, rank: int,
                     forward_only: bool = False) -> list[tuple[Op, ...]]:
-    """Rank `rank`'s ops in order, in the units `plan_steps` communicates around: single ops, or with
+    """Rank `rank`'s ops in order, in the units `schedule_steps` communicates around: single ops, or with
     V > 1 each steady-state forward and backward pair (run back to back, as Megatron's)."""
     check_microbatches(num_microbatches, pp, vp)
     total = num_microbatches * vp
@@ -100,23 +100,18 @@ def _messages(op: Op, pp: int, vp: int, rank: int) -> tuple[Message | None, Mess
     return recv, send
 
 
-def plan_steps(units: list[tuple[Op, ...]], pp: int, vp: int, rank: int) -> list[Step]:
-    """`operation_units` with their communication; a final step sends the last unit's output. Receiving a
-    steady-state backward's gradient with its paired forward's input (V > 1) keeps the interleaved schedule
-    deadlock-free when sends wait for their receives (NCCL)."""
+def schedule_steps(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Step]:
+    """The steps rank `rank` runs for one global batch: `operation_units` with their communication, and a
+    final step that sends the last unit's output. Receiving a steady-state backward's gradient with its paired
+    forward's input (V > 1) keeps the interleaved schedule deadlock-free when sends wait for receives (NCCL)."""
     steps, pending = [], ()
-    for unit in units:
+    for unit in operation_units(pp, vp, num_microbatches, rank, forward_only):
         messages = [_messages(op, pp, vp, rank) for op in unit]
         steps.append(Step(tuple(recv for recv, _ in messages if recv), pending, unit))
         pending = tuple(send for _, send in messages if send)
     if pending:
         steps.append(Step((), pending, ()))
     return steps
-
-
-def schedule_steps(pp: int, vp: int, num_microbatches: int, rank: int, forward_only: bool = False) -> list[Step]:
-    """The steps rank `rank` runs for one global batch."""
-    return plan_steps(operation_units(pp, vp, num_microbatches, rank, forward_only), pp, vp, rank)
 
 
 def _release(tensor: torch.Tensor) -> None:

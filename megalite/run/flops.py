@@ -150,8 +150,7 @@ def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
         return None, f"no peak known for device type {device.type!r}: MFU unknown"
     size, name = cpu_matmul_size, DTYPE_NAMES.get(dtype, dtype)
     if not _cpu_has_matrix_units(dtype):
-        # Without bf16/fp16 units such matmuls fall back to a slow path (docs/benchmarks.md), so
-        # the fp32 rate stands in for this CPU's best.
+        # Without bf16/fp16 units such matmuls take a slow path (docs/benchmarks.md): fp32 is this CPU's best.
         value = measure_cpu_flops(torch.float32, size, cpu_seconds)
         source = f"a {size}^3 fp32 matmul (this CPU has no {name} matrix units)"
     else:

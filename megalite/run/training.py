@@ -86,10 +86,6 @@ def build_optimizer(model: ParallelModel, run: RunConfig) -> MixedPrecisionOptim
                 eps=train.adam_eps, clip_grad=train.clip_grad, loss_scaler=scaler)
 
 
-def build_lr_schedule(run: RunConfig) -> LRSchedule:
-    return LRSchedule(**run.train.lr_schedule_settings())
-
-
 def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelState = ONE_PROCESS, comm=None,
                      log=None, loss_fn: LanguageModelLoss | None = None) -> torch.Tensor:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
@@ -187,7 +183,7 @@ class Trainer:
                                      train.params_dtype)
         self.schedule_log = print_flushed if run.logging.debug_pipeline_schedule else None  # on every rank
         self.optimizer = build_optimizer(self.parallel_model, run)
-        self.schedule = build_lr_schedule(run)
+        self.schedule = LRSchedule(**run.train.lr_schedule_settings())
         self.state = TrainState()
         self.checkpointer = Checkpointer(run, self.parallel, log=self.log)
         # The checkpoint the Checkpointer picks: --load, or --save when it holds one.

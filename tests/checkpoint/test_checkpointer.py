@@ -15,7 +15,8 @@ from megalite.data_parallel.optimizer import MixedPrecisionOptimizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.parallel_state import build_parallel_state
-from megalite.run.training import TrainState, build_lr_schedule
+from megalite.run.lr_schedule import LRSchedule
+from megalite.run.training import TrainState
 from tests.helpers.model import token_losses
 
 FLAGS = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--num-layers", "1",
@@ -33,7 +34,7 @@ class Run:
         self.model = build_model(self.run.model, seed=seed, dtype=dtype)
         self.ddp = ParallelModel(self.model)
         self.optimizer = MixedPrecisionOptimizer(self.ddp, lr=1e-2)
-        self.schedule = build_lr_schedule(self.run)
+        self.schedule = LRSchedule(**self.run.train.lr_schedule_settings())
         self.lines = []
         self.checkpointer = Checkpointer(self.run, build_parallel_state(), log=self.lines.append)
 

@@ -16,7 +16,8 @@ from megalite.checkpoint.pieces import first_gap
 from megalite.checkpoint.saving import IncompleteCheckpointError
 from megalite.data_parallel.ddp import ParallelModel
 from megalite.parallel_state import ParallelState
-from megalite.run.training import TrainState, build_lr_schedule
+from megalite.run.lr_schedule import LRSchedule
+from megalite.run.training import TrainState
 from tests.helpers.checkpoint import ShardedOptimizer, WholeOptimizer, small_config
 from tests.helpers.distributed import run_world
 
@@ -80,7 +81,8 @@ def run_config(folder: str, world_size: int):
 def missing_piece_world(rank, world_size, folder):
     run = run_config(folder, world_size)
     checkpointer = Checkpointer(run, tp_rank_state(rank, world_size), log=lambda line: None)
-    model, optimizer, schedule = ParallelModel(linear()), ShardedOptimizer(rank, VALUES), build_lr_schedule(run)
+    model, optimizer = ParallelModel(linear()), ShardedOptimizer(rank, VALUES)
+    schedule = LRSchedule(**run.train.lr_schedule_settings())
     checkpointer.save(TrainState(iteration=1), model, optimizer, schedule)
     if rank == 1:  # a rank that saves less than it holds: its half of the moment is never written
         saving.optimizer_pieces = lambda *args: {}

@@ -14,7 +14,7 @@ from megalite.errors import UserError
 from megalite.pipeline_parallel import simulation
 from megalite.pipeline_parallel.comm import Message
 from megalite.pipeline_parallel.schedules import (Op, check_microbatches, max_in_flight, operation_order,
-                                                  operation_units, plan_steps, schedule_steps)
+                                                  operation_units, schedule_steps)
 from megalite.pipeline_parallel.simulation import SimulationError, simulate, theoretical_idle_fraction
 from tools.bench.pipeline import main as bench_main
 
@@ -186,7 +186,7 @@ def grad(src, dst, stage, mb):
 
 
 def test_steps_receive_before_their_op_and_send_the_previous_output():
-    steps = plan_steps(operation_units(2, 1, 2, 0), 2, 1, 0)
+    steps = schedule_steps(2, 1, 2, 0)
     assert [(step.recvs, step.sends, step.ops) for step in steps] == [
         ((), (), tuple(ops("F0"))),
         ((), (activation(0, 1, 1, 0),), tuple(ops("F1"))),
@@ -206,7 +206,7 @@ def test_interleaved_steady_state_pairs_a_forward_with_a_backward():
     units = operation_units(2, 2, 4, 1)
     assert [len(unit) for unit in units] == [1] * 2 + [2] * 6 + [1] * 2
     assert units[2:4] == [tuple(ops("F1.0 B1.0")), tuple(ops("F1.1 B1.1"))]
-    steps = plan_steps(units, 2, 2, 1)
+    steps = schedule_steps(2, 2, 4, 1)
     # F0.2 (stage 1) needs rank 0's activation, B0.0 (stage 1) rank 0's gradient of stage 2: one batch.
     assert steps[4].ops == tuple(ops("F0.2 B0.0"))
     assert steps[4].recvs == (activation(0, 1, 1, 2), grad(0, 1, 1, 0))
