@@ -167,7 +167,8 @@ def _stage(cls: RankClass, pp: int) -> str:
 
 
 def format_report(report: DryRunReport) -> str:
-    """The printed plan: the layout, the batch, the FLOPs, and one row per rank class."""
+    """The printed plan: the layout, the batch, the FLOPs, one row per rank class, and a warning naming the
+    ranks that need more than --dry-run-gpu-memory."""
     run, layout, train, model = report.run, report.run.parallel, report.run.train, report.run.model
     pp, dp = layout.pipeline_model_parallel_size, layout.data_parallel_size
     vp = layout.virtual_pipeline_model_parallel_size
@@ -211,20 +212,14 @@ def format_report(report: DryRunReport) -> str:
     largest = max(cls.total_bytes for cls in report.classes)
     lines.append(f"largest total per rank: {largest / GIB:.2f} GiB, before the CUDA context, communication buffers "
                  f"and allocator slack; planned in {report.seconds:.2f} s")
-    lines += _memory_warning(report)
-    return "\n".join(lines)
-
-
-def _memory_warning(report: DryRunReport) -> list[str]:
-    """A line naming the ranks that need more than --dry-run-gpu-memory, if any."""
-    limit = report.run.dry_run_gpu_memory
+    limit = run.dry_run_gpu_memory
     over = sorted(rank for cls in report.classes if cls.total_bytes > limit * GIB for rank in cls.ranks)
-    if not over:
-        return []
-    many = len(over) > 1
-    return [f"warning: rank{'s' * many} {format_ranks(over)} need{'' if many else 's'} more than the {limit:g} GiB "
-            f"of --dry-run-gpu-memory; add tensor or pipeline parallelism, --use-distributed-optimizer or "
-            f"recomputation, or a smaller micro-batch"]
+    if over:
+        many = len(over) > 1
+        lines.append(f"warning: rank{'s' * many} {format_ranks(over)} need{'' if many else 's'} more than the "
+                     f"{limit:g} GiB of --dry-run-gpu-memory; add tensor or pipeline parallelism, "
+                     f"--use-distributed-optimizer or recomputation, or a smaller micro-batch")
+    return "\n".join(lines)
 
 
 def dry_run(run: RunConfig, print_fn=print) -> DryRunReport:
