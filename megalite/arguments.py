@@ -1,7 +1,6 @@
-"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The
-parser is generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite
-accepts without effect or refuses (config/megatron.py); megalite.run.data.final_run_config completes the
-config with what lies outside the flags."""
+"""The command line: Megatron-LM's flag names -> a validated, frozen RunConfig (`parse_args`). The parser is
+generated from the config dataclasses, plus `NON_FIELD_FLAGS` and Megatron's flags that megalite accepts
+without effect or refuses (config/megatron.py)."""
 
 import argparse
 import dataclasses

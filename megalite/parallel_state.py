@@ -124,9 +124,8 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
         backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
 
 
-# The default state of library functions (model constructors, the optimizer's DDP): one process, what
-# build_parallel_state() returns outside torch.distributed. Shared, so never modify it; build your own
-# `ParallelState(device=...)` for another device.
+# The default state of library functions (model constructors, the optimizer's DDP): one process on the CPU.
+# Shared, so never modify it; build your own `ParallelState(device=...)` for another device.
 ONE_PROCESS = ParallelState()
 
 

@@ -30,8 +30,7 @@ class PipelineComm:
 
     def __init__(self, parallel, shape: tuple[int, ...], dtype: torch.dtype):
         self.parallel, self.shape, self.dtype, self.device = parallel, tuple(shape), dtype, parallel.device
-        # NCCL creates a communicator lazily on its first call, which must involve every rank
-        # of the group; one collective over the pipeline group does that here.
+        # NCCL creates a communicator on its first call, which every rank of the group must join: this barrier.
         dist.barrier(group=parallel.pp_group)
 
     def exchange(self, sends: list[tuple[Message, torch.Tensor]], recvs: list[Message]) -> dict:

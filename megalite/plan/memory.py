@@ -1,7 +1,6 @@
 """Bytes per rank in closed form (docs/memory.md derives each): parameters, gradients and optimizer state
 exactly under each sharding strategy, and an estimate of the activations autograd keeps on the GPU code path
-(flash attention, the fused kernels). Used by `--dry-run` and tools/bench/memory.py, which checks them
-against live tensors."""
+(flash attention, the fused kernels); tools/bench/memory.py checks them against live tensors."""
 
 import torch
 

@@ -12,9 +12,8 @@ from megalite.run.lr_schedule import LRSchedule
 
 def final_run_config(run: RunConfig):
     """(config, tokenizer): `run` completed, before anything is built, by what lies outside the flags: the
-    built-in corpus for the default run (built here, or reused; the builder's lock lets one rank build while
-    the others wait), the tokenizer's vocabulary, and under --use-checkpoint-opt_param-scheduler the LR
-    schedule of the checkpoint it resumes from. The run trains with it, and its checkpoints save it, unchanged."""
+    built-in corpus for the default run (built here by one rank under the builder's lock, or reused), the
+    tokenizer's vocabulary, and under --use-checkpoint-opt_param-scheduler the resumed checkpoint's LR schedule."""
     data = run.data
     if data.builtin_corpus:
         from megalite.data.prep.builtin_corpus import ensure_builtin_corpus

@@ -29,10 +29,9 @@ def forward_flops_per_token(config: ModelConfig, seq_length: int) -> tuple[float
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int,
                         include_recompute: bool = False, recomputed_layers: int | None = None) -> float:
-    """Model FLOPs of one training iteration over `global_batch_size` x `seq_length` tokens: 3 x forward
-    (the backward takes the gradients of both inputs and weights). Recomputation is work the hardware does,
-    not work the model needs: only `include_recompute` (hardware FLOPs) counts it, for `recomputed_layers`
-    of the layers under full recomputation (default: all; --recompute-method block rebuilds fewer)."""
+    """Model FLOPs of one training iteration over `global_batch_size` x `seq_length` tokens: 3 x forward (the
+    backward takes the gradients of both inputs and weights). Only `include_recompute` (hardware FLOPs) counts
+    recomputation, for `recomputed_layers` of the layers under full recomputation (default: all)."""
     layer_matmuls, attention, logits = forward_flops_per_token(config, seq_length)
     per_token = 3 * (layer_matmuls + attention + logits)
     if include_recompute and config.recompute_granularity == "full":

@@ -53,10 +53,9 @@ class TrainingLogger:
                  device="cpu", dtype: torch.dtype = torch.float32, num_devices: int = 1,
                  is_logging_rank: bool = True, progress_bar: bool | None = None,
                  peak: tuple[float | None, str] | None = None, print_fn: Callable[[str], None] | None = None):
-        """num_devices: devices sharing the FLOPs (the world size). is_logging_rank: whether this rank prints
-        (`ParallelState.is_logging_rank`). progress_bar: None shows one when stdout is a terminal that the lines
-        go to. peak: (FLOP/s or None, source) instead of `peak_flops(device, dtype)`. print_fn: where lines go
-        (None: stdout, above the progress bar). `print` works at once; the rest waits for `start`."""
+        """num_devices: devices sharing the FLOPs (the world size). progress_bar: None shows one when the lines go
+        to a terminal's stdout. peak: (FLOP/s or None, source) instead of `peak_flops(device, dtype)`. print_fn:
+        where lines go (None: stdout, above the progress bar). `print` works at once; the rest waits for `start`."""
         self.config, self.global_batch_size = config, global_batch_size
         self.seq_length, self.train_iters = seq_length, train_iters
         self.log_interval = max(1, log_interval)

@@ -100,8 +100,7 @@ class Tracker:
         try:
             with deferred_signals():  # finishing, once begun, is not cut short by the exit it is part of
                 wandb_run.finish(exit_code=exit_code)
-            # finish() can return before wandb's service has written the run file out; its
-            # teardown waits for that, so the offline run is complete once training returns.
+            # finish() may return before wandb's service wrote the run file; teardown waits, so an offline run is whole.
             wandb.teardown()
         except Exception as error:  # noqa: BLE001 - e.g. its service process was killed with ours
             self._warn(f"wandb: finishing the run failed ({_first_line(error)}); its local files may lack the end")

@@ -412,16 +412,12 @@ class Trainer:
 def pretrain(run: RunConfig, log=print_flushed) -> tuple[Trainer, TrainState]:
     """Build everything for `run` and train; returns the trainer (model, tokenizer) and final state."""
     with Trainer(run, log) as trainer:
-        trainer.log(startup_line(trainer.run, largest_rank_parameters(trainer), trainer.device))
+        # The most parameters any rank's model chunks hold (its TP and PP part), for the start-up line.
+        count = torch.tensor(sum(param.numel() for param in trainer.model.parameters()), device=trainer.device)
+        if trainer.parallel.world_size > 1:
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
+        trainer.log(startup_line(trainer.run, int(count), trainer.device))
         return trainer, trainer.train()
-
-
-def largest_rank_parameters(trainer: Trainer) -> int:
-    """The most parameters any rank's model chunks hold (its TP and PP part); every rank must call it."""
-    count = torch.tensor(sum(param.numel() for param in trainer.model.parameters()), device=trainer.device)
-    if trainer.parallel.world_size > 1:
-        torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MAX)
-    return int(count)
 
 
 def startup_line(run: RunConfig, largest_rank_params: int, device: torch.device) -> str:
