@@ -31,9 +31,6 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, device="cpu"):
-        if not (growth_factor > 1 and 0 < backoff_factor < 1):
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
-                             f"{backoff_factor}")
         self.min_scale, self.growth_factor, self.backoff_factor = float(min_scale), growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.device = torch.device(device)
@@ -116,13 +113,8 @@ class MixedPrecisionOptimizer:
         self.main_params = [_main_param(param) for param in self.model_params]
         self.main_grads = [param.main_grad for param in self.model_params]
 
-    @property
-    def loss_scale(self) -> float:
-        """The factor `scale_loss` multiplies by: the scaler's scale, or 1.0 without one (waits for the device)."""
-        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss * loss_scale` (the loss itself without a scaler); call backward on the result."""
+        """`loss` times the scaler's scale (the loss itself without a scaler); call backward on the result."""
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale.to(loss.dtype)
 
     def zero_grad(self) -> None:

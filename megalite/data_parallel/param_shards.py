@@ -21,7 +21,6 @@ A recomputed layer (--recompute-granularity full) runs again inside the backward
 is gathered (the layers of a recomputed group together) and stays so until its grads are in.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -131,16 +130,6 @@ class ParamShards:
         for unit in self.units:
             self.release(unit)
 
-    @contextlib.contextmanager
-    def gathered(self):
-        """Every parameter whole for the block (reading or writing the model's weights directly)."""
-        for unit in self.units:
-            self.gather(unit)
-        try:
-            yield
-        finally:
-            self.release_all()
-
     # -- hooks --------------------------------------------------------------------------------
 
     def _before_forward(self, unit: Unit) -> None:
@@ -192,7 +181,3 @@ class ParamShards:
         shard_start = unit.bucket.shard(self.buffer.shard_rank, self.buffer.shard_count)[0]
         offset = self.buffer.offsets[param][0] + start - shard_start
         return unit.shard[offset:offset + end - start]
-
-    def owned_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
-        """Each parameter with elements in this rank's shards -> its local flat range `[start, end)`."""
-        return {param: local for _, param, local, _ in self.buffer.owned()}
