@@ -86,7 +86,6 @@ class MixedPrecisionOptimizer:
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
         self.model, parallel = model, model.parallel
         self.tp_rank, self.pp_rank = parallel.tp_rank, parallel.pp_rank
-        self.dp_size, self.dp_rank = parallel.dp_size, parallel.dp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None

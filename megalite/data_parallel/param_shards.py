@@ -60,11 +60,8 @@ def unit_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 class ParamShards:
     """ZeRO-3's gathering of `chunks`' parameters over `parallel`'s DP group, per the units each chunk declares.
-
-    buffer: the grad buffer, built with one bucket per unit (in `unit_modules` order within each chunk), whose
-    parameters it holds sharded (`GradBuffer.hold_params(sharded=True)`): a unit's whole values are its
-    bucket's `param`, its stored shard the bucket's part of `param_shards`.
-    """
+    buffer: the grad buffer, one bucket per unit in `unit_modules` order, holding the parameters sharded
+    (`GradBuffer.hold_params(sharded=True)`)."""
 
     def __init__(self, chunks: list[nn.Module], buffer: GradBuffer, parallel: ParallelState):
         self.parallel = parallel
@@ -172,8 +169,6 @@ class ParamShards:
         if torch.is_grad_enabled() and not recomputing():
             for unit in units:
                 unit.kept_for += unit.gathered
-
-    # -- ownership -----------------------------------------------------------------------------
 
     def owned_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
         """This rank's stored values of `param`'s local flat elements `[start, end)` (inside its shard)."""
