@@ -91,8 +91,6 @@ class MixedPrecisionOptimizer:
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
         self.world = parallel.world_size > 1
         self.name_of = {id(param): name for name, param in model.model.named_parameters() if param.requires_grad}
-        if not self.name_of:
-            raise ValueError("the model has no trainable parameters to optimise")
         self.grad_buffer = model.buffer
         self._build_main_params()
         # One AdamW group per (weight decay, decoupled LR) pair: decay on matrices, the decoupled rate on
@@ -306,13 +304,8 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
     def load_state_dict(self, state: dict) -> None:
         """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
         self.model.finish_param_sync()
-        live = self._state_tensors()
         tensors, meta = state["tensors"], state["meta"]
-        if set(tensors) != set(live):
-            raise UserError(f"the optimizer state does not fit this model's shard (e.g. "
-                            f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start the "
-                            f"optimizer afresh")
-        for key, values in live.items():
+        for key, values in self._state_tensors().items():
             values.copy_(tensors[key])
         for adam_state in self._adam_states():
             adam_state["step"].fill_(float(meta["step"]))
