@@ -208,8 +208,12 @@ class MixedPrecisionOptimizer:
         return self.model_params
 
     def _adam_states(self) -> list[dict]:
-        """Adam's state of each main param; a fresh one (zero moments, step 0) where it has none yet."""
-        return [self.adam.state.get(main) or _adam_state(self.adam, main, 0) for main in self.main_params]
+        """Adam's state of each main param, created (zero moments, step 0) where it has none yet, as torch
+        would at the first step, so that checkpoint pieces are views of the live tensors."""
+        for main in self.main_params:
+            if main not in self.adam.state:
+                self.adam.state[main] = _adam_state(self.adam, main, 0)
+        return [self.adam.state[main] for main in self.main_params]
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         """`"<param name>.<kind>"` -> the live fp32 tensor, for each of STATE_KINDS."""
@@ -243,16 +247,18 @@ class MixedPrecisionOptimizer:
         tensors, meta = state["tensors"], state["meta"]
         _check_tensors(tensors, dict(zip(self.names, self.main_params)))
         self.model.finish_param_sync()
-        steps = int(meta["step"])
+        self._load_tensors(tensors, int(meta["step"]))
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self._copy_main_params_to_model_params()
+
+    def _load_tensors(self, tensors: dict, steps: int) -> None:
         for name, main in zip(self.names, self.main_params):
             main.copy_(tensors[f"{name}.main_param"])
             self.adam.state.pop(main, None)
             if steps > 0:
                 self.adam.state[main] = _adam_state(
                     self.adam, main, steps, tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"])
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        self._copy_main_params_to_model_params()
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -286,32 +292,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 values.copy_(main)
         self.model.start_param_sync()
 
-    def _adam_states(self) -> list[dict]:
-        """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
-        so the checkpoint pieces can always be views of the live tensors."""
-        for main in self.main_params:
-            if main not in self.adam.state:
-                self.adam.state[main] = _adam_state(self.adam, main, 0)
-        return [self.adam.state[main] for main in self.main_params]
-
     def state_dict(self) -> dict:
         """As the base class's, but each tensor 1-D, the param's local flat values from `flat_ranges[name]`
         on (the checkpoint cuts them into pieces of the global tensors)."""
         flat_ranges = {name: start for name, (start, _) in zip(self.names, self.ranges)}
         return {"tensors": self._state_tensors(), "flat_ranges": flat_ranges, "meta": self._meta()}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
-        self.model.finish_param_sync()
-        tensors, meta = state["tensors"], state["meta"]
+    def _load_tensors(self, tensors: dict, steps: int) -> None:
+        """Into the live tensors of `state_dict()` (the same ranges), with every state's step count."""
         for key, values in self._state_tensors().items():
             values.copy_(tensors[key])
         for adam_state in self._adam_states():
-            adam_state["step"].fill_(float(meta["step"]))
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        self._copy_main_params_to_model_params()
+            adam_state["step"].fill_(float(steps))
 
 
 def _adam_state(adam: torch.optim.AdamW, main: torch.Tensor, steps: int, exp_avg: torch.Tensor | None = None,
