@@ -2,6 +2,7 @@
 from and how much of it to load, when to save, and which old checkpoints to remove."""
 
 import dataclasses
+import json
 import os
 import time
 from dataclasses import dataclass
@@ -150,10 +151,4 @@ def saved_lr_schedule(ckpt: CheckpointConfig) -> dict | None:
 
 def json_able(value):
     """dataclasses.asdict output with anything JSON cannot hold turned into its string."""
-    if isinstance(value, dict):
-        return {key: json_able(item) for key, item in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [json_able(item) for item in value]
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    return str(value)
+    return json.loads(json.dumps(value, default=str))

@@ -76,7 +76,7 @@ def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shard
     if param_shards is not None:
         names, shards = {id(param): name for name, param in model.named_parameters()}, param_shards
         return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
-                                                    tp_size) for param, (start, end) in shards.owned_ranges().items()}
+                                                    tp_size) for _, param, (start, end), _ in shards.buffer.owned()}
     params = dict(model.named_parameters())
     return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
             for name, tensor in model.state_dict().items()}

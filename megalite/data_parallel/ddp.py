@@ -177,7 +177,6 @@ class ParallelModel:
             self._launch(index, async_op=True)
 
     def _wait_launched(self) -> None:
-        """Wait for the reductions in flight."""
         for index, work in self._launched.items():
             if work is not None:
                 work.wait()

@@ -51,15 +51,10 @@ class GradBuffer:
                  shard_rank: int = 0, sharded: bool = False):
         if shard_count < 1:
             raise ValueError(f"shard_count must be >= 1, got {shard_count}")
-        if bucket_size is not None and bucket_size < 1:
-            raise ValueError(f"bucket_size must be >= 1, got {bucket_size}")
         seen: set[int] = set()
         per_chunk = [_unique_in_backward_order(params, seen) for params in chunks]
         self.params = [param for params in per_chunk for param in params]
-        devices = {param.device for param in self.params}
-        if len(devices) > 1:
-            raise ValueError(f"the parameters of one grad buffer must share a device, got {devices}")
-        device = devices.pop() if devices else torch.device("cpu")
+        device = self.params[0].device if self.params else torch.device("cpu")
 
         self.offsets: dict[nn.Parameter, tuple[int, int]] = {}
         self.buckets: list[Bucket] = []

@@ -31,9 +31,6 @@ class DynamicLossScaler:
 
     def __init__(self, initial_scale: float = 2.0 ** 32, min_scale: float = 1.0, growth_factor: float = 2.0,
                  backoff_factor: float = 0.5, growth_interval: int = 1000, hysteresis: int = 2, device="cpu"):
-        if not (growth_factor > 1 and 0 < backoff_factor < 1):
-            raise ValueError(f"need growth_factor > 1 and 0 < backoff_factor < 1, got {growth_factor}, "
-                             f"{backoff_factor}")
         self.min_scale, self.growth_factor, self.backoff_factor = float(min_scale), growth_factor, backoff_factor
         self.growth_interval, self.hysteresis = growth_interval, hysteresis
         self.device = torch.device(device)
@@ -89,14 +86,11 @@ class MixedPrecisionOptimizer:
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
         self.model, parallel = model, model.parallel
         self.tp_rank, self.pp_rank = parallel.tp_rank, parallel.pp_rank
-        self.dp_size, self.dp_rank = parallel.dp_size, parallel.dp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
         self.world = parallel.world_size > 1
         self.name_of = {id(param): name for name, param in model.model.named_parameters() if param.requires_grad}
-        if not self.name_of:
-            raise ValueError("the model has no trainable parameters to optimise")
         self.grad_buffer = model.buffer
         self._build_main_params()
         # One AdamW group per (weight decay, decoupled LR) pair: decay on matrices, the decoupled rate on
@@ -116,13 +110,8 @@ class MixedPrecisionOptimizer:
         self.main_params = [_main_param(param) for param in self.model_params]
         self.main_grads = [param.main_grad for param in self.model_params]
 
-    @property
-    def loss_scale(self) -> float:
-        """The factor `scale_loss` multiplies by: the scaler's scale, or 1.0 without one (waits for the device)."""
-        return 1.0 if self.loss_scaler is None else float(self.loss_scaler.scale)
-
     def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        """`loss * loss_scale` (the loss itself without a scaler); call backward on the result."""
+        """`loss` times the scaler's scale (the loss itself without a scaler); call backward on the result."""
         return loss if self.loss_scaler is None else loss * self.loss_scaler.scale.to(loss.dtype)
 
     def zero_grad(self) -> None:
@@ -219,8 +208,12 @@ class MixedPrecisionOptimizer:
         return self.model_params
 
     def _adam_states(self) -> list[dict]:
-        """Adam's state of each main param; a fresh one (zero moments, step 0) where it has none yet."""
-        return [self.adam.state.get(main) or _adam_state(self.adam, main, 0) for main in self.main_params]
+        """Adam's state of each main param, created (zero moments, step 0) where it has none yet, as torch
+        would at the first step, so that checkpoint pieces are views of the live tensors."""
+        for main in self.main_params:
+            if main not in self.adam.state:
+                self.adam.state[main] = _adam_state(self.adam, main, 0)
+        return [self.adam.state[main] for main in self.main_params]
 
     def _state_tensors(self) -> dict[str, torch.Tensor]:
         """`"<param name>.<kind>"` -> the live fp32 tensor, for each of STATE_KINDS."""
@@ -254,16 +247,18 @@ class MixedPrecisionOptimizer:
         tensors, meta = state["tensors"], state["meta"]
         _check_tensors(tensors, dict(zip(self.names, self.main_params)))
         self.model.finish_param_sync()
-        steps = int(meta["step"])
+        self._load_tensors(tensors, int(meta["step"]))
+        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
+            self.loss_scaler.load_state_dict(meta["loss_scaler"])
+        self._copy_main_params_to_model_params()
+
+    def _load_tensors(self, tensors: dict, steps: int) -> None:
         for name, main in zip(self.names, self.main_params):
             main.copy_(tensors[f"{name}.main_param"])
             self.adam.state.pop(main, None)
             if steps > 0:
                 self.adam.state[main] = _adam_state(
                     self.adam, main, steps, tensors[f"{name}.exp_avg"], tensors[f"{name}.exp_avg_sq"])
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        self._copy_main_params_to_model_params()
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
@@ -297,37 +292,18 @@ class DistributedOptimizer(MixedPrecisionOptimizer):
                 values.copy_(main)
         self.model.start_param_sync()
 
-    def _adam_states(self) -> list[dict]:
-        """Adam's state of each owned range, created (zero moments, step 0) if it has none yet,
-        so the checkpoint pieces can always be views of the live tensors."""
-        for main in self.main_params:
-            if main not in self.adam.state:
-                self.adam.state[main] = _adam_state(self.adam, main, 0)
-        return [self.adam.state[main] for main in self.main_params]
-
     def state_dict(self) -> dict:
         """As the base class's, but each tensor 1-D, the param's local flat values from `flat_ranges[name]`
         on (the checkpoint cuts them into pieces of the global tensors)."""
         flat_ranges = {name: start for name, (start, _) in zip(self.names, self.ranges)}
         return {"tensors": self._state_tensors(), "flat_ranges": flat_ranges, "meta": self._meta()}
 
-    @torch.no_grad()
-    def load_state_dict(self, state: dict) -> None:
-        """Restore `state_dict()`-shaped tensors (the same ranges, filled) and refresh the model."""
-        self.model.finish_param_sync()
-        live = self._state_tensors()
-        tensors, meta = state["tensors"], state["meta"]
-        if set(tensors) != set(live):
-            raise UserError(f"the optimizer state does not fit this model's shard (e.g. "
-                            f"{_first_few(sorted(set(tensors) ^ set(live)))}); pass --no-load-optim to start the "
-                            f"optimizer afresh")
-        for key, values in live.items():
+    def _load_tensors(self, tensors: dict, steps: int) -> None:
+        """Into the live tensors of `state_dict()` (the same ranges), with every state's step count."""
+        for key, values in self._state_tensors().items():
             values.copy_(tensors[key])
         for adam_state in self._adam_states():
-            adam_state["step"].fill_(float(meta["step"]))
-        if self.loss_scaler is not None and meta.get("loss_scaler") is not None:
-            self.loss_scaler.load_state_dict(meta["loss_scaler"])
-        self._copy_main_params_to_model_params()
+            adam_state["step"].fill_(float(steps))
 
 
 def _adam_state(adam: torch.optim.AdamW, main: torch.Tensor, steps: int, exp_avg: torch.Tensor | None = None,

@@ -21,7 +21,6 @@ A recomputed layer (--recompute-granularity full) runs again inside the backward
 is gathered (the layers of a recomputed group together) and stays so until its grads are in.
 """
 
-import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -61,11 +60,8 @@ def unit_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 class ParamShards:
     """ZeRO-3's gathering of `chunks`' parameters over `parallel`'s DP group, per the units each chunk declares.
-
-    buffer: the grad buffer, built with one bucket per unit (in `unit_modules` order within each chunk), whose
-    parameters it holds sharded (`GradBuffer.hold_params(sharded=True)`): a unit's whole values are its
-    bucket's `param`, its stored shard the bucket's part of `param_shards`.
-    """
+    buffer: the grad buffer, one bucket per unit in `unit_modules` order, holding the parameters sharded
+    (`GradBuffer.hold_params(sharded=True)`)."""
 
     def __init__(self, chunks: list[nn.Module], buffer: GradBuffer, parallel: ParallelState):
         self.parallel = parallel
@@ -131,16 +127,6 @@ class ParamShards:
         for unit in self.units:
             self.release(unit)
 
-    @contextlib.contextmanager
-    def gathered(self):
-        """Every parameter whole for the block (reading or writing the model's weights directly)."""
-        for unit in self.units:
-            self.gather(unit)
-        try:
-            yield
-        finally:
-            self.release_all()
-
     # -- hooks --------------------------------------------------------------------------------
 
     def _before_forward(self, unit: Unit) -> None:
@@ -184,15 +170,9 @@ class ParamShards:
             for unit in units:
                 unit.kept_for += unit.gathered
 
-    # -- ownership -----------------------------------------------------------------------------
-
     def owned_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
         """This rank's stored values of `param`'s local flat elements `[start, end)` (inside its shard)."""
         unit = self.unit_of[id(param)]
         shard_start = unit.bucket.shard(self.buffer.shard_rank, self.buffer.shard_count)[0]
         offset = self.buffer.offsets[param][0] + start - shard_start
         return unit.shard[offset:offset + end - start]
-
-    def owned_ranges(self) -> dict[nn.Parameter, tuple[int, int]]:
-        """Each parameter with elements in this rank's shards -> its local flat range `[start, end)`."""
-        return {param: local for _, param, local, _ in self.buffer.owned()}

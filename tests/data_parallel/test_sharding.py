@@ -215,9 +215,11 @@ def test_zero3_moves_every_parameter_into_its_units_shards():
     assert not hasattr(model, "param_shards") and not any(hasattr(chunk, "param_shards") for chunk in model)
     assert len(shards.units) == 4 + 2  # each layer, the embedding, the head
     assert ddp.buffer.param_shards.numel() == sum(param.numel() for param in before.values())
-    with shards.gathered():
-        for name, param in model.named_parameters():
-            torch.testing.assert_close(param.detach(), before[name], rtol=0, atol=0)
+    for unit in shards.units:
+        shards.gather(unit)
+    for name, param in model.named_parameters():
+        torch.testing.assert_close(param.detach(), before[name], rtol=0, atol=0)
+    shards.release_all()
     assert all(unit.bucket.param.untyped_storage().nbytes() == 0 for unit in shards.units)
 
 

@@ -44,9 +44,10 @@ def test_every_strategy_holds_the_parameters_in_the_one_buffer(sharding):
     buffer = model.buffer
     for bucket in buffer.buckets:
         if sharding.params:
-            with model.param_shards.gathered():
-                assert all(param.untyped_storage().data_ptr() == bucket.param.untyped_storage().data_ptr()
-                           for param in bucket.params)
+            model.param_shards.gather(model.param_shards.unit_of[id(bucket.params[0])])
+            assert all(param.untyped_storage().data_ptr() == bucket.param.untyped_storage().data_ptr()
+                       for param in bucket.params)
+            model.param_shards.release_all()
         else:
             assert bucket.param.untyped_storage().data_ptr() == buffer.param_data.untyped_storage().data_ptr()
             assert all(param.untyped_storage().data_ptr() == buffer.param_data.untyped_storage().data_ptr()

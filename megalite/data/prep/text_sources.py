@@ -265,8 +265,7 @@ def _dataset_chunks(source: Source, json_keys, hf_split, chunk_bytes) -> Iterato
     if missing:
         raise UserError(f"dataset {source.location} has no column {missing[0]!r} (its columns: "
                         f"{', '.join(dataset.column_names)}); choose columns with --json-keys")
-    chunk = RowsChunk(source.location, 0, {key: [] for key in json_keys})
-    size = 0
+    chunk, size = RowsChunk(source.location, 0, {key: [] for key in json_keys}), 0
     # Small batches from Arrow, merged until a chunk holds about chunk_bytes of text.
     for batch in dataset.select_columns(list(json_keys)).iter(batch_size=64):
         for key in json_keys:
@@ -274,9 +273,8 @@ def _dataset_chunks(source: Source, json_keys, hf_split, chunk_bytes) -> Iterato
         size += sum(len(v) for v in batch[json_keys[0]] if isinstance(v, str))
         if size >= chunk_bytes:
             yield chunk
-            chunk = RowsChunk(source.location, chunk.first_row + len(chunk.columns[json_keys[0]]),
-                              {key: [] for key in json_keys})
-            size = 0
+            chunk, size = RowsChunk(source.location, chunk.first_row + len(chunk.columns[json_keys[0]]),
+                                    {key: [] for key in json_keys}), 0
     if chunk.columns[json_keys[0]]:
         yield chunk
 
