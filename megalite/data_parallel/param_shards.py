@@ -95,7 +95,8 @@ class ParamShards:
 
     # -- gathering ---------------------------------------------------------------------------
 
-    def _start_gather(self, unit: Unit) -> None:
+    def prefetch(self, unit: Unit) -> None:
+        """Start gathering `unit`'s parameters (at DP 1: gather them)."""
         if unit.gathered or unit.work is not None:
             return
         allocate(unit.bucket.param)
@@ -107,17 +108,18 @@ class ParamShards:
 
     def gather(self, unit: Unit) -> None:
         """Make `unit`'s parameters whole (waiting for a prefetch in flight)."""
-        self._start_gather(unit)
+        self.prefetch(unit)
+        self._wait(unit)
+
+    def _wait(self, unit: Unit) -> None:
         if unit.work is not None:
             unit.work.wait()
             unit.work = None
             unit.gathered = True
 
     def release(self, unit: Unit) -> None:
-        """Free `unit`'s whole values; its shard stays."""
-        if unit.work is not None:
-            unit.work.wait()
-            unit.work = None
+        """Free `unit`'s whole values (a prefetch in flight too); its shard stays."""
+        self._wait(unit)
         if unit.gathered:
             free(unit.bucket.param)
             unit.gathered = False
@@ -135,7 +137,7 @@ class ParamShards:
         entering = not unit.gathered  # a prefetched unit is not gathered until waited for
         self.gather(unit)
         if entering and unit.forward_next is not None:
-            self._start_gather(unit.forward_next)
+            self.prefetch(unit.forward_next)
 
     def _after_forward(self, unit: Unit, output) -> None:
         if recomputing():  # inside the backward: the unit's own backward comes next, and grad_ready releases it
@@ -150,7 +152,7 @@ class ParamShards:
     def _before_backward(self, unit: Unit) -> None:
         self.gather(unit)
         if unit.backward_next is not None:
-            self._start_gather(unit.backward_next)
+            self.prefetch(unit.backward_next)
 
     def grad_ready(self, param: nn.Parameter) -> None:
         """A grad-buffer hook: `param` accumulated its grad; release its unit once all of them did."""

@@ -76,6 +76,9 @@ def sharded_world(rank, world_size, tp, pp, vp, strategy, tied, recompute, grad_
     ddp.start_iteration(len(mine))
     loss = float(forward_backward(model, mine, optimizer, parallel, comm))
     ddp.finish_grad_sync()
+    if ddp.param_shards is not None:  # a prefetch that no forward waited for is freed too
+        ddp.param_shards.prefetch(ddp.param_shards.units[0])
+        ddp.param_shards.release_all()
     return loss, owned_grads(optimizer, strategy, parallel.tp_rank, tp), tuple(peak), unreleased_bytes(ddp)
 
 
