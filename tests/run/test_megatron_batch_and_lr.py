@@ -72,19 +72,28 @@ def test_bad_values_stop_with_one_sentence(flags, message):
         parse_args([*MOCK, "--micro-batch-size", "2", "--global-batch-size", "8", *flags])
 
 
+DP2_RAMP = [*COMMON, *MODELS["llama"], "--micro-batch-size", "1", "--rampup-batch-size", "2", "2", "12",
+            "--train-iters", "6", "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4", "--lr", "1e-3"]
+
+
+@pytest.fixture(scope="module")
+def one_process_ramp(tmp_path_factory):
+    """DP2_RAMP's metrics file on one process: the reference of both strategies below."""
+    metrics = str(tmp_path_factory.mktemp("ramp") / "one.jsonl")
+    run(1, DP2_RAMP, metrics)
+    return metrics
+
+
 @pytest.mark.parametrize("sharding", ["--use-distributed-optimizer",
                                       "--data-parallel-sharding-strategy=optim_grads_params"])
-def test_rampup_on_dp2_with_zero_and_decoupled_lr_matches_one_process(tmp_path, sharding):
+def test_rampup_on_dp2_with_zero_and_decoupled_lr_matches_one_process(tmp_path, sharding, one_process_ramp):
     """A ramp over DP 2 (micro-batch 1), with the decoupled LR on the distributed optimizer's shards (ZeRO-1,
     ZeRO-3), trains as one process does: the same samples per iteration and the same losses."""
-    flags = [*COMMON, *MODELS["llama"], "--micro-batch-size", "1", "--rampup-batch-size", "2", "2", "12",
-             "--train-iters", "6", "--decoupled-lr", "3e-3", "--decoupled-min-lr", "3e-4", "--lr", "1e-3"]
-    run(1, flags, str(tmp_path / "one.jsonl"))
-    run(2, [*flags, sharding], str(tmp_path / "dp2.jsonl"))
-    rows, worst = compare(read_losses(str(tmp_path / "one.jsonl")), read_losses(str(tmp_path / "dp2.jsonl")))
+    run(2, [*DP2_RAMP, sharding], str(tmp_path / "dp2.jsonl"))
+    rows, worst = compare(read_losses(one_process_ramp), read_losses(str(tmp_path / "dp2.jsonl")))
     assert len(rows) == 9 and worst <= 1e-5  # 6 training iterations, validation at 5 and 6, test
-    consumed = [[record["consumed_samples"] for record in train_records(tmp_path / name)]
-                for name in ("one.jsonl", "dp2.jsonl")]
+    consumed = [[record["consumed_samples"] for record in train_records(path)]
+                for path in (one_process_ramp, tmp_path / "dp2.jsonl")]
     assert consumed[0] == consumed[1] == [2, 4, 8, 14, 22, 30]
 
 
