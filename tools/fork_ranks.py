@@ -90,6 +90,7 @@ def _pretrain_gpt():
         module = importlib.util.module_from_spec(spec)
         sys.modules["pretrain_gpt"] = module
         spec.loader.exec_module(module)
+        import torch._dynamo  # noqa: F401 - torch.optim's constructor imports it: seconds per rank otherwise
     return module
 
 

@@ -138,7 +138,7 @@ def measure_cpu_flops(dtype: torch.dtype = torch.float32, size: int = 1024, seco
 
 
 def peak_flops(device, dtype: torch.dtype, cpu_matmul_size: int = 1024,
-               cpu_seconds: float = 0.2) -> tuple[float | None, str]:
+               cpu_seconds: float = 0.05) -> tuple[float | None, str]:
     """(peak FLOP/s of one device in `dtype`, or None, and a sentence saying where it comes from). No
     datasheet describes "this many cores of this machine", so on a CPU a matmul on the current thread
     count is measured instead, in `dtype` and for bf16/fp16 in fp32 too, keeping the faster."""

@@ -59,8 +59,9 @@ def _worker(rank: int, world_size: int, init_file: str, body, args, results) -> 
         results.put((rank, "error", traceback.format_exc()))
 
 
-# Imported by the fork server before its first fork; a rank then imports only its test module.
-PRELOAD = ["torch", "torch.distributed", "megalite.run.training", "tests.helpers.distributed"]
+# Imported by the fork server before its first fork; a rank then imports only its test module (torch._dynamo:
+# torch.optim's constructor imports it, seconds per rank otherwise).
+PRELOAD = ["torch", "torch.distributed", "torch._dynamo", "megalite.run.training", "tests.helpers.distributed"]
 
 
 def _start_fork_server() -> None:
