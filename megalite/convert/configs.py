@@ -116,7 +116,7 @@ def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos:
     try:
         return llama_config_to_hf(config, **extra)
     except ValueError as error:  # transformers' own checks, e.g. hidden size vs heads
-        raise UserError(f"transformers refuses this model's LlamaConfig ({error})") from None
+        raise UserError(f"transformers refuses this model's {architecture} config ({error})") from None
 
 
 @dataclass
@@ -159,7 +159,7 @@ def _llama_fields(hf: dict, kind: str) -> dict:
     if hf.get("use_sliding_window", True) and window is not None and window < hf.get("max_position_embeddings", 0):
         raise UserError(f"config.json field 'sliding_window' is {window!r}, but megalite attends over the whole "
                         f"sequence; only models without a sliding window (null) convert")
-    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+    if any(layer != "full_attention" for layer in hf.get("layer_types") or []):
         raise UserError("config.json field 'layer_types' has layers other than full_attention; megalite has "
                         "only full causal attention")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))

@@ -1,4 +1,5 @@
-"""The transformer layer: pre-norm attention (GQA, RoPE) and MLP (GELU or SwiGLU) on `[s, b, h]`.
+"""The transformer layer: pre-norm attention (GQA, RoPE; optionally a QKV bias and per-head q/k norms)
+and MLP (GELU or SwiGLU) on `[s, b, h]`.
 
 Every projection is a tensor-parallel layer, so head and feature counts are per TP partition.
 `kernels` (`--kernels`: auto, triton or torch) picks, when a module is built, its fused ops' path.
