@@ -50,6 +50,16 @@ def test_only_the_default_run_saves_and_resumes_without_save(flags):
     assert run.data.builtin_corpus and run.checkpoint.save is None and run.checkpoint.load is None
 
 
+def test_qkv_bias_and_qk_layernorm_are_megatrons_switches():
+    model = parse_args([*MOCK, "--add-qkv-bias", "--qk-layernorm"]).model
+    assert model.add_qkv_bias and model.qk_layernorm and not model.add_bias_linear  # tiny has no other biases
+    plain = parse_args(MOCK).model
+    assert not plain.add_qkv_bias and not plain.qk_layernorm
+    qwen3 = parse_args(["--model", "qwen3-0.6b", *MOCK]).model
+    assert qwen3.qk_layernorm and qwen3.head_dim == 128 and not qwen3.add_qkv_bias
+    assert parse_args(["--model", "qwen2.5-0.5b", *MOCK]).model.add_qkv_bias
+
+
 def test_tokenizer_vocab_is_padded():
     run = parse_args(MOCK)
     assert run.model.real_vocab_size == 101 and run.model.vocab_size == 128
@@ -76,7 +86,8 @@ def test_list_models_prints_every_preset_with_its_size(capsys):
     out = capsys.readouterr().out
     assert out == list_models() + "\n"
     for name, size in [("tiny", "7.1M"), ("gpt2-124m", "124.4M"), ("llama2-7b", "6.74B"), ("llama3-8b", "8.03B"),
-                       ("llama3.2-1b", "1.24B"), ("llama-1b", "1.10B"), ("gpt2-350m", "354.8M")]:
+                       ("llama3.2-1b", "1.24B"), ("llama-1b", "1.10B"), ("gpt2-350m", "354.8M"),
+                       ("qwen2.5-0.5b", "494.0M"), ("qwen3-0.6b", "596.0M")]:
         line = next(line for line in out.splitlines() if line.startswith(name + " "))
         assert line.endswith(size)
 

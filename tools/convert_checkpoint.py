@@ -1,10 +1,10 @@
 """Convert megalite checkpoints to Hugging Face model folders and back.
 
-    # a checkpoint of any layout -> a folder transformers loads (LlamaForCausalLM or GPT2LMHeadModel)
+    # a checkpoint of any layout -> a folder transformers loads (Llama, Qwen2, Qwen3 or GPT-2 classes)
     python tools/convert_checkpoint.py to-hf --load runs/default --save hf/tiny [--iteration N]
         [--dtype bf16|fp16|fp32] [--max-shard-size 5GB]
 
-    # a local LLaMA / Mistral / GPT-2 folder -> a megalite checkpoint (iteration 0) to continue pretraining
+    # a local LLaMA / Mistral / Qwen2 / Qwen3 / GPT-2 folder -> a megalite checkpoint (iteration 0) to train on
     python tools/convert_checkpoint.py from-hf --load hf/TinyLlama --save ckpt/tinyllama \
         [--tensor-model-parallel-size 2] [--seq-length 2048]
 

@@ -54,6 +54,9 @@ class ModelConfig:
     openai_gelu: bool = option(False, "tanh-approximated GELU (GPT-2's `gelu_new`) instead of exact erf")
     untie_embeddings_and_output_weights: bool = option(False, "an output layer of its own, not the embedding's")
     add_bias_linear: bool = option(True, "no biases in the linear layers", flag="--disable-bias-linear", inverted=True)
+    add_qkv_bias: bool = option(False, "a bias on the QKV projection only, also with --disable-bias-linear (Qwen2)")
+    qk_layernorm: bool = option(False, "normalise each query and key head over its channels before rotary, with "
+                                       "--normalization's kind and one weight shared by all heads (Qwen3)")
     hidden_dropout: float = option(0.1, "dropout after attention and MLP", group=REGULARIZATION)
     attention_dropout: float = option(0.1, "dropout of the attention probabilities", group=REGULARIZATION)
     init_method_std: float = option(0.02, "standard deviation of the weight initialisation", group=INITIALIZATION)
@@ -228,10 +231,13 @@ def num_parameters(config: ModelConfig) -> int:
     hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads,
                                        config.query_groups, config.head_dim)
     bias = 1 if config.add_bias_linear else 0
-    norm = hidden * (2 if config.normalization == "LayerNorm" else 1)
+    qkv_bias = 1 if config.add_bias_linear or config.add_qkv_bias else 0
+    per_channel = 2 if config.normalization == "LayerNorm" else 1  # weight (and bias) per normalised channel
+    norm = hidden * per_channel
+    qk_norms = 2 * head_dim * per_channel if config.qk_layernorm else 0
     qkv_out = (heads + 2 * groups) * head_dim
     fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
-    layer = (norm + hidden * qkv_out + bias * qkv_out          # input norm, QKV
+    layer = (norm + hidden * qkv_out + qkv_bias * qkv_out + qk_norms  # input norm, QKV, q/k norms
              + heads * head_dim * hidden + bias * hidden       # attention projection
              + norm + hidden * fc1_out + bias * fc1_out        # pre-MLP norm, fc1
              + config.ffn_hidden_size * hidden + bias * hidden)  # fc2

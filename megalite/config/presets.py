@@ -17,14 +17,15 @@ def _gpt2(num_layers: int, hidden_size: int, num_attention_heads: int) -> dict:
 
 def _llama(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attention_heads: int,
            num_query_groups: int | None, vocab_size: int, seq_length: int, rotary_base: float,
-           tied: bool = False, max_position_embeddings: int | None = None, **extra) -> dict:
-    """LLaMA: rope, RMSNorm, SwiGLU, no biases, no dropout."""
+           tied: bool = False, max_position_embeddings: int | None = None, norm_epsilon: float = 1e-5,
+           **extra) -> dict:
+    """LLaMA: rope, RMSNorm, SwiGLU, no biases, no dropout (Qwen2 adds QKV biases, Qwen3 q/k norms)."""
     return dict(num_layers=num_layers, hidden_size=hidden_size, ffn_hidden_size=ffn_hidden_size,
                 num_attention_heads=num_attention_heads, num_query_groups=num_query_groups,
                 vocab_size=vocab_size, seq_length=seq_length,
                 max_position_embeddings=max_position_embeddings or seq_length,
                 position_embedding_type="rope", rotary_base=rotary_base, normalization="RMSNorm",
-                norm_epsilon=1e-5, swiglu=True, add_bias_linear=False,
+                norm_epsilon=norm_epsilon, swiglu=True, add_bias_linear=False,
                 untie_embeddings_and_output_weights=not tied, hidden_dropout=0.0,
                 attention_dropout=0.0, **extra)
 
@@ -46,6 +47,13 @@ MODEL_PRESETS: dict[str, dict] = {
     # TinyLlama-1.1B's shape: the ~1B LLaMA-2-style model (32000-token vocabulary).
     "llama-1b": _llama(num_layers=22, hidden_size=2048, ffn_hidden_size=5632, num_attention_heads=32,
                        num_query_groups=4, vocab_size=32000, seq_length=2048, rotary_base=10000.0),
+    "qwen2.5-0.5b": _llama(num_layers=24, hidden_size=896, ffn_hidden_size=4864, num_attention_heads=14,
+                           num_query_groups=2, vocab_size=151936, seq_length=4096, rotary_base=1000000.0,
+                           tied=True, max_position_embeddings=32768, norm_epsilon=1e-6, add_qkv_bias=True),
+    "qwen3-0.6b": _llama(num_layers=28, hidden_size=1024, ffn_hidden_size=3072, num_attention_heads=16,
+                         num_query_groups=8, vocab_size=151936, seq_length=4096, rotary_base=1000000.0,
+                         tied=True, max_position_embeddings=40960, norm_epsilon=1e-6, kv_channels=128,
+                         qk_layernorm=True),
 }
 
 

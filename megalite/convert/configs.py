@@ -1,7 +1,9 @@
-"""megalite's ModelConfig <-> Hugging Face config, for two families that map one to one: LLaMA-style
-(rope, RMSNorm, SwiGLU; GQA, tied or untied, biases on all linear layers or none) <-> `LlamaForCausalLM`
-(Mistral without a sliding window imports as it too), and GPT-2-style (learned positions, LayerNorm, GELU,
-biases, multi-head) <-> `GPT2LMHeadModel`. Anything else is refused, naming the setting or the field."""
+"""megalite's ModelConfig <-> Hugging Face config, for the families that map one to one: LLaMA-style
+(rope, RMSNorm, SwiGLU; GQA, tied or untied) with biases on all linear layers or none <-> `LlamaForCausalLM`
+(Mistral without a sliding window imports as it too), with biases on QKV only (--add-qkv-bias) <->
+`Qwen2ForCausalLM`, with per-head q/k norms (--qk-layernorm) and no biases <-> `Qwen3ForCausalLM`; and
+GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`. Anything else is
+refused, naming the setting or the field."""
 
 from dataclasses import dataclass
 
@@ -11,12 +13,18 @@ from megalite.config import ModelConfig
 from megalite.errors import UserError
 
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
+QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+# config.json's architectures or model_type -> the family it imports as.
+_FAMILIES = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
+             "Qwen2ForCausalLM": QWEN2, "qwen2": QWEN2, "Qwen3ForCausalLM": QWEN3, "qwen3": QWEN3,
+             "GPT2LMHeadModel": GPT2, "gpt2": GPT2}
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def hf_architecture(config: ModelConfig) -> str:
-    """LLAMA or GPT2, the HF class that computes exactly what `config` computes; UserError otherwise."""
+    """LLAMA, QWEN2, QWEN3 or GPT2: the HF class that computes exactly what `config` computes; UserError
+    otherwise."""
     if config.apply_layernorm_1p:
         raise UserError("this model stores its norm weights as w - 1 (--apply-layernorm-1p), which the converter "
                         "does not translate yet; train without --apply-layernorm-1p to export to Hugging Face")
@@ -28,7 +36,10 @@ def hf_architecture(config: ModelConfig) -> str:
             raise UserError(f"this model rotates {config.rotary_dim} of each head's {config.head_dim} channels "
                             f"(--rotary-percent {config.rotary_percent:g}), but transformers' LlamaForCausalLM "
                             f"rotates whole heads; train with --rotary-percent 1.0 to export to Hugging Face")
-        return LLAMA
+        return _llama_family(config)
+    if config.add_qkv_bias or config.qk_layernorm:
+        raise UserError("only LLaMA-style models (rope, RMSNorm, SwiGLU) with --add-qkv-bias (Qwen2) or "
+                        "--qk-layernorm (Qwen3) have a transformers class; GPT-2 has neither")
     if all(getattr(config, key) == value for key, value in gpt2.items()):
         if config.query_groups != config.num_attention_heads or config.head_dim * config.num_attention_heads \
                 != config.hidden_size:
@@ -43,16 +54,32 @@ def hf_architecture(config: ModelConfig) -> str:
                     "attention)")
 
 
+def _llama_family(config: ModelConfig) -> str:
+    """Which LLaMA-shaped HF class: by the biases and the q/k norms."""
+    if config.qk_layernorm:
+        if config.add_bias_linear or config.add_qkv_bias:
+            raise UserError("Qwen3ForCausalLM, the transformers class with q/k norms (--qk-layernorm), has no "
+                            "biases, but this model has some; train with --disable-bias-linear and without "
+                            "--add-qkv-bias to export to Hugging Face")
+        return QWEN3
+    return QWEN2 if config.add_qkv_bias and not config.add_bias_linear else LLAMA
+
+
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
-    """The `transformers.LlamaConfig` (given `extra`) of a LLaMA-shaped megalite config (real vocabulary);
-    Llama 3.1 rope scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
+    """The `transformers` config (given `extra`) of a LLaMA-shaped megalite config (real vocabulary):
+    LlamaConfig, Qwen2Config or Qwen3Config as hf_architecture decides. Llama 3.1 rope scaling is HF's
+    "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
     if config.use_rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **_LLAMA3_ROPE}
-    extra = {"attention_bias": False, "mlp_bias": False, "attention_dropout": 0.0, **extra}
-    return transformers.LlamaConfig(
+    architecture = hf_architecture(config)
+    biases = {LLAMA: {"attention_bias": False, "mlp_bias": False}, QWEN3: {"attention_bias": False}}
+    extra = {**biases.get(architecture, {}), "attention_dropout": 0.0, **extra}
+    config_class = {LLAMA: transformers.LlamaConfig, QWEN2: transformers.Qwen2Config,
+                    QWEN3: transformers.Qwen3Config}[architecture]
+    return config_class(
         vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
         intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
@@ -84,11 +111,12 @@ def hf_config_for(config: ModelConfig, dtype: torch.dtype, bos: int | None, eos:
                  architectures=[architecture], dtype=str(dtype).split(".")[-1])
     if architecture == GPT2:
         return gpt2_config_to_hf(config, **extra)
-    bias = config.add_bias_linear
+    if architecture == LLAMA:
+        extra.update(attention_bias=config.add_bias_linear, mlp_bias=config.add_bias_linear)
     try:
-        return llama_config_to_hf(config, attention_bias=bias, mlp_bias=bias, **extra)
+        return llama_config_to_hf(config, **extra)
     except ValueError as error:  # transformers' own checks, e.g. hidden size vs heads
-        raise UserError(f"transformers refuses this model's LlamaConfig ({error})") from None
+        raise UserError(f"transformers refuses this model's {architecture} config ({error})") from None
 
 
 @dataclass
@@ -105,17 +133,16 @@ def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedCon
     (rope_parameters); UserError naming the field for anything megalite cannot compute. seq_length: the
     training sequence length to record; default max_position_embeddings, at most 4096."""
     architecture = (hf.get("architectures") or [None])[0] or hf.get("model_type")
-    kind = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
-            "GPT2LMHeadModel": GPT2, "gpt2": GPT2}.get(architecture)
+    kind = _FAMILIES.get(architecture)
     if kind is None:
-        hint = (" (Qwen2 has biases on q/k/v only, which megalite's all-or-none --disable-bias-linear cannot "
-                "express)" if str(architecture).lower().startswith("qwen2") else "")
+        hint = (" (OLMo models normalise q and k across all heads, megalite's --qk-layernorm per head)"
+                if str(architecture).lower().startswith("olmo") else "")
         raise UserError(f"config.json's architectures/model_type is {architecture!r}, which megalite cannot "
-                        f"import{hint}; supported: LlamaForCausalLM, MistralForCausalLM, GPT2LMHeadModel")
+                        f"import{hint}; supported: {', '.join(name for name in _FAMILIES if name[0].isupper())}")
     for field in ("quantization_config", "num_local_experts", "num_experts"):
         if hf.get(field):
             raise UserError(f"config.json field {field!r} is set; megalite imports dense, unquantized models only")
-    fields = _gpt2_fields(hf) if kind == GPT2 else _llama_fields(hf)
+    fields = _gpt2_fields(hf) if kind == GPT2 else _llama_fields(hf, kind)
     max_positions = fields["max_position_embeddings"]
     fields["seq_length"] = seq_length or min(max_positions, 4096)
     if fields["position_embedding_type"] == "learned_absolute" and fields["seq_length"] > max_positions:
@@ -124,22 +151,26 @@ def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedCon
     return ImportedConfig(kind, fields, int(hf["vocab_size"]))
 
 
-def _llama_fields(hf: dict) -> dict:
+def _llama_fields(hf: dict, kind: str) -> dict:
     if hf.get("hidden_act") not in ("silu", None):
         raise UserError(f"config.json field 'hidden_act' is {hf['hidden_act']!r}, but megalite's SwiGLU uses silu")
     window = hf.get("sliding_window")
-    if hf.get("use_sliding_window") or (window is not None and window < hf.get("max_position_embeddings", 0)):
+    # Qwen's window applies only with use_sliding_window; Mistral has no such switch.
+    if hf.get("use_sliding_window", True) and window is not None and window < hf.get("max_position_embeddings", 0):
         raise UserError(f"config.json field 'sliding_window' is {window!r}, but megalite attends over the whole "
                         f"sequence; only models without a sliding window (null) convert")
-    if any(kind != "full_attention" for kind in hf.get("layer_types") or []):
+    if any(layer != "full_attention" for layer in hf.get("layer_types") or []):
         raise UserError("config.json field 'layer_types' has layers other than full_attention; megalite has "
                         "only full causal attention")
     attention_bias, mlp_bias = bool(hf.get("attention_bias", False)), bool(hf.get("mlp_bias", False))
-    if attention_bias != mlp_bias:
+    if kind == LLAMA and attention_bias != mlp_bias:
         raise UserError(f"config.json fields 'attention_bias' ({attention_bias}) and 'mlp_bias' ({mlp_bias}) "
                         f"differ, but megalite's linear layers have biases all or none (--disable-bias-linear)")
+    if kind == QWEN3 and attention_bias:
+        raise UserError("config.json field 'attention_bias' is true, but Qwen3 then has biases on q/k/v/o and "
+                        "none in the MLP, which megalite's --disable-bias-linear / --add-qkv-bias cannot express")
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
-    head_dim = int(hf.get("head_dim") or hidden // heads)
+    head_dim = int(hf.get("head_dim") or (128 if kind == QWEN3 else hidden // heads))  # Qwen3Config's default
     groups = int(hf.get("num_key_value_heads") or heads)
     rope_theta, rope = _rope(hf)
     return dict(
@@ -150,7 +181,8 @@ def _llama_fields(hf: dict) -> dict:
         use_rope_scaling=rope is not None, rope_scaling_factor=float(rope["factor"]) if rope else 8.0,
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         openai_gelu=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        add_bias_linear=attention_bias, hidden_dropout=0.0,
+        add_bias_linear=attention_bias and kind == LLAMA, add_qkv_bias=kind == QWEN2, qk_layernorm=kind == QWEN3,
+        hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)))
 
@@ -199,5 +231,5 @@ def _gpt2_fields(hf: dict) -> dict:
         position_embedding_type="learned_absolute", rotary_base=10000.0, use_rope_scaling=False,
         rope_scaling_factor=8.0, normalization="LayerNorm", norm_epsilon=float(hf.get("layer_norm_epsilon", 1e-5)),
         swiglu=False, openai_gelu=True, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", True),
-        add_bias_linear=True, hidden_dropout=float(hf.get("resid_pdrop", 0.1)),
+        add_bias_linear=True, add_qkv_bias=False, qk_layernorm=False, hidden_dropout=float(hf.get("resid_pdrop", 0.1)),
         attention_dropout=float(hf.get("attn_pdrop", 0.1)), init_method_std=float(hf.get("initializer_range", 0.02)))

@@ -36,14 +36,20 @@ def tensor_maps(config: ModelConfig) -> list[TensorMap]:
 
 
 def _llama_maps(config: ModelConfig) -> list[TensorMap]:
+    """LLaMA's names, which Qwen2 (q/k/v biases) and Qwen3 (q_norm, k_norm) share."""
     kinds = ["weight", "bias"] if config.add_bias_linear else ["weight"]
+    qkv_kinds = ["weight", "bias"] if config.add_bias_linear or config.add_qkv_bias else ["weight"]
     maps = [TensorMap("embedding.word_embeddings.weight", ("model.embed_tokens.weight",), "vocab")]
     for i in range(config.num_layers):
         ours, theirs = f"layers.{i}.", f"model.layers.{i}."
         maps.append(TensorMap(ours + "input_layernorm.weight", (theirs + "input_layernorm.weight",)))
-        for kind in kinds:
+        for kind in qkv_kinds:
             maps.append(TensorMap(ours + f"self_attention.linear_qkv.{kind}",
                                   tuple(theirs + f"self_attn.{p}_proj.{kind}" for p in "qkv"), "qkv"))
+        if config.qk_layernorm:
+            maps += [TensorMap(ours + f"self_attention.{p}_layernorm.weight", (theirs + f"self_attn.{p}_norm.weight",))
+                     for p in "qk"]
+        for kind in kinds:
             maps.append(TensorMap(ours + f"self_attention.linear_proj.{kind}", (theirs + f"self_attn.o_proj.{kind}",)))
         maps.append(TensorMap(ours + "pre_mlp_layernorm.weight", (theirs + "post_attention_layernorm.weight",)))
         for kind in kinds:

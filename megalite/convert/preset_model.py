@@ -13,7 +13,7 @@ from megalite.config.rules import check_rope_context, check_tensor_parallel_spli
 from megalite.errors import UserError
 
 # Presets tried as the base: flags switch some booleans on only (--swiglu, --untie-...,
-# --openai-gelu) or off only (--disable-bias-linear), so the base decides the rest.
+# --openai-gelu, --add-qkv-bias, --qk-layernorm) or off only (--disable-bias-linear), so the base decides the rest.
 _BASE_PRESETS = ("tiny", "llama3.2-1b", "gpt2-124m")
 # Fields whose raw value may differ while the model computes the same thing.
 _DERIVED = {"num_query_groups": "query_groups", "kv_channels": "head_dim"}
@@ -86,7 +86,8 @@ def _overrides_on_preset(fields: dict, preset: str) -> dict:
         overrides.update(use_rope_scaling=True, rope_scaling_factor=fields["rope_scaling_factor"])
     overrides.update(normalization=fields["normalization"], norm_epsilon=fields["norm_epsilon"])
     for key, on in [("swiglu", fields["swiglu"]), ("openai_gelu", fields["openai_gelu"] and not fields["swiglu"]),
-                    ("untie_embeddings_and_output_weights", fields["untie_embeddings_and_output_weights"])]:
+                    ("untie_embeddings_and_output_weights", fields["untie_embeddings_and_output_weights"]),
+                    ("add_qkv_bias", fields["add_qkv_bias"]), ("qk_layernorm", fields["qk_layernorm"])]:
         if on:
             overrides[key] = True
     if not fields["add_bias_linear"]:

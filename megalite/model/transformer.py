@@ -1,4 +1,5 @@
-"""The transformer layer: pre-norm attention (GQA, RoPE) and MLP (GELU or SwiGLU) on `[s, b, h]`.
+"""The transformer layer: pre-norm attention (GQA, RoPE; optionally a QKV bias and per-head q/k norms)
+and MLP (GELU or SwiGLU) on `[s, b, h]`.
 
 Every projection is a tensor-parallel layer, so head and feature counts are per TP partition.
 `kernels` (`--kernels`: auto, triton or torch) picks, when a module is built, its fused ops' path.
@@ -17,7 +18,9 @@ from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, mark_parameter
+from megalite.tensor_parallel.comm import copy_to_tensor_parallel_region
+from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
+                                             tensor_parallel_group)
 from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 
@@ -35,21 +38,29 @@ def output_projection_std(config: ModelConfig) -> float:
     return config.init_method_std / math.sqrt(2.0 * config.num_layers)
 
 
-def _norm_parameter(hidden_size: int) -> nn.Parameter:
-    return mark_parameter(nn.Parameter(torch.empty(hidden_size)), False, sequence_parallel=True)
-
-
 class Norm(nn.Module):
     """`config.normalization`: LayerNorm (weight and bias) or RMSNorm (weight only; computed in fp32
     and returned in x's dtype, as LLaMA does), replicated on every TP rank. With --apply-layernorm-1p the
-    weight is stored as w - 1 and applied as 1 + w (Megatron's zero-centred gamma)."""
+    weight is stored as w - 1 and applied as 1 + w (Megatron's zero-centred gamma).
 
-    def __init__(self, config: ModelConfig, kernels: str = "auto"):
+    By default over the hidden size of the residual stream `[s, b, h]` (under SP each TP rank sees its
+    own tokens: the params are marked sequence_parallel). `heads_of` given: a --qk-layernorm norm over each
+    head's channels of q or k `[s, b, heads/tp, d]`, one weight shared by every head. Each TP rank then
+    sees its own heads, so the weights pass copy_to_tensor_parallel_region (grads summed over TP in
+    backward, with or without SP) and are not marked sequence_parallel (DDP would sum them again)."""
+
+    def __init__(self, config: ModelConfig, kernels: str = "auto", heads_of: ParallelState | None = None):
         super().__init__()
         self.eps, self.kernels = config.norm_epsilon, kernels
         self.one_plus = config.apply_layernorm_1p
-        self.weight = _norm_parameter(config.hidden_size)
-        self.bias = _norm_parameter(config.hidden_size) if config.normalization == "LayerNorm" else None
+        self.heads_group = None if heads_of is None else tensor_parallel_group(heads_of)
+        size = config.hidden_size if heads_of is None else config.head_dim
+        self.weight = self._parameter(size, heads_of is None)
+        self.bias = self._parameter(size, heads_of is None) if config.normalization == "LayerNorm" else None
+
+    @staticmethod
+    def _parameter(size: int, sequence_parallel: bool) -> nn.Parameter:
+        return mark_parameter(nn.Parameter(torch.empty(size)), False, sequence_parallel=sequence_parallel)
 
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
@@ -58,10 +69,14 @@ class Norm(nn.Module):
                 self.bias.zero_()
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        weight = self.weight + 1 if self.one_plus else self.weight
-        if self.bias is None:
+        weight, bias = self.weight, self.bias
+        if self.heads_group is not None:
+            weight = copy_to_tensor_parallel_region(weight, self.heads_group)
+            bias = None if bias is None else copy_to_tensor_parallel_region(bias, self.heads_group)
+        weight = weight + 1 if self.one_plus else weight
+        if bias is None:
             return rms_norm(x, weight, self.eps, self.kernels)
-        return layer_norm(x, weight, self.bias, self.eps, self.kernels)
+        return layer_norm(x, weight, bias, self.eps, self.kernels)
 
 
 class Attention(nn.Module):
@@ -77,8 +92,12 @@ class Attention(nn.Module):
         self.heads_per_group = config.num_attention_heads // config.query_groups
         self.attention_dropout = config.attention_dropout
         qkv_size = (config.num_attention_heads + 2 * config.query_groups) * self.head_dim
-        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size, bias=config.add_bias_linear,
+        self.linear_qkv = ColumnParallelLinear(config.hidden_size, qkv_size,
+                                               bias=config.add_bias_linear or config.add_qkv_bias,
                                                init_std=config.init_method_std, parallel=parallel)
+        # --qk-layernorm (Megatron's names): per head, before rotary, as Qwen3 does.
+        self.q_layernorm = Norm(config, kernels, heads_of=parallel) if config.qk_layernorm else None
+        self.k_layernorm = Norm(config, kernels, heads_of=parallel) if config.qk_layernorm else None
         self.linear_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size,
                                              bias=config.add_bias_linear, init_std=output_projection_std(config),
                                              parallel=parallel)
@@ -100,6 +119,8 @@ class Attention(nn.Module):
         qkv = qkv.view(s, b, self.num_groups, (self.heads_per_group + 2) * self.head_dim)
         q, k, v = qkv.split([self.heads_per_group * self.head_dim, self.head_dim, self.head_dim], dim=-1)
         q = q.reshape(s, b, self.num_heads, self.head_dim)  # query heads of group g are contiguous
+        if self.q_layernorm is not None:
+            q, k = self.q_layernorm(q), self.k_layernorm(k)
         if rotary is not None:
             q, k = apply_rotary(q, k, *rotary, self.kernels)
         return self.linear_proj(self.core_attention(q, k, v))

@@ -64,14 +64,18 @@ class ActivationModel:
         h, d = c.hidden_size, c.head_dim
         heads, groups, ffn = c.num_attention_heads // t, c.query_groups // t, c.ffn_hidden_size // t
         rope = c.position_embedding_type == "rope"
+        qk_copies = rope or c.qk_layernorm
         return {
             # input_layernorm and pre_mlp_layernorm keep their input and per-row statistics
             "norm inputs": 2 * (e * stream * h + self.stats * stream),
             # linear_qkv and linear_fc1 keep their input, all-gathered to the full sequence under SP
             "qkv and fc1 inputs": 2 * e * tokens * h,
             # attention keeps q, k, v; v is a view of linear_qkv's output, which it keeps whole, and
-            # with rope q and k are rotated copies
-            "q, k, v": e * tokens * d * ((heads + 2 * groups) + (heads + groups if rope else 0)),
+            # with rope (or q/k norms) q and k are rotated (normalised) copies
+            "q, k, v": e * tokens * d * ((heads + 2 * groups) + (heads + groups if qk_copies else 0)),
+            # --qk-layernorm: each norm keeps a contiguous copy of its input (a view of linear_qkv's output)
+            # and per-row statistics
+            "q/k norms": (e * d + self.stats) * tokens * (heads + groups) if c.qk_layernorm else 0,
             # flash attention keeps the log-sum-exp, not the s x s matrix; its output is the next input
             "attention lse": LSE_BYTES * tokens * heads,
             "linear_proj input": e * tokens * heads * d,

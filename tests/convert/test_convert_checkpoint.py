@@ -148,7 +148,9 @@ def test_gpt2_exports_its_sentencepiece_tokenizer_for_auto_tokenizer(tmp_path, s
     [*GPT2, "--untie-embeddings-and-output-weights"],
     ["--model", "gpt2-124m", "--position-embedding-type", "rope", "--normalization", "RMSNorm", "--swiglu",
      "--ffn-hidden-size", "96"],  # LLaMA-style with tied output and biases on every linear layer
-], ids=["gpt2-untied", "llama-tied-with-biases"])
+    [*LLAMA_GQA, "--add-qkv-bias"],  # Qwen2: the trained QKV bias
+    [*LLAMA_GQA, "--qk-layernorm", "--kv-channels", "32"],  # Qwen3: the trained q/k norms
+], ids=["gpt2-untied", "llama-tied-with-biases", "qwen2", "qwen3"])
 def test_other_model_kinds_export_exactly(tmp_path, flags):
     train(tmp_path / "run", [*MOCK, *TINY, "--num-layers", "2", *flags])
     convert(["to-hf", "--load", str(tmp_path / "run"), "--save", str(tmp_path / "hf"), "--max-shard-size", "40KB"])
@@ -213,7 +215,37 @@ def hf_gpt2(tmp_path_factory):
     return save_hf(model, tmp_path_factory.mktemp("gpt2"))
 
 
-@pytest.mark.parametrize("which", ["hf_llama", "hf_llama_tied_with_biases", "hf_gpt2"])
+@pytest.fixture(scope="module")
+def hf_qwen2(tmp_path_factory):
+    """A random tied Qwen2 (biases on q/k/v only, GQA, fp32)."""
+    config = transformers.Qwen2Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                      tie_word_embeddings=True, initializer_range=0.1)
+    torch.manual_seed(3)
+    model = transformers.Qwen2ForCausalLM(config)
+    with torch.no_grad():  # biases away from 0 and norms away from 1, so that their mapping matters
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return save_hf(model, tmp_path_factory.mktemp("qwen2"))
+
+
+@pytest.fixture(scope="module")
+def hf_qwen3(tmp_path_factory):
+    """A random untied Qwen3 (per-head q/k norms, head size 16 != hidden / heads, GQA, bf16)."""
+    config = transformers.Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                      max_position_embeddings=32, tie_word_embeddings=False, initializer_range=0.1)
+    torch.manual_seed(4)
+    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    return save_hf(model, tmp_path_factory.mktemp("qwen3"))
+
+
+@pytest.mark.parametrize("which", ["hf_llama", "hf_llama_tied_with_biases", "hf_gpt2", "hf_qwen2", "hf_qwen3"])
 def test_from_hf_then_to_hf_reproduces_every_tensor_bit_for_bit(tmp_path, request, which, capsys):
     source = request.getfixturevalue(which)
     sharded = os.path.exists(os.path.join(source, "model.safetensors.index.json"))
@@ -285,7 +317,9 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
      "field 'sliding_window' is 16"),
     ({"attention_bias": True}, "fields 'attention_bias' (True) and 'mlp_bias' (False) differ"),
     ({"hidden_act": "gelu"}, "field 'hidden_act' is 'gelu'"),
-    ({"architectures": ["Qwen2ForCausalLM"], "model_type": "qwen2"}, "Qwen2 has biases on q/k/v only"),
+    ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "OLMo models normalise q and k across all heads"),
+    ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
+     "Qwen3 then has biases on q/k/v/o"),
     ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "'MixtralForCausalLM', which megalite"),
     ({"quantization_config": {"bits": 4}}, "field 'quantization_config' is set"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
@@ -305,6 +339,14 @@ def test_supported_variants_of_hf_configs_import():
     mistral = model_fields_from_hf({**LLAMA_CONFIG, "architectures": ["MistralForCausalLM"], "sliding_window": None,
                                     "head_dim": 32})
     assert mistral.architecture == "LlamaForCausalLM" and mistral.fields["kv_channels"] == 32
+    # Qwen's window is off unless use_sliding_window; Qwen3Config's head size defaults to 128.
+    qwen2 = model_fields_from_hf({**LLAMA_CONFIG, "architectures": ["Qwen2ForCausalLM"], "sliding_window": 16,
+                                  "use_sliding_window": False})
+    assert qwen2.architecture == "Qwen2ForCausalLM" and qwen2.fields["add_qkv_bias"]
+    assert not qwen2.fields["add_bias_linear"] and not qwen2.fields["qk_layernorm"]
+    qwen3 = model_fields_from_hf({**LLAMA_CONFIG, "model_type": "qwen3", "architectures": None})
+    assert qwen3.architecture == "Qwen3ForCausalLM" and qwen3.fields["qk_layernorm"]
+    assert qwen3.fields["kv_channels"] == 128 and not qwen3.fields["add_qkv_bias"]
 
 
 def test_cli_errors_are_one_sentence(tmp_path, hf_llama, capsys):
@@ -373,3 +415,19 @@ def test_a_partial_rotary_model_is_refused_by_the_export():
     with pytest.raises(UserError, match=r"rotates 4 of each head's 8 channels \(--rotary-percent 0.5\).*"
                                         r"--rotary-percent 1.0 to export"):
         hf_architecture(ModelConfig.of(**llama, rotary_percent=0.5))
+
+
+def test_qkv_bias_and_qk_norms_export_only_as_a_qwen_computes_them():
+    from megalite.convert.configs import hf_architecture
+
+    llama = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64,
+                 position_embedding_type="rope", normalization="RMSNorm", swiglu=True)
+    assert hf_architecture(ModelConfig.of(**llama, add_bias_linear=False, add_qkv_bias=True)) == "Qwen2ForCausalLM"
+    assert hf_architecture(ModelConfig.of(**llama, add_qkv_bias=True)) == "LlamaForCausalLM"  # biases everywhere
+    assert hf_architecture(ModelConfig.of(**llama, add_bias_linear=False, qk_layernorm=True)) == "Qwen3ForCausalLM"
+    for extra in [dict(add_bias_linear=False, add_qkv_bias=True), dict()]:
+        with pytest.raises(UserError, match="Qwen3ForCausalLM, the transformers class with q/k norms .* has no biases"):
+            hf_architecture(ModelConfig.of(**llama, qk_layernorm=True, **extra))
+    gpt2 = dict(num_layers=1, hidden_size=32, num_attention_heads=4, seq_length=8, vocab_size=64)
+    with pytest.raises(UserError, match="GPT-2 has neither"):
+        hf_architecture(ModelConfig.of(**gpt2, qk_layernorm=True))

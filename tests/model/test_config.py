@@ -15,6 +15,8 @@ PUBLISHED = {
     "llama3-8b": 8_030_261_248,
     "llama3.2-1b": 1_235_814_400,
     "llama-1b": 1_100_048_384,  # TinyLlama-1.1B
+    "qwen2.5-0.5b": 494_032_768,
+    "qwen3-0.6b": 596_049_920,
 }
 
 
@@ -40,6 +42,8 @@ def test_closed_form_count_matches_the_padded_meta_model(name):
     dict(position_embedding_type="learned_absolute", normalization="LayerNorm", add_bias_linear=True),
     dict(swiglu=False, untie_embeddings_and_output_weights=False, kv_channels=48),
     dict(num_query_groups=1, add_bias_linear=True),
+    dict(add_qkv_bias=True, qk_layernorm=True, kv_channels=48),
+    dict(qk_layernorm=True, normalization="LayerNorm", add_bias_linear=True, add_qkv_bias=True),
 ])
 def test_closed_form_count_matches_variants(overrides):
     config = model_config_from_preset("tiny", **overrides)

@@ -94,6 +94,24 @@ def test_llama_logits_match_hugging_face(llama_config, overrides):
     compare(ours, hf_model, config, reset_at=5)  # position ids restarting inside a sample
 
 
+@pytest.mark.parametrize("overrides, architecture", [
+    (dict(add_qkv_bias=True), "Qwen2ForCausalLM"),                                               # GQA, untied
+    (dict(add_qkv_bias=True, untie_embeddings_and_output_weights=False), "Qwen2ForCausalLM"),   # tied
+    (dict(qk_layernorm=True, kv_channels=24), "Qwen3ForCausalLM"),            # head size != hidden/heads
+    (dict(qk_layernorm=True, num_query_groups=None, untie_embeddings_and_output_weights=False), "Qwen3ForCausalLM"),
+], ids=["qwen2-untied", "qwen2-tied", "qwen3-gqa-kv-channels", "qwen3-mha-tied"])
+def test_qwen_logits_match_hugging_face(llama_config, overrides, architecture):
+    config = llama_config(init_method_std=INIT_STD, **overrides)
+    ours = GPTModel(config, seed=13)
+    randomise_norms_and_biases(ours)  # the QKV bias and the q/k norm weights too
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        llama_config_to_hf(config, attn_implementation="eager")).float()
+    assert type(hf_model).__name__ == architecture
+    load_into(hf_model, hf_state(ours))
+    compare(ours, hf_model, config)
+    compare(ours, hf_model, config, reset_at=5)
+
+
 @pytest.mark.parametrize("openai_gelu", [True, False], ids=["gelu_new", "gelu-exact"])
 def test_gpt2_logits_match_hugging_face(gpt2_config, openai_gelu):
     config = gpt2_config(openai_gelu=openai_gelu, tokenizer_vocab_size=250, init_method_std=INIT_STD)

@@ -135,6 +135,7 @@ def test_llama2_7b_on_64_ranks_plans_in_seconds(capsys):
 @pytest.mark.parametrize("preset, recompute, extra", [
     ("tiny", None, {}), ("tiny", "selective", {}), ("gpt2-124m", None, {}),
     ("tiny", None, {"fused_output_cross_entropy": True}),
+    ("tiny", None, {"qk_layernorm": True, "add_qkv_bias": True}),
     ("tiny", "full", {"recompute_method": "uniform", "recompute_num_layers": 2}),  # both layers one unit
     ("tiny", "full", {"recompute_method": "block", "recompute_num_layers": 1})])  # layer 0 recomputed, 1 not
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton's CPU interpreter")

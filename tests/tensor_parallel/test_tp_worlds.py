@@ -14,6 +14,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.model.rotary import RotaryEmbedding
+from megalite.model.transformer import Attention
 from megalite.parallel_state import ONE_PROCESS
 from megalite.tensor_parallel import comm
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
@@ -21,6 +23,7 @@ from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
                                              initialize, mark_parameter, shard_full_tensor)
 from megalite.tensor_parallel.random import model_parallel_rng_tracker, model_parallel_seed
+from tests.helpers.configs import llama_config
 from tests.helpers.distributed import run_world
 
 SEQ, BATCH = 8, 2  # SEQ divisible by every TP size tested
@@ -295,6 +298,49 @@ def check_sequence_parallel_mlp_block(rank, world_size):
         close(param.main_grad, expected[name], 1e-5)
 
 
+def check_attention_with_qkv_bias_and_qk_layernorm(rank, world_size):
+    """Attention with --add-qkv-bias and --qk-layernorm under TP and TP+SP: the QKV bias is column-parallel,
+    the q/k norm weights (shared by every head) get the full grad on every rank, before and after the SP sum."""
+    heads, groups, head_dim = 8, 4, 4  # whole groups on each of up to 4 ranks
+    config = llama_config(hidden_size=16, num_attention_heads=heads, num_query_groups=groups, kv_channels=head_dim,
+                          add_qkv_bias=True, qk_layernorm=True, seq_length=SEQ)
+    rotary = RotaryEmbedding(head_dim)(SEQ)
+
+    def build(parallel):
+        attention = Attention(config, parallel)
+        initialize(attention, seed=3, prefix="attention")
+        with torch.no_grad():  # off their init values (zero bias, unit norms), so that their grads matter
+            bias = attention.linear_qkv.bias
+            bias.copy_(shard_full_tensor(randn(attention.linear_qkv.output_size, seed=21), 0, parallel.tp_rank,
+                                         parallel.tp_size))
+            attention.q_layernorm.weight.copy_(1 + 0.3 * randn(head_dim, seed=22))
+            attention.k_layernorm.weight.copy_(1 + 0.3 * randn(head_dim, seed=23))
+        return attention
+
+    x, grad = randn(SEQ, BATCH, 16, seed=24), randn(SEQ, BATCH, 16, seed=25)
+    reference = build(ONE_PROCESS)
+    reference_x = x.clone().requires_grad_()
+    reference(reference_x, rotary).backward(grad)
+    for sequence_parallel in (False, True):
+        attention = build(tp_state(rank, world_size, sequence_parallel))
+        split = (lambda t: seq_chunk(t, rank, world_size)) if sequence_parallel else (lambda t: t)
+        local_x = split(x).clone().requires_grad_()
+        output = attention(local_x, rotary)
+        close(output, split(reference(x, rotary)), 1e-5)
+        output.backward(split(grad))
+        params = dict(attention.named_parameters())
+        if sequence_parallel:  # as DDP sums them: the q/k norms are not among them
+            for param in params.values():
+                param.main_grad, param.grad = param.grad, None
+            allreduce_sequence_parallel_grads(params.values(), dist.group.WORLD)
+        close(local_x.grad, split(reference_x.grad), 1e-5)
+        for name, param in params.items():
+            expected = dict(reference.named_parameters())[name].grad
+            if param.tensor_model_parallel:
+                expected = shard_full_tensor(expected, param.partition_dim, rank, world_size)
+            close(param.main_grad if sequence_parallel else param.grad, expected, 1e-5)
+
+
 # --------------------------------------------------------------------- cross_entropy.py
 
 def check_vocab_parallel_cross_entropy(rank, world_size):
@@ -352,8 +398,8 @@ def check_rng_tracker(rank, world_size):
 CHECKS = {check.__name__.removeprefix("check_"): check for check in (
     check_comm_functions, check_allreduce_sequence_parallel_grads, check_column_parallel_linear,
     check_column_parallel_linear_with_external_weight, check_row_parallel_linear,
-    check_vocab_parallel_embedding, check_sequence_parallel_mlp_block, check_vocab_parallel_cross_entropy,
-    check_rng_tracker)}
+    check_vocab_parallel_embedding, check_sequence_parallel_mlp_block, check_attention_with_qkv_bias_and_qk_layernorm,
+    check_vocab_parallel_cross_entropy, check_rng_tracker)}
 
 
 def run_checks(rank, world_size, names):
