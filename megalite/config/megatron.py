@@ -63,20 +63,17 @@ COMPAT_FLAGS = [
                refused="--context-parallel-size {value} asks for context parallelism, which megalite does not "
                        "have; split long sequences with --tensor-model-parallel-size and --sequence-parallel "
                        "instead (or pass 1)"),
-    CompatFlag("--expert-model-parallel-size", "megalite has no mixture-of-experts layers; 1 is accepted",
+    CompatFlag("--expert-model-parallel-size", "megalite has no expert parallelism yet (every rank holds all "
+                                               "experts); 1 is accepted",
                takes_value=True, allowed=("1",),
-               refused="--expert-model-parallel-size {value} asks for expert parallelism, but megalite has no "
-                       "mixture-of-experts layers; drop it (or pass 1)"),
+               refused="--expert-model-parallel-size {value} asks for expert parallelism, which megalite does not "
+                       "have yet (every rank holds all experts); drop it (or pass 1)"),
 ]
 
 # Flag families megalite refuses whatever their spelling: prefix -> the one sentence.
 REFUSED_PREFIXES = {
     "--fp8": "{flag} asks for FP8 training, which megalite does not have; drop the --fp8-* flags "
              "(--bf16 is the lowest precision megalite trains in)",
-    "--num-experts": "{flag} asks for mixture-of-experts layers, which megalite does not have; drop it and the "
-                     "--moe-* flags (every layer has a dense MLP)",
-    "--moe-": "{flag} configures mixture-of-experts layers, which megalite does not have; drop the --moe-* flags "
-              "and --num-experts (every layer has a dense MLP)",
 }
 
 
