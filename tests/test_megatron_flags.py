@@ -153,7 +153,7 @@ def test_the_scripts_mean_what_megatron_means(paths):
 @pytest.mark.parametrize("extra, words", [
     (FP8, ["--fp8-format", "FP8"]),
     ("--context-parallel-size 2", ["--context-parallel-size 2", "context parallelism"]),
-    ("--expert-model-parallel-size 2", ["--expert-model-parallel-size 2", "expert parallelism"]),
+    ("--expert-model-parallel-size 2", ["--expert-model-parallel-size 2", "every rank holds all experts"]),
 ], ids=["fp8", "context-parallel", "expert-parallel"])
 @pytest.mark.parametrize("name, flag_set, world_size", SCRIPTS, ids=[s[0] for s in SCRIPTS])
 def test_missing_features_stop_with_one_sentence(name, flag_set, world_size, extra, words, paths):

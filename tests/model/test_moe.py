@@ -245,7 +245,7 @@ def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 1, ["sinkhorn"]),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, ["--num-experts with "
                                                                        "--tensor-model-parallel-size 2"]),
-    (["--expert-model-parallel-size", "2"], 1, ["--expert-model-parallel-size 2", "expert parallelism"]),
+    (["--expert-model-parallel-size", "2"], 1, ["--expert-model-parallel-size 2", "every rank holds all experts"]),
 ], ids=["no-experts", "topk", "topk1-softmax", "bias-softmax", "groups-divide", "groups-pair", "freq-length",
         "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "ep"])
 def test_moe_flags_refuse_bad_combinations_in_one_sentence(flags, world_size, words):
