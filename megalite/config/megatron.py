@@ -63,6 +63,15 @@ COMPAT_FLAGS = [
                refused="--context-parallel-size {value} asks for context parallelism, which megalite does not "
                        "have; split long sequences with --tensor-model-parallel-size and --sequence-parallel "
                        "instead (or pass 1)"),
+    CompatFlag("--moe-router-dtype", "megalite's router computes its logits and probabilities in fp32",
+               takes_value=True, allowed=("fp32",),
+               refused="--moe-router-dtype {value} is not built: megalite's router computes in fp32; drop the "
+                       "flag (or pass fp32)"),
+    CompatFlag("--moe-token-dispatcher-type", "every rank holds all experts, so tokens go to them in place",
+               takes_value=True, allowed=("allgather", "alltoall"),
+               refused="--moe-token-dispatcher-type {value} is not built (every rank holds all experts, so tokens "
+                       "go to them in place); drop the flag (or pass allgather or alltoall)"),
+    CompatFlag("--moe-permute-fusion", _FUSION),
     CompatFlag("--expert-model-parallel-size", "megalite has no expert parallelism yet (every rank holds all "
                                                "experts); 1 is accepted",
                takes_value=True, allowed=("1",),
@@ -74,6 +83,8 @@ COMPAT_FLAGS = [
 REFUSED_PREFIXES = {
     "--fp8": "{flag} asks for FP8 training, which megalite does not have; drop the --fp8-* flags "
              "(--bf16 is the lowest precision megalite trains in)",
+    "--moe-": "{flag} is a Megatron MoE option megalite does not build; drop it (docs/training.md lists the "
+              "--moe-* flags megalite has)",
 }
 
 

@@ -245,9 +245,13 @@ def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 1, ["sinkhorn"]),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, ["--num-experts with "
                                                                        "--tensor-model-parallel-size 2"]),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type flex is not "
+                                                                          "built"]),
+    (["--num-experts", "4", "--moe-router-fusion"], 1, ["--moe-router-fusion is a Megatron MoE option megalite "
+                                                         "does not build"]),
     (["--expert-model-parallel-size", "2"], 1, ["--expert-model-parallel-size 2", "every rank holds all experts"]),
 ], ids=["no-experts", "topk", "topk1-softmax", "bias-softmax", "groups-divide", "groups-pair", "freq-length",
-        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "ep"])
+        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "flex", "unknown-moe", "ep"])
 def test_moe_flags_refuse_bad_combinations_in_one_sentence(flags, world_size, words):
     with pytest.raises(UserError) as err:
         parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", *flags], world_size)
@@ -264,7 +268,8 @@ def test_moe_flags_parse_with_megatron_s_names_and_defaults():
                       "--moe-shared-expert-intermediate-size", "128", "--moe-shared-expert-gate",
                       "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy", "position",
                       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
-                      "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "1"])
+                      "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "1",
+                      "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion"])
     model = run.model
     assert [model.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert (model.num_experts, model.moe_router_topk, model.moe_router_bias_update_rate) == (8, 2, 1e-3)
