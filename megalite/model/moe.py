@@ -24,7 +24,9 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.kernels.swiglu import swiglu
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.layers import init_full_tensor, mark_parameter
+from megalite.tensor_parallel.comm import (divide, gather_from_sequence_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.layers import init_full_tensor, mark_parameter, shard_full_tensor, tensor_parallel_group
 
 
 class AuxLossInjector(torch.autograd.Function):
@@ -143,13 +145,16 @@ def _in_backward() -> bool:
 class Router(nn.Module):
     """The gate `[E, h]` (its logits in fp32, Megatron's --moe-router-dtype fp32), top-k routing, capacity,
     the balancing losses and the expert bias. Holds `aux_loss_scale`, set by `set_aux_loss_scale`, and the
-    statistics `take_moe_statistics` reads."""
+    statistics `take_moe_statistics` reads. Under TP each of the `tp_size` ranks routes the same tokens and
+    injects 1/tp_size of the losses' gradient: its weight grads are summed over TP."""
 
-    def __init__(self, config: ModelConfig):
+    def __init__(self, config: ModelConfig, tp_size: int = 1):
         super().__init__()
-        self.config = config
+        self.config, self.tp_size = config, tp_size
         experts = config.num_experts
-        self.weight = mark_parameter(nn.Parameter(torch.empty(experts, config.hidden_size)), False)
+        # Under TP every rank routes all tokens, and its weight grad is that rank's partial sum (summed over TP).
+        self.weight = mark_parameter(nn.Parameter(torch.empty(experts, config.hidden_size)), False,
+                                     sequence_parallel=True)
         self.aux_loss_scale = 1.0
         biased = config.moe_router_enable_expert_bias
         # fp32 whatever the model's dtype (see _apply), checkpointed; its counts are the step's only.
@@ -183,7 +188,7 @@ class Router(nn.Module):
         counting = self.training and torch.is_grad_enabled() and not _in_backward()
         if config.moe_z_loss_coeff and self.training:
             z_loss = router_z_loss(logits) * config.moe_z_loss_coeff
-            logits = AuxLossInjector.apply(logits, z_loss, self.aux_loss_scale)
+            logits = AuxLossInjector.apply(logits, z_loss, self.aux_loss_scale / self.tp_size)
             if counting:
                 self.loss_sums["z_loss"] += z_loss.detach()
         probs, routing_map = topk_routing(
@@ -204,7 +209,7 @@ class Router(nn.Module):
                                                 config.moe_pad_expert_input_to_capacity)
         if config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0 and self.training:
             aux_loss = self.balancing_loss(logits, seq_length) * config.moe_aux_loss_coeff
-            probs = AuxLossInjector.apply(probs, aux_loss, self.aux_loss_scale)
+            probs = AuxLossInjector.apply(probs, aux_loss, self.aux_loss_scale / self.tp_size)
             if counting:
                 self.loss_sums["load_balancing_loss"] += aux_loss.detach()
         return probs, routing_map
@@ -224,25 +229,35 @@ class Router(nn.Module):
 
 class ExpertLinear(nn.Module):
     """`num_experts` linear layers stacked: weight `[E, out, in]`, bias `[E, out]`; rows `[n, in]` grouped by
-    expert (`counts` `[E]` rows each) -> `[n, out]` without the bias (`bias_rows` gives it), by a loop over
-    experts (the reference) or one `torch._grouped_mm` (the same bits in fp32, bf16 and fp16). Under TP each
-    expert would split along `partition_dim` as the dense MLP's fc1 (1, in `output_chunks` blocks) or fc2 (2)."""
+    expert (`counts` `[E]` rows each) -> `[n, out]` without the bias, by a loop over experts (the reference) or
+    one `torch._grouped_mm` (the same bits in fp32, bf16 and fp16). Under TP each expert splits as the dense
+    MLP's layers do, along `partition_dim`: fc1's rows (1, in `output_chunks` blocks) or fc2's columns (2)."""
 
     def __init__(self, num_experts: int, input_size: int, output_size: int, *, bias: bool, init_std: float,
-                 partition_dim: int, output_chunks: int = 1, grouped: bool = False):
+                 partition_dim: int, output_chunks: int = 1, grouped: bool = False,
+                 parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.init_std, self.grouped, self.output_chunks = init_std, grouped, output_chunks
-        self.partition_dim = partition_dim
-        self.weight = mark_parameter(nn.Parameter(torch.empty(num_experts, output_size, input_size)), True,
-                                     partition_dim, partition_chunks=output_chunks)
+        self.partition_dim, self.tp_rank, self.tp_size = partition_dim, parallel.tp_rank, parallel.tp_size
+        self.full_shape = (num_experts, output_size, input_size)
+        local = list(self.full_shape)
+        local[partition_dim] = divide(local[partition_dim], self.tp_size, "expert size")
+        self.weight = mark_parameter(nn.Parameter(torch.empty(local)), True, partition_dim,
+                                     partition_chunks=output_chunks)
         self.bias = None
-        if bias:  # fc1's bias splits with its rows; fc2's is whole on every rank (added after the TP sum)
-            self.bias = mark_parameter(nn.Parameter(torch.empty(num_experts, output_size)), partition_dim == 1, 1,
-                                       partition_chunks=output_chunks)
+        if bias:  # fc1's splits with its rows; fc2's is whole, applied by the MoE layer after the TP sum
+            if partition_dim == 1:
+                self.bias = mark_parameter(nn.Parameter(torch.empty(local[:2])), True, 1,
+                                           partition_chunks=output_chunks)
+            else:
+                self.bias = mark_parameter(nn.Parameter(torch.empty(num_experts, output_size)), False,
+                                           sequence_parallel=True)
 
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
-            self.weight.copy_(init_full_tensor(tuple(self.weight.shape), self.init_std, seed, f"{prefix}.weight"))
+            full = init_full_tensor(self.full_shape, self.init_std, seed, f"{prefix}.weight")
+            self.weight.copy_(shard_full_tensor(full, self.partition_dim, self.tp_rank, self.tp_size,
+                                                self.output_chunks))
             if self.bias is not None:
                 self.bias.zero_()
 
@@ -254,18 +269,16 @@ class ExpertLinear(nn.Module):
         chunks = x.split(counts.tolist())
         return torch.cat([F.linear(chunk, self.weight[e]) for e, chunk in enumerate(chunks)])
 
-    def bias_rows(self, counts: torch.Tensor, rows: int) -> torch.Tensor:
-        """Each row's expert's bias `[n, out]`."""
-        return self.bias.repeat_interleave(counts, dim=0, output_size=rows)
-
 
 class Experts(nn.Module):
     """The routed experts, each an MLP like the dense one (fc1 `[gate; up]` with SwiGLU, else GELU), on tokens
-    grouped by expert `[n, h]`. A token's routing prob multiplies its intermediate activation before fc2
-    (Megatron), and fc2's bias, so an expert's output is prob x MLP(x), Hugging Face's form. `output_std`: fc2's
-    init std (the residual projections')."""
+    grouped by expert `[n, h]`; under TP each rank's part of every expert, whose outputs are partial sums. A
+    token's routing prob multiplies its intermediate activation before fc2 (Megatron). fc2's bias is the MoE
+    layer's to add (prob x bias, so an expert's output is prob x MLP(x), Hugging Face's form). `output_std`:
+    fc2's init std (the residual projections')."""
 
-    def __init__(self, config: ModelConfig, output_std: float, kernels: str = "auto"):
+    def __init__(self, config: ModelConfig, output_std: float, kernels: str = "auto",
+                 parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.swiglu, self.kernels = config.swiglu, kernels
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
@@ -273,39 +286,43 @@ class Experts(nn.Module):
         chunks = 2 if config.swiglu else 1
         self.linear_fc1 = ExpertLinear(experts, config.hidden_size, ffn * chunks, bias=config.add_bias_linear,
                                        init_std=config.init_method_std, partition_dim=1, output_chunks=chunks,
-                                       grouped=config.moe_grouped_gemm)
+                                       grouped=config.moe_grouped_gemm, parallel=parallel)
         self.linear_fc2 = ExpertLinear(experts, ffn, config.hidden_size, bias=config.add_bias_linear,
-                                       init_std=output_std, partition_dim=2, grouped=config.moe_grouped_gemm)
+                                       init_std=output_std, partition_dim=2, grouped=config.moe_grouped_gemm,
+                                       parallel=parallel)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """tokens `[n, h]` grouped by expert, `counts` `[E]`, probs `[n]` fp32 -> `[n, h]`."""
-        fc1, fc2, rows, probs = self.linear_fc1, self.linear_fc2, len(tokens), probs.unsqueeze(-1)
+        """tokens `[n, h]` grouped by expert, `counts` `[E]`, probs `[n]` fp32 -> `[n, h]`, without fc2's bias."""
+        fc1 = self.linear_fc1
         x = fc1(tokens, counts)
         if fc1.bias is not None:
-            x = x + fc1.bias_rows(counts, rows)
+            x = x + fc1.bias.repeat_interleave(counts, dim=0, output_size=len(tokens))
         x = swiglu(x, self.kernels) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)
-        out = fc2((x * probs).to(tokens.dtype), counts)
-        if fc2.bias is not None:
-            out = out + (fc2.bias_rows(counts, rows) * probs).to(out.dtype)
-        return out
+        return self.linear_fc2((x * probs.unsqueeze(-1)).to(tokens.dtype), counts)
 
 
 class MoELayer(nn.Module):
     """Route -> dispatch -> experts -> combine, plus `shared_experts` (a dense MLP every token goes through,
-    gated by sigmoid(x w) with --moe-shared-expert-gate): `[s, b, h]` -> `[s, b, h]`. `output_std`: the init
-    std of the experts' fc2 (the residual projections')."""
+    gated by sigmoid(x w) with --moe-shared-expert-gate): `[s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under SP).
+    `output_std`: the init std of the experts' fc2 (the residual projections').
+
+    Under TP (with SP, Megatron's allgather dispatcher): the tokens are all-gathered over TP, every rank routes
+    all of them alike (the single-process routing, capacity and losses), each runs its part of every expert,
+    and the partial outputs are reduce-scattered back to each rank's tokens. The router's gradient is then a
+    partial sum per rank, summed over TP as the SP-replicated parameters' are."""
 
     def __init__(self, config: ModelConfig, output_std: float, parallel: ParallelState = ONE_PROCESS,
                  kernels: str = "auto", shared_experts: nn.Module | None = None):
         super().__init__()
-        assert parallel.tp_size == 1, "MoE layers run at TP 1 (RunConfig.validate refuses more)"
-        self.config = config
-        self.router = Router(config)
-        self.experts = Experts(config, output_std, kernels)
+        assert parallel.tp_size == 1 or parallel.sequence_parallel, "MoE under TP needs SP (RunConfig.validate)"
+        self.config, self.parallel, self.tp_group = config, parallel, tensor_parallel_group(parallel)
+        self.router = Router(config, parallel.tp_size)
+        self.experts = Experts(config, output_std, kernels, parallel)
         self.shared_experts = shared_experts
         self.shared_expert_gate = None
         if config.moe_shared_expert_gate:
-            self.shared_expert_gate = mark_parameter(nn.Parameter(torch.empty(1, config.hidden_size)), False)
+            self.shared_expert_gate = mark_parameter(nn.Parameter(torch.empty(1, config.hidden_size)), False,
+                                                     sequence_parallel=True)
 
     def init_weights(self, seed: int, prefix: str) -> None:
         if self.shared_expert_gate is not None:
@@ -315,22 +332,29 @@ class MoELayer(nn.Module):
                                                                f"{prefix}.shared_expert_gate"))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        s, b, h = hidden.shape
-        tokens = hidden.reshape(s * b, h)
-        probs, routing_map = self.router(tokens, s)  # [t, E]
+        local_tokens = hidden.reshape(-1, hidden.shape[-1])  # [t/tp, h] under SP
+        everyone = gather_from_sequence_parallel_region(hidden, self.tp_group)  # [s, b, h]
+        s, b, h = everyone.shape
+        tokens = everyone.reshape(s * b, h)
+        probs, routing_map = self.router(tokens, s)  # [t, E], alike on every TP rank
         # Dispatch: token ids in (expert, token) order, each expert's rows contiguous.
         by_expert = routing_map.t()  # [E, t]
         token_ids = torch.arange(s * b, device=hidden.device).expand_as(by_expert).masked_select(by_expert)
         counts = by_expert.sum(dim=1)
         expert_out = self.experts(tokens[token_ids], counts, probs.t().masked_select(by_expert))
-        # Combine: each token's expert outputs summed in token order.
-        output = torch.zeros_like(tokens).index_add(0, token_ids, expert_out)
+        # Combine: each token's expert outputs summed in token order (partial sums over TP, then summed).
+        output = torch.zeros_like(tokens).index_add(0, token_ids, expert_out).view(s, b, h)
+        output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group).view(-1, h)
+        fc2_bias = self.experts.linear_fc2.bias
+        if fc2_bias is not None:  # sum_e prob_e x bias_e of this rank's tokens
+            mine = probs.view(s, b, -1).chunk(self.parallel.tp_size)[self.parallel.tp_rank].reshape(len(output), -1)
+            output = output + (mine @ fc2_bias.float()).to(output.dtype)
         if self.shared_experts is not None:
-            shared = self.shared_experts(hidden).view(s * b, h)
+            shared = self.shared_experts(hidden).view(-1, h)
             if self.shared_expert_gate is not None:
-                shared = torch.sigmoid(F.linear(tokens, self.shared_expert_gate)) * shared
+                shared = torch.sigmoid(F.linear(local_tokens, self.shared_expert_gate)) * shared
             output = output + shared
-        return output.view(s, b, h)
+        return output.view(hidden.shape)
 
 
 def moe_routers(model: nn.Module) -> list[Router]:

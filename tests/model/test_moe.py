@@ -26,8 +26,8 @@ LOGITS = torch.tensor([[2.0, 1.0, 0.0, -1.0],
 
 def moe_config(**overrides) -> ModelConfig:
     values = dict(num_layers=2, hidden_size=16, num_attention_heads=2, seq_length=8, vocab_size=64,
-                  num_experts=4, ffn_hidden_size=32, moe_ffn_hidden_size=8, swiglu=True, add_bias_linear=False, hidden_dropout=0.0,
-                  attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm")
+                  num_experts=4, ffn_hidden_size=32, moe_ffn_hidden_size=8, swiglu=True, add_bias_linear=False,
+                  hidden_dropout=0.0, attention_dropout=0.0, position_embedding_type="rope", normalization="RMSNorm")
     return ModelConfig.of(**{**values, **overrides}).validate()
 
 
@@ -219,6 +219,26 @@ def test_moe_layer_equals_hugging_face_blocks(kind):
     assert (got - expected).abs().max() <= 1e-6 * expected.abs().max()
 
 
+@pytest.mark.parametrize("grouped", [False, True], ids=["loop", "grouped"])
+def test_moe_layer_with_biases_and_gelu_is_the_prob_weighted_sum_of_its_experts(grouped):
+    config = moe_config(swiglu=False, add_bias_linear=True, moe_ffn_hidden_size=16, moe_grouped_gemm=grouped)
+    layer = MoELayer(config, 0.02)
+    generator = torch.Generator().manual_seed(8)
+    with torch.no_grad():
+        for param in layer.parameters():
+            param.copy_(0.5 * torch.randn(param.shape, generator=generator))
+    hidden = torch.randn(4, 2, 16, generator=generator)
+    tokens = hidden.reshape(8, 16)
+    probs, routing_map = topk_routing(F.linear(tokens, layer.router.weight), 2)
+    fc1, fc2 = layer.experts.linear_fc1, layer.experts.linear_fc2
+    expected = torch.zeros_like(tokens)
+    for t in range(8):
+        for e in routing_map[t].nonzero().flatten().tolist():
+            mlp = F.linear(F.gelu(F.linear(tokens[t], fc1.weight[e], fc1.bias[e])), fc2.weight[e], fc2.bias[e])
+            expected[t] += probs[t, e] * mlp
+    torch.testing.assert_close(layer(hidden).reshape(8, 16), expected)
+
+
 def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
     from megalite.config.model import num_parameters
     config = moe_config(num_layers=4, moe_layer_freq="([0]*1+[1]*3)", moe_shared_expert_intermediate_size=8,
@@ -243,8 +263,8 @@ def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
     (["--num-experts", "4", "--moe-pad-expert-input-to-capacity"], 1, ["needs --moe-expert-capacity-factor"]),
     (["--num-experts", "4", "--moe-shared-expert-gate"], 1, ["--moe-shared-expert-intermediate-size"]),
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 1, ["sinkhorn"]),
-    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, ["--num-experts with "
-                                                                       "--tensor-model-parallel-size 2"]),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, ["--num-experts with --tensor-model-parallel"
+                                                                       "-size 2 needs --sequence-parallel"]),
     (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type flex is not "
                                                                           "built"]),
     (["--num-experts", "4", "--moe-router-fusion"], 1, ["--moe-router-fusion is a Megatron MoE option megalite "
