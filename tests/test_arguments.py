@@ -118,7 +118,7 @@ REJECTED = [
     (["--train-iter", "5"], 1, ["unknown flag --train-iter", "did you mean --train-iters?"]),
     (["--seq-len", "5"], 1, ["unknown flag --seq-len", "--seq-length"]),
     (["--fp8-format", "hybrid"], 1, ["--fp8-format", "FP8"]),
-    (["--num-experts", "8"], 1, ["--num-experts", "mixture-of-experts"]),
+    (["--moe-router-topk", "4"], 1, ["--moe-router-topk", "need --num-experts"]),
     (["--lr", "fast"], 1, ["--lr", "invalid float value"]),
     (["--train-iters", "0"], 1, ["--train-iters must be at least 1"]),
     (["--bf16", "--fp16"], 1, ["--bf16 and --fp16 both given; pick one"]),

@@ -153,9 +153,8 @@ def test_the_scripts_mean_what_megatron_means(paths):
 @pytest.mark.parametrize("extra, words", [
     (FP8, ["--fp8-format", "FP8"]),
     ("--context-parallel-size 2", ["--context-parallel-size 2", "context parallelism"]),
-    ("--num-experts 8", ["--num-experts", "mixture-of-experts"]),
-    ("--moe-router-topk 2", ["--moe-router-topk", "mixture-of-experts"]),
-], ids=["fp8", "context-parallel", "experts", "moe"])
+    ("--expert-model-parallel-size 2", ["--expert-model-parallel-size 2", "every rank holds all experts"]),
+], ids=["fp8", "context-parallel", "expert-parallel"])
 @pytest.mark.parametrize("name, flag_set, world_size", SCRIPTS, ids=[s[0] for s in SCRIPTS])
 def test_missing_features_stop_with_one_sentence(name, flag_set, world_size, extra, words, paths):
     argv = _argv(flag_set, paths) + shlex.split(extra) + ["--dry-run", "--world-size", str(world_size)]

@@ -133,7 +133,11 @@ def file_problem(path: str, metadata: dict) -> str | None:
 
 # Fields that change no weight and no arithmetic: a resumed run may change them.
 _FREE_FIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "hidden_dropout",
-                "attention_dropout", "z_loss_weight", "fused_output_cross_entropy"}
+                "attention_dropout", "z_loss_weight", "fused_output_cross_entropy", "moe_grouped_gemm",
+                "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"}
+# A field a checkpoint's config predates had its default then.
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)
+             if field.default is not dataclasses.MISSING}
 # The context length and rope's frequencies change no weight's shape, only the arithmetic: a new run from the
 # weights (--finetune, continued pretraining at a longer context) may change them, a resume may not.
 _CONTEXT_FIELDS = ("seq_length", "rotary_base", "use_rope_scaling", "rope_scaling_factor")
@@ -157,6 +161,7 @@ def check_model_config(saved: dict, current: ModelConfig, path: str, finetune: b
         free |= {"vocab_size", "tokenizer_vocab_size"}
     if saved["position_embedding_type"] == now["position_embedding_type"] == "rope":
         free.add("max_position_embeddings")  # rotary positions have no table: a stated limit, no weights
+    saved = {**{key: value for key, value in _DEFAULTS.items() if key in now}, **saved}
     differing = [key for key in sorted(set(saved) | set(now))
                  if key not in free and saved.get(key, "<absent>") != now.get(key, "<absent>")]
     if not differing:

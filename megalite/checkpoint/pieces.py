@@ -1,6 +1,7 @@
 """Piece geometry: what a process holds, as pieces of global tensors, so that any other layout
 finds the parts it needs."""
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -48,36 +49,47 @@ def tensor_parallel_pieces(tensor: torch.Tensor, param, tp_rank: int, tp_size: i
 
 
 def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_size: int) -> list[Piece]:
-    """`values`, `param`'s local flat elements `[start, start + len)` (a distributed-optimizer range), as
-    at most three rectangles (a partial first row, whole rows, a partial last row) of the global tensor."""
-    shape = tuple(param.shape)
+    """`values`, `param`'s local flat elements `[start, start + len)` (a distributed-optimizer range), as boxes
+    of the global tensor: along each dimension at most a partial first block, whole blocks and a partial last
+    block (2-D: a partial first row, whole rows, a partial last row)."""
+    return [piece for region, offsets in _flat_boxes(values, tuple(param.shape), start)
+            for piece in tensor_parallel_pieces(region, param, tp_rank, tp_size, offsets)]
+
+
+def _flat_boxes(values: torch.Tensor, shape: tuple[int, ...], start: int) -> list[tuple[torch.Tensor, tuple]]:
+    """(view of `values`, its offsets) boxes covering the flat elements `[start, start + len)` of a C-ordered
+    tensor of `shape`."""
     if len(shape) == 1:
-        return tensor_parallel_pieces(values, param, tp_rank, tp_size, (start,))
-    if len(shape) != 2:
-        raise ValueError(f"flat ranges of {len(shape)}-D parameters are not supported (shape {list(shape)})")
-    row = shape[1]
-    end, pieces, cursor = start + values.numel(), [], start
+        return [(values, (start,))]
+    inner = math.prod(shape[1:])
+    end, boxes, cursor = start + values.numel(), [], start
     while cursor < end:
-        first_row, column = divmod(cursor, row)
-        if column or end - cursor < row:  # a partial row
-            stop = min(end, (first_row + 1) * row)
-            region, offsets = values[cursor - start:stop - start].view(1, stop - cursor), (first_row, column)
-        else:  # whole rows
-            stop = (end // row) * row
-            region, offsets = values[cursor - start:stop - start].view(-1, row), (first_row, 0)
-        pieces += tensor_parallel_pieces(region, param, tp_rank, tp_size, offsets)
+        block, within = divmod(cursor, inner)
+        if within or end - cursor < inner:  # part of one block: its own boxes, one block deep
+            stop = min(end, (block + 1) * inner)
+            boxes += [(region.unsqueeze(0), (block, *offsets))
+                      for region, offsets in _flat_boxes(values[cursor - start:stop - start], shape[1:], within)]
+        else:  # whole blocks
+            stop = (end // inner) * inner
+            boxes.append((values[cursor - start:stop - start].view(-1, *shape[1:]), (block,) + (0,) * len(shape[1:])))
         cursor = stop
-    return pieces
+    return boxes
 
 
-def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shards=None) -> dict[str, list[Piece]]:
+def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shards=None,
+                 buffers: bool = True) -> dict[str, list[Piece]]:
     """Every tensor of `model.state_dict()` (global names) as pieces of views of the live tensors; under
-    ZeRO-3 (`param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards."""
-    if param_shards is not None:
-        names, shards = {id(param): name for name, param in model.named_parameters()}, param_shards
-        return {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
-                                                    tp_size) for _, param, (start, end), _ in shards.buffer.owned()}
+    ZeRO-3 (`param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards, and the
+    buffers (an MoE router's expert bias), which every rank holds whole, unless `buffers` is False."""
     params = dict(model.named_parameters())
+    if param_shards is not None:
+        names, shards = {id(param): name for name, param in params.items()}, param_shards
+        pieces = {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
+                                                      tp_size) for _, param, (start, end), _ in shards.buffer.owned()}
+        if buffers:
+            pieces.update({name: [Piece.full(tensor)] for name, tensor in model.state_dict().items()
+                           if name not in params})
+        return pieces
     return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
             for name, tensor in model.state_dict().items()}
 

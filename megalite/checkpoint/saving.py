@@ -70,7 +70,8 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
         optim_meta, holds["optimizer"] = optim_state["meta"], list(optim_state["tensors"])
         optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
             optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
-    model_part = {} if replica and param_shards is None else model_pieces(model, tp_rank, tp_size, param_shards)
+    model_part = {} if replica and param_shards is None else model_pieces(model, tp_rank, tp_size, param_shards,
+                                                                          buffers=not replica)
     report = {"holds": holds}
     step("write its files", lambda: report.update(write_rank_files(staging, rank, model_part, optim_pieces)))
     reports = gather(report)  # one gather of small metadata: file names, sizes, piece places

@@ -63,20 +63,28 @@ COMPAT_FLAGS = [
                refused="--context-parallel-size {value} asks for context parallelism, which megalite does not "
                        "have; split long sequences with --tensor-model-parallel-size and --sequence-parallel "
                        "instead (or pass 1)"),
-    CompatFlag("--expert-model-parallel-size", "megalite has no mixture-of-experts layers; 1 is accepted",
+    CompatFlag("--moe-router-dtype", "megalite's router computes its logits and probabilities in fp32",
+               takes_value=True, allowed=("fp32",),
+               refused="--moe-router-dtype {value} is not built: megalite's router computes in fp32; drop the "
+                       "flag (or pass fp32)"),
+    CompatFlag("--moe-token-dispatcher-type", "every rank holds all experts, so tokens go to them in place",
+               takes_value=True, allowed=("allgather", "alltoall"),
+               refused="--moe-token-dispatcher-type {value} is not built (every rank holds all experts, so tokens "
+                       "go to them in place); drop the flag (or pass allgather or alltoall)"),
+    CompatFlag("--moe-permute-fusion", _FUSION),
+    CompatFlag("--expert-model-parallel-size", "megalite has no expert parallelism yet (every rank holds all "
+                                               "experts); 1 is accepted",
                takes_value=True, allowed=("1",),
-               refused="--expert-model-parallel-size {value} asks for expert parallelism, but megalite has no "
-                       "mixture-of-experts layers; drop it (or pass 1)"),
+               refused="--expert-model-parallel-size {value} asks for expert parallelism, which megalite does not "
+                       "have yet (every rank holds all experts); drop it (or pass 1)"),
 ]
 
 # Flag families megalite refuses whatever their spelling: prefix -> the one sentence.
 REFUSED_PREFIXES = {
     "--fp8": "{flag} asks for FP8 training, which megalite does not have; drop the --fp8-* flags "
              "(--bf16 is the lowest precision megalite trains in)",
-    "--num-experts": "{flag} asks for mixture-of-experts layers, which megalite does not have; drop it and the "
-                     "--moe-* flags (every layer has a dense MLP)",
-    "--moe-": "{flag} configures mixture-of-experts layers, which megalite does not have; drop the --moe-* flags "
-              "and --num-experts (every layer has a dense MLP)",
+    "--moe-": "{flag} is a Megatron MoE option megalite does not build; drop it (docs/training.md lists the "
+              "--moe-* flags megalite has)",
 }
 
 

@@ -1,10 +1,11 @@
 """ModelConfig, one model's shape with Megatron-LM's names. `vocab_size` is the *padded* vocabulary;
 the rows past `tokenizer_vocab_size` are padding that never reaches the loss."""
 
+import ast
 import math
 from dataclasses import MISSING, dataclass, replace
 
-from megalite.config.options import derived, option
+from megalite.config.options import derived, option, option_fields
 from megalite.errors import UserError
 
 POSITION_EMBEDDING_TYPES = ("learned_absolute", "rope")
@@ -14,6 +15,10 @@ RECOMPUTE_GRANULARITIES = (None, "full", "selective")
 # is trained, not what it is.
 REGULARIZATION, INITIALIZATION, TRAINING = "regularization", "initialization", "training"
 RECOMPUTE_METHODS = ("uniform", "block")
+MOE = "moe"  # the --help group of the mixture-of-experts options (Megatron's)
+MOE_SCORE_FUNCTIONS = ("softmax", "sigmoid")
+MOE_LOAD_BALANCING_TYPES = ("aux_loss", "seq_aux_loss", "global_aux_loss", "none")
+MOE_TOKEN_DROP_POLICIES = ("probs", "position")
 
 
 def rotary_dim(head_dim: int, rotary_percent: float = 1.0) -> int:
@@ -76,6 +81,53 @@ class ModelConfig:
     fused_output_cross_entropy: bool = option(False, "output layer + loss in token chunks, never the full "
                                                      "logits (TP = 1); costs one more output-layer matmul",
                                               group=TRAINING)
+    num_experts: int | None = option(None, "routed experts per MoE layer", default_text="none: dense MLPs only",
+                                     group=MOE)
+    moe_layer_freq: str | int = option(1, "which layers are MoE layers: N (every N-th, from layer 0) or a "
+                                          "Python-style list of 0/1 per layer such as \"([0]*3+[1]*29)\"", group=MOE)
+    moe_ffn_hidden_size: int | None = option(None, "each routed expert's hidden size",
+                                             default_text="--ffn-hidden-size", group=MOE)
+    moe_router_topk: int = option(2, "experts each token is routed to", group=MOE)
+    moe_router_score_function: str = option("softmax", "router score: softmax (top-k on the logits, then a "
+                                                       "softmax over the k) or sigmoid (normalised over the k)",
+                                            choices=MOE_SCORE_FUNCTIONS, group=MOE)
+    moe_router_pre_softmax: bool = option(False, "softmax over all experts before top-k, not renormalised "
+                                                 "(Qwen2-MoE, OLMoE)", group=MOE)
+    moe_router_topk_scaling_factor: float | None = option(None, "multiply the top-k routing probabilities by this",
+                                                          group=MOE)
+    moe_router_num_groups: int | None = option(None, "group-limited routing: expert groups (equal, consecutive)",
+                                               group=MOE)
+    moe_router_group_topk: int | None = option(None, "group-limited routing: groups each token may use, picked "
+                                                     "by the sum of each group's top topk/group-topk scores",
+                                               group=MOE)
+    moe_router_load_balancing_type: str = option("aux_loss", "load-balancing loss: aux_loss (GShard/Switch, over "
+                                                             "the micro-batch), seq_aux_loss (per sequence, "
+                                                             "DeepSeek-V2), global_aux_loss (over the micro-batch on "
+                                                             "one process) or none",
+                                                 choices=MOE_LOAD_BALANCING_TYPES, group=MOE)
+    moe_aux_loss_coeff: float = option(0.0, "weight of the load-balancing loss (1e-2 is common)", group=MOE)
+    moe_z_loss_coeff: float | None = option(None, "weight of the router z-loss (ST-MoE; 1e-3 is common)",
+                                            default_text="none", group=MOE)
+    moe_router_enable_expert_bias: bool = option(False, "aux-loss-free balancing (DeepSeek-V3): a per-expert bias "
+                                                        "added to the scores for the top-k choice only, moved after "
+                                                        "each step towards the mean load (sigmoid scores)", group=MOE)
+    moe_router_bias_update_rate: float = option(1e-3, "with --moe-router-enable-expert-bias: the bias step",
+                                                group=MOE)
+    moe_grouped_gemm: bool = option(False, "all experts' matmuls as one torch._grouped_mm (else a loop over "
+                                           "experts, the reference; the same bits)", group=MOE)
+    moe_shared_expert_intermediate_size: int | None = option(None, "hidden size of the shared experts (their "
+                                                                   "total), which see every token",
+                                                             default_text="none", group=MOE)
+    moe_shared_expert_gate: bool = option(False, "scale the shared experts' output by sigmoid(x w) (Qwen2-MoE)",
+                                          group=MOE)
+    moe_expert_capacity_factor: float | None = option(None, "each expert takes at most ceil(tokens x topk / "
+                                                            "experts x this) tokens and drops the rest",
+                                                      default_text="none: dropless", group=MOE)
+    moe_token_drop_policy: str = option("probs", "with a capacity: drop the lowest-probability tokens (probs) or "
+                                                 "the last ones (position)", choices=MOE_TOKEN_DROP_POLICIES,
+                                        group=MOE)
+    moe_pad_expert_input_to_capacity: bool = option(False, "with a capacity: pad each expert's tokens to it",
+                                                    group=MOE)
 
     @classmethod
     def of(cls, **values) -> "ModelConfig":
@@ -103,6 +155,15 @@ class ModelConfig:
     def query_groups(self) -> int:
         """Key/value heads: `--num-query-groups`, or one per query head."""
         return self.num_query_groups or self.num_attention_heads
+
+    @property
+    def expert_ffn_hidden_size(self) -> int:
+        """Each routed expert's hidden size: `--moe-ffn-hidden-size`, or `--ffn-hidden-size`."""
+        return self.moe_ffn_hidden_size or self.ffn_hidden_size
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        """Whether global layer `layer_id` holds the MoE layer (else the dense MLP), per --moe-layer-freq."""
+        return self.num_experts is not None and moe_layer_pattern(self.moe_layer_freq, self.num_layers)[layer_id]
 
     @property
     def real_vocab_size(self) -> int:
@@ -168,7 +229,80 @@ class ModelConfig:
             raise UserError(f"--recompute-granularity {self.recompute_granularity!r} is unknown; "
                             f"use full or selective")
         self._validate_recompute_method()
+        self._validate_moe()
         return self
+
+    def _validate_moe(self) -> None:
+        """Megatron's MoE rules, each once; a --moe-* option without --num-experts is refused, not ignored."""
+        moe_fields = [field for field, spec in option_fields(ModelConfig) if spec.group == MOE]
+        if self.num_experts is None:
+            # str(): --moe-layer-freq comes as a string from the command line.
+            given = [field for field in moe_fields if str(getattr(self, field.name)) != str(field.default)]
+            if given:
+                flag = "--" + given[0].name.replace("_", "-")
+                raise UserError(f"{flag} configures mixture-of-experts layers, which need --num-experts N; "
+                                f"add it or drop the --moe-* flags")
+            return
+        experts, topk = self.num_experts, self.moe_router_topk
+        for flag, value in [("--num-experts", experts), ("--moe-router-topk", topk),
+                            ("--moe-ffn-hidden-size", self.expert_ffn_hidden_size),
+                            ("--moe-shared-expert-intermediate-size", self.moe_shared_expert_intermediate_size or 1)]:
+            if not isinstance(value, int) or value < 1:
+                raise UserError(f"{flag} must be a positive integer, got {value!r}")
+        if topk > experts:
+            raise UserError(f"--moe-router-topk {topk} exceeds --num-experts {experts}; route to at most "
+                            f"{experts} experts")
+        moe_layer_pattern(self.moe_layer_freq, self.num_layers)  # names --moe-layer-freq when it is wrong
+        score = self.moe_router_score_function
+        for flag, value, known in [("--moe-router-score-function", score, MOE_SCORE_FUNCTIONS),
+                                   ("--moe-router-load-balancing-type", self.moe_router_load_balancing_type,
+                                    MOE_LOAD_BALANCING_TYPES),
+                                   ("--moe-token-drop-policy", self.moe_token_drop_policy, MOE_TOKEN_DROP_POLICIES)]:
+            if value not in known:
+                raise UserError(f"{flag} {value!r} is not built in megalite; use one of {', '.join(known)}")
+        if score == "softmax" and topk == 1 and not self.moe_router_pre_softmax:
+            raise UserError("--moe-router-topk 1 with softmax scores gives every token probability 1 (a softmax "
+                            "over one logit); add --moe-router-pre-softmax")
+        if self.moe_router_pre_softmax and score != "softmax":
+            raise UserError("--moe-router-pre-softmax applies to --moe-router-score-function softmax only; "
+                            "drop one of them")
+        if self.moe_router_enable_expert_bias and score != "sigmoid":
+            raise UserError("--moe-router-enable-expert-bias needs --moe-router-score-function sigmoid")
+        for flag, value in [("--moe-aux-loss-coeff", self.moe_aux_loss_coeff),
+                            ("--moe-z-loss-coeff", self.moe_z_loss_coeff or 0.0),
+                            ("--moe-router-bias-update-rate", self.moe_router_bias_update_rate)]:
+            if not value >= 0:
+                raise UserError(f"{flag} must be 0 or more, got {value}")
+        for flag, value in [("--moe-router-topk-scaling-factor", self.moe_router_topk_scaling_factor),
+                            ("--moe-expert-capacity-factor", self.moe_expert_capacity_factor)]:
+            if value is not None and not value > 0:
+                raise UserError(f"{flag} must be positive, got {value}")
+        self._validate_moe_groups()
+        if self.moe_pad_expert_input_to_capacity and self.moe_expert_capacity_factor is None:
+            raise UserError("--moe-pad-expert-input-to-capacity needs --moe-expert-capacity-factor, the capacity "
+                            "it pads to")
+        if self.moe_shared_expert_gate and self.moe_shared_expert_intermediate_size is None:
+            raise UserError("--moe-shared-expert-gate gates the shared experts, which need "
+                            "--moe-shared-expert-intermediate-size")
+        if self.moe_grouped_gemm and (self.hidden_size % 8 or self.expert_ffn_hidden_size % 8):
+            raise UserError(f"--moe-grouped-gemm needs --hidden-size ({self.hidden_size}) and --moe-ffn-hidden-size "
+                            f"({self.expert_ffn_hidden_size}) to be multiples of 8 (torch._grouped_mm's 16-byte "
+                            f"rows); change them or drop --moe-grouped-gemm")
+
+    def _validate_moe_groups(self) -> None:
+        """Group-limited routing: both flags, groups that split the experts and hold topk experts."""
+        groups, group_topk, topk = self.moe_router_num_groups, self.moe_router_group_topk, self.moe_router_topk
+        if (groups is None) != (group_topk is None):
+            raise UserError("--moe-router-num-groups and --moe-router-group-topk go together; give both or neither")
+        if groups is None:
+            return
+        if groups < 1 or self.num_experts % groups:
+            raise UserError(f"--moe-router-num-groups {groups} does not divide --num-experts {self.num_experts}; "
+                            f"use a group count that divides it")
+        if not 1 <= group_topk <= min(groups, topk) or topk > group_topk * (self.num_experts // groups):
+            raise UserError(f"--moe-router-group-topk {group_topk} must be between 1 and both "
+                            f"--moe-router-num-groups {groups} and --moe-router-topk {topk}, and its groups must "
+                            f"hold at least {topk} experts; pick another group count")
 
     def _validate_recompute_method(self) -> None:
         """Megatron's rules: a method and its layer count go together, only with full granularity (selective
@@ -190,6 +324,42 @@ class ModelConfig:
             raise UserError("--recompute-num-layers needs --recompute-method uniform or block")
         if count is not None and (not isinstance(count, int) or count < 1):
             raise UserError(f"--recompute-num-layers must be a positive integer, got {count!r}")
+
+
+def moe_layer_pattern(freq: int | str, num_layers: int) -> list[bool]:
+    """--moe-layer-freq as one bool per layer (True: MoE): N or "N" is every N-th layer from layer 0; a list
+    string in Megatron's form ("([0]*3+[1]*29)", "[1,0,1,0]") is read without eval, from list literals of 0/1,
+    `*` by an integer and `+` only."""
+    text = str(freq).strip().strip("'\"")  # launch scripts often quote the list twice
+    if text.isdigit():
+        every = int(text)
+        if every < 1:
+            raise UserError(f"--moe-layer-freq must be at least 1, got {every}")
+        return [i % every == 0 for i in range(num_layers)]
+    try:
+        pattern = _layer_list(ast.parse(text, mode="eval").body)
+    except (SyntaxError, ValueError):
+        raise UserError(f"--moe-layer-freq {text!r} is neither an integer nor a list of 0/1 such as "
+                        f"\"([0]*3+[1]*29)\"; pass one of those forms") from None
+    if len(pattern) != num_layers:
+        raise UserError(f"--moe-layer-freq {text!r} gives {len(pattern)} layers but --num-layers is {num_layers}; "
+                        f"give one 0/1 per layer")
+    return [bool(value) for value in pattern]
+
+
+def _layer_list(node: ast.AST) -> list[int]:
+    """The list of 0/1 an expression of list literals, `list * int` and `list + list` means; ValueError else."""
+    if isinstance(node, ast.List) and all(isinstance(item, ast.Constant) and item.value in (0, 1)
+                                          and type(item.value) is int for item in node.elts):
+        return [item.value for item in node.elts]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Add):
+        return _layer_list(node.left) + _layer_list(node.right)
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+        count = node.right if isinstance(node.right, ast.Constant) else node.left
+        items = node.left if count is node.right else node.right
+        if isinstance(count, ast.Constant) and type(count.value) is int and 0 <= count.value <= 100_000:
+            return _layer_list(items) * count.value
+    raise ValueError("not a list of 0/1")
 
 
 def recompute_segments(num_layers: int, method: str | None = None,
@@ -236,13 +406,23 @@ def num_parameters(config: ModelConfig) -> int:
     norm = hidden * per_channel
     qk_norms = 2 * head_dim * per_channel if config.qk_layernorm else 0
     qkv_out = (heads + 2 * groups) * head_dim
-    fc1_out = config.ffn_hidden_size * (2 if config.swiglu else 1)
-    layer = (norm + hidden * qkv_out + qkv_bias * qkv_out + qk_norms  # input norm, QKV, q/k norms
-             + heads * head_dim * hidden + bias * hidden       # attention projection
-             + norm + hidden * fc1_out + bias * fc1_out        # pre-MLP norm, fc1
-             + config.ffn_hidden_size * hidden + bias * hidden)  # fc2
+    attention = (norm + hidden * qkv_out + qkv_bias * qkv_out + qk_norms  # input norm, QKV, q/k norms
+                 + heads * head_dim * hidden + bias * hidden   # attention projection
+                 + norm)                                       # pre-MLP norm
+
+    def mlp(ffn: int) -> int:  # fc1, fc2
+        fc1_out = ffn * (2 if config.swiglu else 1)
+        return hidden * fc1_out + bias * fc1_out + ffn * hidden + bias * hidden
+
+    dense = attention + mlp(config.ffn_hidden_size)
+    layers = dense * config.num_layers
+    if config.num_experts is not None:
+        shared = config.moe_shared_expert_intermediate_size
+        moe = (attention + config.num_experts * (hidden + mlp(config.expert_ffn_hidden_size))  # router + experts
+               + (mlp(shared) if shared else 0) + (hidden if config.moe_shared_expert_gate else 0))
+        layers = sum(moe if config.is_moe_layer(i) else dense for i in range(config.num_layers))
     embedding = config.vocab_size * hidden
     if config.position_embedding_type == "learned_absolute":
         embedding += config.max_position_embeddings * hidden
     output = config.vocab_size * hidden if config.untie_embeddings_and_output_weights else 0
-    return embedding + config.num_layers * layer + norm + output
+    return embedding + layers + norm + output

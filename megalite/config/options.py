@@ -10,7 +10,7 @@ from dataclasses import dataclass
 # --help's groups: Megatron-LM's titles, in its order (megatron/training/arguments.py). An option is in its
 # config class's group (megalite/arguments.py's GROUPS) unless it names another.
 HELP_GROUPS = ("network size", "regularization", "training", "initialization", "learning rate", "checkpointing",
-               "mixed precision", "distributed", "validation", "data and dataloader", "logging")
+               "mixed precision", "distributed", "validation", "data and dataloader", "moe", "logging")
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,7 @@
 """Named architectures: `--model NAME` -> ModelConfig field values with the published numbers
 (`vocab_size` is the tokenizer's, padded by `model_config_from_preset`)."""
 
-from megalite.config.model import ModelConfig, with_tokenizer_vocab
+from megalite.config.model import MOE, ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 
@@ -75,11 +75,11 @@ def describe_model(name: str, model: ModelConfig) -> str:
     """How a run names its model: "model tiny" when it is preset `name`, else "custom model (--model tiny
     with num_layers 2, ...)", naming each network-size field set otherwise and "vocabulary N" for a tokenizer
     of another size. How it is trained (dropout, initialisation, recomputation: the options of other --help
-    groups) does not change it."""
+    groups than network size and moe) does not change it."""
     preset = MODEL_PRESETS[name]
     reference = ModelConfig.of(**preset)
     changes = [f"{field.name} {getattr(model, field.name)}" for field, spec in option_fields(ModelConfig)
-               if spec.group is None and getattr(model, field.name) != getattr(reference, field.name)]
+               if spec.group in (None, MOE) and getattr(model, field.name) != getattr(reference, field.name)]
     if model.real_vocab_size != preset["vocab_size"]:
         changes.append(f"vocabulary {model.real_vocab_size}")
     return f"custom model (--model {name} with {', '.join(changes)})" if changes else f"model {name}"

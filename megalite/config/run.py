@@ -173,6 +173,9 @@ class RunConfig:
             raise UserError(f"--fused-output-cross-entropy works at --tensor-model-parallel-size 1 (got {tp}); "
                             f"under TP the vocab-parallel cross-entropy already keeps only a 1/TP slice of the "
                             f"logits, so drop the flag")
+        if model.num_experts is not None and tp > 1 and not parallel.sequence_parallel:
+            raise UserError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (the "
+                            f"MoE layer all-gathers the tokens over TP, as Megatron's); add it")
         if parallel.sequence_parallel and model.seq_length % tp:
             raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                             f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")

@@ -82,7 +82,7 @@ class GPTModel(nn.Module):
                                           config.rope_scaling_factor if config.use_rope_scaling else None,
                                           config.rotary_percent)
 
-        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel, kernels) for i in layer_ids})
+        self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel, kernels, i) for i in layer_ids})
 
         self.final_layernorm = self.output_layer = None
         if post_process:

@@ -17,6 +17,7 @@ from megalite.kernels.layernorm import layer_norm
 from megalite.kernels.rmsnorm import rms_norm
 from megalite.kernels.rotary import apply_rotary
 from megalite.kernels.swiglu import swiglu
+from megalite.model.moe import MoELayer
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import copy_to_tensor_parallel_region
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, mark_parameter,
@@ -130,15 +131,17 @@ class MLP(nn.Module):
     """fc1 -> GELU (exact, or tanh with openai_gelu) -> fc2; or SwiGLU: silu(gate) * up -> fc2, fc1
     then being one fused [gate; up] projection sharded block by block (matching slices per TP rank)."""
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto",
+                 ffn_hidden_size: int | None = None):
         super().__init__()
         self.swiglu, self.kernels = config.swiglu, kernels
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
-        fc1_size = config.ffn_hidden_size * (2 if config.swiglu else 1)
+        ffn_hidden_size = ffn_hidden_size or config.ffn_hidden_size  # another size: MoE's shared experts
+        fc1_size = ffn_hidden_size * (2 if config.swiglu else 1)
         self.linear_fc1 = ColumnParallelLinear(config.hidden_size, fc1_size, bias=config.add_bias_linear,
                                                init_std=config.init_method_std, output_chunks=2 if config.swiglu else 1,
                                                parallel=parallel)
-        self.linear_fc2 = RowParallelLinear(config.ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
+        self.linear_fc2 = RowParallelLinear(ffn_hidden_size, config.hidden_size, bias=config.add_bias_linear,
                                             init_std=output_projection_std(config), parallel=parallel)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -147,16 +150,28 @@ class MLP(nn.Module):
         return self.linear_fc2(x)
 
 
-class TransformerLayer(nn.Module):
-    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))): `[s, b, h]` in and out."""
+def build_mlp(config: ModelConfig, layer_id: int, parallel: ParallelState = ONE_PROCESS,
+              kernels: str = "auto") -> nn.Module:
+    """Layer `layer_id`'s MLP: the MoE layer where --moe-layer-freq puts one, else the dense MLP."""
+    if not config.is_moe_layer(layer_id):
+        return MLP(config, parallel, kernels)
+    shared = config.moe_shared_expert_intermediate_size
+    return MoELayer(config, output_projection_std(config), parallel, kernels,
+                    shared_experts=MLP(config, parallel, kernels, shared) if shared else None)
 
-    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
+
+class TransformerLayer(nn.Module):
+    """x + drop(attn(norm(x))), then + drop(mlp(norm(.))): `[s, b, h]` in and out; global layer `layer_id`'s
+    MLP is dense or MoE (`build_mlp`)."""
+
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto",
+                 layer_id: int = 0):
         super().__init__()
         self.hidden_dropout, self.parallel = config.hidden_dropout, parallel
         self.input_layernorm = Norm(config, kernels)
         self.self_attention = Attention(config, parallel, kernels)
         self.pre_mlp_layernorm = Norm(config, kernels)
-        self.mlp = MLP(config, parallel, kernels)
+        self.mlp = build_mlp(config, layer_id, parallel, kernels)
 
     def forward(self, hidden: torch.Tensor, rotary: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
         attention = self.self_attention(self.input_layernorm(hidden), rotary)

@@ -127,10 +127,12 @@ class TrainingLogger:
 
     def log_iteration(self, iteration: int, consumed_samples: int, elapsed_s: float, lr: float,
                       lm_loss: float | None, loss_scale: float | None = 1.0, grad_norm: float | None = None,
-                      *, skipped: bool = False, global_batch_size: int | None = None) -> dict | None:
+                      *, skipped: bool = False, global_batch_size: int | None = None,
+                      moe: dict | None = None) -> dict | None:
         """Record one finished iteration (1-based, as Megatron counts); every `log_interval` iterations and at
         `train_iters`, print and write a line of averages since the last one and return its record (else None).
-        A `skipped` step's loss (fp16 overflow) stays out of the average; its time and tokens count."""
+        A `skipped` step's loss (fp16 overflow) stays out of the average; its time and tokens count. moe: an MoE
+        model's routing values since the last line (model/moe.py's take_moe_statistics), added to line and record."""
         if not self.is_logging_rank:
             return None
         global_batch_size = global_batch_size or self.global_batch_size
@@ -166,6 +168,7 @@ class TrainingLogger:
             "mfu": None if self.peak is None else flops_per_device / self.peak,
             "iteration_time_ms": 1000.0 * interval.seconds / interval.iterations,
             "mem_peak_bytes": peak_memory_bytes(self.device),
+            **(moe or {}),
         }
         self.print(self._training_line(record, global_batch_size, mean_loss, loss_scale, grad_norm))
         if self._bar is not None and mean_loss is not None:
@@ -175,7 +178,7 @@ class TrainingLogger:
         return record
 
     def logs_at(self, iteration: int) -> bool:
-        """Whether `log_iteration` writes a line at `iteration` (on the logging rank, unless forced)."""
+        """Whether `log_iteration` writes a line at `iteration` (on the logging rank)."""
         return iteration % self.log_interval == 0 or iteration >= self.train_iters
 
     def _update_peak(self, flops_per_device: float) -> None:
@@ -214,6 +217,11 @@ class TrainingLogger:
             parts.append(f" loss scale: {loss_scale:.1f}")
         if grad_norm is not None:  # Megatron leaves it out when there is none (skipped step)
             parts.append(f" grad norm: {grad_norm:.3f}")
+        if "tokens_per_expert_min" in record:  # an MoE model (Megatron's names for its losses)
+            parts.append(f" load_balancing_loss: {record['load_balancing_loss']:.6E}")
+            parts.append(f" z_loss: {record['z_loss']:.6E}")
+            parts.append(f" tokens per expert (of the mean): min {record['tokens_per_expert_min']:.2f} max "
+                         f"{record['tokens_per_expert_max']:.2f}")
         parts.append(f" number of skipped iterations: {self._interval.skipped:3d}")
         parts.append(f" number of nan iterations: {self._interval.nan:3d}")
         return " |".join(parts) + " |"

@@ -74,6 +74,18 @@ def test_a_different_model_config_names_every_differing_field(tmp_path):
     assert "num_attention_heads" not in message and "ffn_hidden_size" not in message
 
 
+def test_a_checkpoint_from_before_a_config_field_existed_loads_with_its_default():
+    import dataclasses
+    from megalite.checkpoint.format import check_model_config
+
+    config = small_config()
+    saved = {key: value for key, value in dataclasses.asdict(config).items() if not key.startswith("moe_")}
+    del saved["num_experts"]  # as a checkpoint written before the MoE options
+    check_model_config(saved, config, "old")
+    with pytest.raises(UserError, match="num_experts .checkpoint None, now 4."):
+        check_model_config(saved, dataclasses.replace(config, num_experts=4), "old")
+
+
 def test_a_finetune_may_change_the_context_and_rope_frequencies_but_not_a_learned_position_table(tmp_path):
     rope = small_config(position_embedding_type="rope")
     save(tmp_path / "rope", 1, build_model(rope, seed=1))

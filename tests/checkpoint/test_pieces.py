@@ -43,7 +43,8 @@ def test_optimizer_shards_saved_as_pieces_load_whole_and_back(tmp_path):
         assert torch.equal(shard.shard, values[3 * rank:3 * rank + 3] * 2)
 
 
-@pytest.mark.parametrize("shape, dim, chunks", [((8, 6), 0, 2), ((8, 6), 1, 1), ((8, 6), 0, 1), ((12,), 0, 1)])
+@pytest.mark.parametrize("shape, dim, chunks", [((8, 6), 0, 2), ((8, 6), 1, 1), ((8, 6), 0, 1), ((12,), 0, 1),
+                                                 ((4, 8, 6), 1, 2), ((4, 8, 6), 2, 1)])  # 3-D: stacked experts
 @pytest.mark.parametrize("tp_size", [1, 2])
 def test_flat_range_pieces_place_every_distributed_optimizer_range_in_the_global_tensor(shape, dim, chunks, tp_size):
     """Any contiguous range of a TP shard's flattened values maps to pieces holding exactly
@@ -53,7 +54,8 @@ def test_flat_range_pieces_place_every_distributed_optimizer_range_in_the_global
         local = shard_full_tensor(full, dim, tp_rank, tp_size, chunks)
         param = mark_parameter(torch.nn.Parameter(local.clone()), tp_size > 1, dim, partition_chunks=chunks)
         flat = local.reshape(-1)
-        for start, end in [(0, flat.numel()), (1, 5), (3, flat.numel() - 2), (2, 3), (local.shape[-1], flat.numel())]:
+        for start, end in [(0, flat.numel()), (1, 5), (3, flat.numel() - 2), (2, 3), (local.shape[-1], flat.numel()),
+                           *([(5, flat.numel() - local[0].numel() - 3)] if local.dim() == 3 else [])]:  # 3-D: all kinds
             values = flat[start:end].clone()
             pieces = flat_range_pieces(values, param, start, tp_rank, tp_size)
             assert sum(piece.tensor.numel() for piece in pieces) == end - start

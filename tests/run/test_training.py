@@ -259,3 +259,21 @@ def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, pre
     between_log_lines = (1, 2, 3, 5, 6, 7)
     assert {i: reads.get(i, []) for i in between_log_lines} == dict.fromkeys(between_log_lines, [])
     assert len(reads[4]) == 1, reads[4]
+
+
+def test_a_tiny_moe_model_trains_and_logs_its_routing(tmp_path):
+    trainer, state, lines = train(*MOCK, "--num-experts", "4", "--moe-router-score-function", "sigmoid",
+                                  "--moe-router-enable-expert-bias", "--moe-aux-loss-coeff", "1e-2",
+                                  "--moe-grouped-gemm", "--train-iters", "6", "--save", str(tmp_path),
+                                  "--data-parallel-sharding-strategy", "optim_grads_params")  # 3-D flat ranges
+    assert np.mean(state.losses[-2:]) < np.mean(state.losses[:2])
+    line = next(line for line in lines if line.startswith(" iteration        6/"))
+    assert "load_balancing_loss: 1.0" in line and "tokens per expert (of the mean): min" in line
+    record = [record for record in map(json.loads, open(tmp_path / "metrics.jsonl")) if "split" not in record][-1]
+    assert record["tokens_per_expert_min"] <= 1 <= record["tokens_per_expert_max"]
+    # The Trainer moved the expert bias after each step, and the checkpoint holds it.
+    bias = trainer.model[0].layers["0"].mlp.router.expert_bias
+    assert bias.abs().min() > 0
+    restored = build_model(trainer.run.model, seed=1)
+    load_checkpoint(str(tmp_path), restored, model_config=trainer.run.model, load_rng=False)
+    assert torch.equal(restored.layers["0"].mlp.router.expert_bias, bias)

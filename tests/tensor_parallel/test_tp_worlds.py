@@ -341,6 +341,43 @@ def check_attention_with_qkv_bias_and_qk_layernorm(rank, world_size):
             close(param.main_grad if sequence_parallel else param.grad, expected, 1e-5)
 
 
+def check_sequence_parallel_moe_layer(rank, world_size):
+    """The MoE layer under TP+SP (tokens all-gathered, every expert split, outputs reduce-scattered) against
+    one process, with biases, shared experts and their gate, and the balancing losses' injected gradients:
+    output, input grad, and every weight grad after the SP grad sum."""
+    from megalite.config import ModelConfig
+    from megalite.model.transformer import build_mlp
+
+    config = ModelConfig.of(num_layers=1, hidden_size=16, num_attention_heads=4, seq_length=SEQ, vocab_size=64,
+                            swiglu=True, ffn_hidden_size=32, num_experts=4, moe_ffn_hidden_size=8,
+                            moe_aux_loss_coeff=0.1, moe_z_loss_coeff=0.01,
+                            moe_router_load_balancing_type="seq_aux_loss", moe_shared_expert_intermediate_size=8,
+                            moe_shared_expert_gate=True)
+    x, grad = randn(SEQ, BATCH, 16, seed=17), randn(SEQ, BATCH, 16, seed=18)
+    reference = build_mlp(config, 0)
+    initialize(reference, seed=1, prefix="mlp")
+    reference_x = x.clone().requires_grad_()
+    expected_output = reference(reference_x)
+    expected_output.backward(grad)
+
+    layer = build_mlp(config, 0, tp_state(rank, world_size, sequence_parallel=True))
+    initialize(layer, seed=1, prefix="mlp")
+    local_x = seq_chunk(x, rank, world_size).clone().requires_grad_()
+    output = layer(local_x)
+    close(output, seq_chunk(expected_output, rank, world_size), 1e-5)
+    output.backward(seq_chunk(grad, rank, world_size))
+    params = dict(layer.named_parameters())
+    for param in params.values():  # as the optimizer's grad buffer leaves them
+        param.main_grad, param.grad = param.grad, None
+    allreduce_sequence_parallel_grads(params.values(), dist.group.WORLD)
+    close(local_x.grad, seq_chunk(reference_x.grad, rank, world_size), 1e-5)
+    for name, expected in reference.named_parameters():
+        param, expected = params[name], expected.grad
+        if param.tensor_model_parallel:
+            expected = shard_full_tensor(expected, param.partition_dim, rank, world_size, param.partition_chunks)
+        close(param.main_grad, expected, 1e-5)
+
+
 # --------------------------------------------------------------------- cross_entropy.py
 
 def check_vocab_parallel_cross_entropy(rank, world_size):
@@ -399,7 +436,7 @@ CHECKS = {check.__name__.removeprefix("check_"): check for check in (
     check_comm_functions, check_allreduce_sequence_parallel_grads, check_column_parallel_linear,
     check_column_parallel_linear_with_external_weight, check_row_parallel_linear,
     check_vocab_parallel_embedding, check_sequence_parallel_mlp_block, check_attention_with_qkv_bias_and_qk_layernorm,
-    check_vocab_parallel_cross_entropy, check_rng_tracker)}
+    check_sequence_parallel_moe_layer, check_vocab_parallel_cross_entropy, check_rng_tracker)}
 
 
 def run_checks(rank, world_size, names):
