@@ -110,10 +110,9 @@ class GPTDataset(torch.utils.data.Dataset):
         self.config = config
         description = {
             "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
-            "index_file": indexed.fingerprint(), "split": split_name,
+            "index_file": indexed.fingerprint(), "split": split_name, "add_extra_token_to_sequence": True,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "seq_length": config.seq_length, "seed": config.seed,
-            "add_extra_token_to_sequence": True,
         }
         self.cache_key = description_hash(description)
         # Synthetic data (no path) is cheap to rebuild and has nothing to key a cache on.
@@ -163,6 +162,4 @@ def ltor_masks(tokens: torch.Tensor, labels: torch.Tensor, config: GPTDatasetCon
 
 def cache_dir_for(path_prefix: str, cache_dir: str | None) -> str:
     """`--data-cache-path` when given, else a `cache/` folder beside the token files."""
-    if cache_dir is not None:
-        return cache_dir
-    return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")
+    return cache_dir if cache_dir is not None else os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")

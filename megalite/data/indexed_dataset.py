@@ -93,9 +93,6 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.get(i)
-
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of sequence i, as a view (a fresh array without mmap). Shape: [length]."""
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
@@ -106,6 +103,8 @@ class IndexedDataset:
                 f.seek(start * self.dtype.itemsize)
                 return np.fromfile(f, self.dtype, length)
         return self._bin_map[start : start + length]
+
+    __getitem__ = get  # ds[i]: the whole sequence i
 
     @property
     def num_tokens(self) -> int:

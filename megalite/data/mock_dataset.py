@@ -9,8 +9,7 @@ class MockTokenDataset:
 
     path_prefix = None
 
-    def __init__(self, vocab_size: int, eod: int, seq_length: int, seed: int = 0,
-                 num_documents: int = 100_000):
+    def __init__(self, vocab_size: int, eod: int, seq_length: int, seed: int = 0, num_documents: int = 100_000):
         rng = np.random.RandomState(seed)
         self.vocab_size, self.eod = vocab_size, eod
         # Lengths around the sequence length, so samples span one to a few documents.

@@ -146,10 +146,10 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
     added to a text (as in Megatron)."""
 
     def __init__(self, vocab_file: str | None, merge_file: str | None):
-        for flag, path in [("--vocab-file", vocab_file), ("--merge-file", merge_file)]:
+        files = {"--vocab-file": (vocab_file, "gpt2-vocab.json"), "--merge-file": (merge_file, "gpt2-merges.txt")}
+        for flag, (path, name) in files.items():
             if path is None or not os.path.isfile(path):
-                raise UserError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's "
-                                f"{'gpt2-vocab.json' if flag == '--vocab-file' else 'gpt2-merges.txt'}), but "
+                raise UserError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's {name}), but "
                                 f"{path or 'none'} is not a file; pass the local file")
         try:
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -218,12 +218,11 @@ class TrainingSentences:
 def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int = 8192,
                         model_type: str = "bpe", character_coverage: float = 0.9995, max_sentences: int = 0,
                         seed: int = 0, hard_vocab_limit: bool = True) -> dict:
-    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`; return
-    {"model", "vocab", "vocab_size", "num_sentences", "seconds"}. Suited to code and prose alike: no
-    normalisation, whitespace kept (indentation becomes pieces), digits split and byte fallback, so
-    decode(encode(text)) == text for any text. ids: unk 0, bos 1, eos 2, pad 3. max_sentences > 0 samples
-    that many lines (seeded by `seed`); hard_vocab_limit=False lets a small corpus give a smaller
-    vocabulary instead of an error. The same inputs give a byte-identical model."""
+    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`; return {"model", "vocab",
+    "vocab_size", "num_sentences", "seconds"}. Suited to code and prose alike: no normalisation, whitespace kept
+    (indentation becomes pieces), digits split and byte fallback, so decode(encode(text)) == text for any text. ids: unk
+    0, bos 1, eos 2, pad 3. max_sentences > 0 samples that many lines (seeded by `seed`); hard_vocab_limit=False lets a
+    small corpus give a smaller vocabulary instead of an error. The same inputs give a byte-identical model."""
     start = time.perf_counter()
     sentences = TrainingSentences(documents)
     model = io.BytesIO()
@@ -247,8 +246,7 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
     atomic_write(model_path, lambda file: file.write(model.getvalue()))
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     # SentencePiece's .vocab format: one "piece<TAB>score" line per id.
-    ids = range(processor.vocab_size())
-    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in ids)
+    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in range(processor.vocab_size()))
     atomic_write(vocab_path, lambda file: file.write(vocab.encode("utf-8")))
     return {"model": model_path, "vocab": vocab_path, "vocab_size": processor.vocab_size(),
             "num_sentences": sentences.count, "seconds": time.perf_counter() - start}

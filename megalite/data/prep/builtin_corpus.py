@@ -1,7 +1,6 @@
-"""The built-in default corpus: the running interpreter's standard library (one document per `.py`
-file), with a SentencePiece tokenizer trained on it, tokenized into `data/build/stdlib-py<version>/`.
-Reused while its `manifest.json`, written last, checks out; deterministic and safe when several
-processes ask at once."""
+"""The built-in default corpus: the running interpreter's standard library (one document per `.py` file), with a
+SentencePiece tokenizer trained on it, tokenized into `data/build/stdlib-py<version>/`. Reused while its
+`manifest.json`, written last, checks out; deterministic and safe when several processes ask at once."""
 
 import fcntl
 import json
@@ -34,19 +33,14 @@ def ensure_builtin_corpus(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | N
     """Build the corpus if needed; return (data_prefix, tokenizer_model_path). build_dir: relative to the
     repository root, not the cwd. max_files: keep only the first N files (by path), for tests, built in its
     own folder. force: rebuild even if complete."""
-    corpus_dir = corpus_folder(build_dir, max_files)
+    name = f"stdlib-py{platform.python_version()}" + (f"-first{max_files}" if max_files is not None else "")
+    corpus_dir = REPO_ROOT / build_dir / name  # joining keeps an absolute build_dir as it is
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(corpus_dir.with_name(corpus_dir.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here; closing the file unlocks
         if force or load_manifest(corpus_dir, max_files) is None:
             _build(corpus_dir, max_files)
     return str(corpus_dir / f"{DATA_NAME}_text_document"), str(corpus_dir / f"{TOKENIZER_NAME}.model")
-
-
-def corpus_folder(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None) -> Path:
-    """Where the corpus for this Python version (and `max_files`) is built."""
-    name = f"stdlib-py{platform.python_version()}" + (f"-first{max_files}" if max_files is not None else "")
-    return REPO_ROOT / build_dir / name  # joining keeps an absolute build_dir as it is
 
 
 def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None:
