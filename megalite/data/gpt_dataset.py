@@ -68,11 +68,6 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     return sample_index
 
 
-def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
-    rng.shuffle(array)
-    return array
-
-
 def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
                       seed: int) -> dict[str, np.ndarray]:
     """The document, sample and shuffle indices of one split (num_samples None: one epoch)."""
@@ -85,17 +80,16 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
         num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
     separate = needs_separate_final_epoch(num_samples, num_epochs, tokens_per_epoch, seq_length)
     rng = np.random.RandomState(seed)
-    # The shuffles draw from one RNG in this order: documents (all epochs, or all but the
-    # last and then the last), then samples (likewise).
+    # One RNG shuffles, in order: documents (all epochs, or all but the last, then the last), then samples (likewise).
     epochs = [num_epochs - 1, 1] if separate else [num_epochs]
     documents = documents.astype(np.int32)
-    document_index = np.concatenate([_shuffled(np.tile(documents, n), rng) for n in epochs])
+    document_index = np.concatenate([rng.permutation(np.tile(documents, n)) for n in epochs])
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length, num_epochs, tokens_per_epoch)
     total = len(sample_index) - 1
     first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
-    shuffle_index = np.concatenate([_shuffled(np.arange(first, dtype=dtype), rng),
-                                    _shuffled(np.arange(first, total, dtype=dtype), rng)])
+    shuffle_index = np.concatenate([rng.permutation(np.arange(first, dtype=dtype)),
+                                    rng.permutation(np.arange(first, total, dtype=dtype))])
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 

@@ -128,8 +128,7 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF_DTYPE:  # fail before creating any file
             raise ValueError(f"dtype {self.dtype} has no code in Megatron's .idx format")
-        self._tmp_bin = path_prefix + ".bin.tmp"
-        self._tmp_idx = path_prefix + ".idx.tmp"
+        self._tmp_bin, self._tmp_idx = path_prefix + ".bin.tmp", path_prefix + ".idx.tmp"
         self._lengths: list[np.ndarray] = []
         self._document_ends: list[np.ndarray] = []  # sequence counts after each document
         self._num_sequences = 0

@@ -62,11 +62,9 @@ def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, mi
     # An own generator: DataLoader draws its worker base seed when an iterator starts, and
     # drawing it from the global RNG would shift dropout after a resume.
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers,
-        persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-        generator=torch.Generator().manual_seed(0),
-        worker_init_fn=functools.partial(_init_worker, os.getpid()),
-    )
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(0),
+        worker_init_fn=functools.partial(_init_worker, os.getpid()))
 
 
 def _init_worker(main_pid: int, worker_id: int) -> None:
