@@ -79,9 +79,8 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
             raise UserError("--data-path and --train-data-path/--valid-data-path/--test-data-path were both "
                             "given; use one or the other")
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
-        return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config, mmap_bin_files)
-                     if per_split[i] else None
-                     for i in range(3))
+        return tuple(_blend_split(path, flags[i], None, num_samples[i], i, config, mmap_bin_files) if path else None
+                     for i, path in enumerate(per_split))
     if not data_path:
         raise UserError("no training data: pass --data-path (or --mock-data for synthetic tokens)")
     return tuple(_blend_split(data_path, "--data-path", split, num_samples[i], i, config, mmap_bin_files)

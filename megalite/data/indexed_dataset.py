@@ -63,9 +63,8 @@ class IndexedDataset:
                             "the file is corrupt, rebuild it")
         expected = _HEADER.size + num_sequences * (4 + 8) + num_doc_bounds * 8
         if size != expected:
-            raise UserError(f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, "
-                            f"{num_doc_bounds} document bounds) needs {expected}; the file is truncated or "
-                            f"corrupt, {_REBUILD}")
+            raise UserError(f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, {num_doc_bounds} "
+                            f"document bounds) needs {expected}; the file is truncated or corrupt, {_REBUILD}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         self._index_map = np.memmap(idx_file, mode="r", dtype=np.uint8)
         offset = _HEADER.size
