@@ -104,9 +104,10 @@ class GPTDataset(torch.utils.data.Dataset):
         self.config = config
         description = {
             "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
-            "index_file": indexed.fingerprint(), "split": split_name, "add_extra_token_to_sequence": True,
+            "index_file": indexed.fingerprint(), "split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "seq_length": config.seq_length, "seed": config.seed,
+            "add_extra_token_to_sequence": True,
         }
         self.cache_key = description_hash(description)
         # Synthetic data (no path) is cheap to rebuild and has nothing to key a cache on.

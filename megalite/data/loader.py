@@ -27,10 +27,8 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         if not 0 <= consumed_samples <= total_samples:
             raise UserError(f"the run has consumed {consumed_samples} samples but the dataset has {total_samples}; "
                             "train on more samples or check the checkpoint given to --load")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.global_batch_size, self.rampup = global_batch_size, rampup
-        self.micro_batch_size = micro_batch_size
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.global_batch_size, self.rampup, self.micro_batch_size = global_batch_size, rampup, micro_batch_size
         self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
 
     def global_batches(self):

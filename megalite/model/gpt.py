@@ -52,10 +52,9 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the
-    embedding if `pre_process`, the final norm and output layer if `post_process`; its fused ops
-    (norms, rotary, SwiGLU) on the path `kernels` (`--kernels`) picks. The forward returns hidden states;
-    the loss (model/loss.py) or `logits` applies the output layer to the last stage's."""
+    """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the embedding
+    if `pre_process`, the final norm and output layer if `post_process`; its fused ops (norms, rotary, SwiGLU) on the
+    path `kernels` (`--kernels`) picks. The forward returns hidden states (the module docstring says what follows)."""
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
                  post_process: bool = True, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):

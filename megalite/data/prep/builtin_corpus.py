@@ -115,12 +115,10 @@ def _build(corpus_dir: Path, max_files: int | None) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = {
-        **_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
-        "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
-        "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
-        "build_seconds": round(time.perf_counter() - start, 1),
-    }
+    manifest = {**_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
+                "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
+                "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"],
+                "vocab_size": tokenizer["vocab_size"], "build_seconds": round(time.perf_counter() - start, 1)}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(corpus_dir, ignore_errors=True)
     staging.rename(corpus_dir)
