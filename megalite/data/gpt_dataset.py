@@ -8,7 +8,7 @@ import re
 import numpy as np
 import torch
 
-from megalite.data.index_cache import description_hash, load_or_build
+from megalite.data.index_cache import description_hash, file_fingerprint, load_or_build
 from megalite.errors import UserError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -102,16 +102,16 @@ class GPTDataset(torch.utils.data.Dataset):
                  config: GPTDatasetConfig):
         self.indexed = indexed
         self.config = config
+        path = indexed.path_prefix  # None for synthetic data: cheap to rebuild, with nothing to key a cache on
         description = {
-            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
-            "index_file": indexed.fingerprint(), "split": split_name,
+            "class": "GPTDataset", "path_prefix": os.path.abspath(path) if path else None,
+            "index_file": file_fingerprint(path + ".idx") if path else None, "split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "seq_length": config.seq_length, "seed": config.seed,
             "add_extra_token_to_sequence": True,
         }
         self.cache_key = description_hash(description)
-        # Synthetic data (no path) is cheap to rebuild and has nothing to key a cache on.
-        cache_dir = cache_dir_for(indexed.path_prefix, config.cache_dir) if indexed.path_prefix else None
+        cache_dir = cache_dir_for(path, config.cache_dir) if path else None
         indices = load_or_build(cache_dir, f"GPTDataset-{split_name}", description, lambda: build_gpt_indices(
             indexed.sequence_lengths, documents, num_samples, config.seq_length, config.seed))
         self.document_index = indices["document_index"]

@@ -7,7 +7,6 @@ import struct
 
 import numpy as np
 
-from megalite.data.index_cache import file_fingerprint
 from megalite.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -112,10 +111,6 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
-
-    def fingerprint(self) -> str:
-        """Identity of the `.idx` content, for keying caches of indices built on it."""
-        return file_fingerprint(self.path_prefix + ".idx")
 
 
 class IndexedDatasetBuilder:

@@ -17,9 +17,8 @@ class MicroBatchSampler(torch.utils.data.Sampler):
     """Yields this DP rank's micro-batches (lists of sample indices) while whole global batches remain.
     rampup: --rampup-batch-size's START INCREMENT RAMPUP_SAMPLES, or None for a constant global batch."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int,
-                 micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                 rampup: list[int] | None = None):
+    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, rampup: list[int] | None = None):
         check_batch_sizes(global_batch_size, micro_batch_size, data_parallel_size)
         if rampup is not None:
             check_rampup(rampup, global_batch_size)

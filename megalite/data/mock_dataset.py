@@ -20,9 +20,6 @@ class MockTokenDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def fingerprint(self) -> None:
-        return None
-
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of synthetic document i. Shape: [length]."""
         doc_length = int(self.sequence_lengths[i])

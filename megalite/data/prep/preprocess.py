@@ -93,10 +93,9 @@ def encoded_chunks(chunks, encode, workers: int) -> Iterator[EncodedChunk]:
             yield in_flight.popleft().get()
 
 
-def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str,
-               tokenizer_model: str | None = None, vocab_size: int | None = None, *,
-               json_keys: Sequence[str] = ("text",), hf_split: str | None = None, skip_bad_lines: bool = False,
-               append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
+def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
+               vocab_size: int | None = None, *, json_keys: Sequence[str] = ("text",), hf_split: str | None = None,
+               skip_bad_lines: bool = False, append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
     """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per key; bad input
     raises UserError and leaves no output files. The tokenizer flags are build_tokenizer's. skip_bad_lines: count
