@@ -100,8 +100,7 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: int | None, split_name: str,
                  config: GPTDatasetConfig):
-        self.indexed = indexed
-        self.config = config
+        self.indexed, self.config = indexed, config
         path = indexed.path_prefix  # None for synthetic data: cheap to rebuild, with nothing to key a cache on
         description = {
             "class": "GPTDataset", "path_prefix": os.path.abspath(path) if path else None,

@@ -34,8 +34,7 @@ class IndexedDataset:
     .bin file instead, for file systems where mapping is slow or not allowed."""
 
     def __init__(self, path_prefix: str, mmap: bool = True):
-        self.path_prefix = path_prefix
-        self.mmap = mmap
+        self.path_prefix, self.mmap = path_prefix, mmap
         idx_file, bin_file = path_prefix + ".idx", path_prefix + ".bin"
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):

@@ -52,9 +52,7 @@ class SentencePieceTokenizer(Tokenizer):
     num_threads: threads of one batch encode; 1 suits preprocessing, which runs a process per core."""
 
     def __init__(self, model_path: str, add_bos: bool = False, num_threads: int = 1):
-        self.model_path = model_path
-        self.add_bos = add_bos
-        self.num_threads = num_threads
+        self.model_path, self.add_bos, self.num_threads = model_path, add_bos, num_threads
         try:
             self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (OSError, RuntimeError) as err:
@@ -90,8 +88,7 @@ class NullTokenizer(Tokenizer):
     `vocab_size` V, eod is V and the reported vocab_size is V + 1."""
 
     def __init__(self, vocab_size: int):
-        self.eod = int(vocab_size)
-        self.eos = self.eod
+        self.eod = self.eos = int(vocab_size)
         self.vocab_size = self.eod + 1
 
     def tokenize(self, text: str) -> list[int]:

@@ -72,8 +72,7 @@ class GPTModel(nn.Module):
             # A tied last stage keeps its own copy of the word embeddings, with the same name and
             # initial values; DDP sums the copies' grads (parameters marked shared_embedding).
             self.embedding = Embedding(config, parallel, with_positions=pre_process)
-        if self.embedding is not None and self.tied:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            self.embedding.word_embeddings.weight.shared_embedding = self.tied
 
         scaling = config.rope_scaling_factor if config.use_rope_scaling else None
         self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, scaling, config.rotary_percent)

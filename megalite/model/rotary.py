@@ -27,9 +27,8 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables `[s, b, 1, d]` (fp32, d = rotary_dim(head_dim, rotary_percent)) for positions
-    `position_ids` `[b, s]` when given (--reset-position-ids), else `arange(s)`, cached per device for the longest
-    length seen."""
+    """cos/sin tables `[s, b, 1, d]` (fp32, d = rotary_dim(head_dim, rotary_percent)) of `position_ids` `[b, s]` when
+    given (--reset-position-ids), else of `arange(s)`, cached per device for the longest length seen."""
 
     def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None,
                  rotary_percent: float = 1.0):

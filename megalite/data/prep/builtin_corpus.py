@@ -75,8 +75,7 @@ def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
         subfolders[:] = [name for name in subfolders if name not in EXCLUDED_DIRS]
         relative = Path(folder).relative_to(root)
         files.extend((relative / name).as_posix() for name in names if name.endswith(".py"))
-    files.sort()
-    return root, files if max_files is None else files[:max_files]
+    return root, sorted(files)[:max_files]  # max_files None: all
 
 
 def write_corpus_jsonl(root: Path, files: list[str], path: Path) -> int:
