@@ -1,4 +1,4 @@
-"""Rotary embeddings: relative positions, position ids, offsets, HF's tables, and partial rotation
+"""Rotary embeddings: relative positions, position ids, cached lengths, HF's tables, and partial rotation
 (--rotary-percent) in the model, under TP and in checkpoints."""
 
 import math
@@ -49,7 +49,7 @@ def test_rotation_keeps_the_norm_and_position_zero_is_identity():
     torch.testing.assert_close(rotated(rope, x, 123).norm(), x.norm())
 
 
-def test_position_ids_and_offsets():
+def test_position_ids_and_cached_lengths():
     rope = RotaryEmbedding(HEAD_DIM)
     s, b = 12, 2
     cos, sin = rope(s)
@@ -61,11 +61,10 @@ def test_position_ids_and_offsets():
     assert reset_cos.shape == (s, b, 1, HEAD_DIM)
     torch.testing.assert_close(reset_cos[5:, 0], cos[: s - 5, 0])
     torch.testing.assert_close(reset_sin[:, 1], sin[:, 0])
-    # An offset continues the sequence; a longer request after a shorter one still works.
-    off_cos, off_sin = rope(4, offset=8)
+    # A longer request after a shorter one grows the table; a shorter one after it slices it.
     long_cos, long_sin = rope(40)
-    torch.testing.assert_close(off_cos, long_cos[8:12])
-    torch.testing.assert_close(off_sin, rope(12)[1][8:12])
+    torch.testing.assert_close(long_cos[:s], cos)
+    torch.testing.assert_close(rope(4)[1], long_sin[:4])
 
 
 def test_rotated_queries_of_a_reset_document_equal_a_fresh_document():
