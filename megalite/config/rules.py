@@ -10,19 +10,14 @@ from megalite.errors import UserError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
-# Each LR schedule setting and the flag that sets it, for error messages; a schedule counted in samples
-# (--train-samples) is set by the -samples flags instead (`schedule_flags`).
-LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
-                     "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
-                     "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters",
-                     "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
-
-
 def schedule_flags(unit: str = "iterations") -> dict[str, str]:
-    """LR_SCHEDULE_FLAGS for a schedule counted in `unit` (iterations or samples)."""
-    if unit == "iterations":
-        return LR_SCHEDULE_FLAGS
-    return {key: flag.replace("-iters", "-samples") for key, flag in LR_SCHEDULE_FLAGS.items()}
+    """Each LR schedule setting and the flag that sets it, for error messages; a schedule counted in samples
+    (--train-samples) is set by the -samples flags."""
+    length = "iters" if unit == "iterations" else "samples"
+    return {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": f"--lr-warmup-{length}",
+            "decay_iters": f"--lr-decay-{length}", "decay_style": "--lr-decay-style",
+            "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": f"--lr-wsd-decay-{length}",
+            "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
@@ -47,11 +42,10 @@ def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, 
     if decoupled_min_lr is not None and decoupled_lr is None:
         raise UserError("--decoupled-min-lr needs --decoupled-lr, the peak it decays from; add it or drop "
                         "--decoupled-min-lr")
-    if decoupled_lr is not None and (min_lr if decoupled_min_lr is None else decoupled_min_lr) > decoupled_lr:
-        floor = "--min-lr" if decoupled_min_lr is None else "--decoupled-min-lr"
-        raise UserError(f"{floor} {min_lr if decoupled_min_lr is None else decoupled_min_lr} (the embeddings' and "
-                        f"output layer's final learning rate) is larger than --decoupled-lr {decoupled_lr}; pass a "
-                        f"--decoupled-min-lr of at most {decoupled_lr}")
+    floor_flag, floor = ("--min-lr", min_lr) if decoupled_min_lr is None else ("--decoupled-min-lr", decoupled_min_lr)
+    if decoupled_lr is not None and floor > decoupled_lr:
+        raise UserError(f"{floor_flag} {floor} (the embeddings' and output layer's final learning rate) is larger "
+                        f"than --decoupled-lr {decoupled_lr}; pass a --decoupled-min-lr of at most {decoupled_lr}")
     if warmup_iters > decay_iters:
         raise UserError(f"{flags['warmup_iters']} {warmup_iters} is larger than {flags['decay_iters']} "
                         f"{decay_iters}; warm up for at most {decay_iters} {unit} or decay over more")

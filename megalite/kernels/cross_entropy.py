@@ -120,9 +120,7 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
     lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the PyTorch path
     exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift) from
     `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode."""
-    if exp_in_logits:
-        out = logits
-    out = torch.empty_like(logits) if out is None else out
+    out = logits if exp_in_logits else torch.empty_like(logits) if out is None else out
     if not use_triton(logits, kernels):
         return _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
                                   ignore_index, out, shift, exp_in_logits)

@@ -5,11 +5,7 @@ in; the same code runs on gloo and NCCL."""
 
 import torch
 import torch.distributed as dist
-
-# torch 2.13 renamed the single-tensor collectives (the old names warn); DDP and the distributed optimizer use
-# them too: (output, input, group=None, async_op=False), output size x input (gather) or input / size (scatter).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from torch.distributed import all_gather_single, reduce_scatter_single
 
 
 def group_size(group) -> int:
