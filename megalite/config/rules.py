@@ -10,14 +10,19 @@ from megalite.errors import UserError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
-def schedule_flags(unit: str = "iterations") -> dict[str, str]:
-    """Each LR schedule setting and the flag that sets it, for error messages; a schedule counted in samples
-    (--train-samples) is set by the -samples flags."""
+def schedule_fields(unit: str = "iterations") -> dict[str, str]:
+    """Each LR schedule setting (megalite/run/lr_schedule.py) and the TrainConfig field, so the flag, that sets
+    it; a schedule counted in samples (--train-samples) is set by the -samples fields."""
     length = "iters" if unit == "iterations" else "samples"
-    return {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": f"--lr-warmup-{length}",
-            "decay_iters": f"--lr-decay-{length}", "decay_style": "--lr-decay-style",
-            "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": f"--lr-wsd-decay-{length}",
-            "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
+    return {"lr": "lr", "min_lr": "min_lr", "warmup_iters": f"lr_warmup_{length}", "decay_iters": f"lr_decay_{length}",
+            "decay_style": "lr_decay_style", "wsd_decay_style": "lr_wsd_decay_style",
+            "wsd_decay_iters": f"lr_wsd_decay_{length}", "decoupled_lr": "decoupled_lr",
+            "decoupled_min_lr": "decoupled_min_lr"}
+
+
+def schedule_flags(unit: str = "iterations") -> dict[str, str]:
+    """schedule_fields' flags, for error messages."""
+    return {key: "--" + field.replace("_", "-") for key, field in schedule_fields(unit).items()}
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
