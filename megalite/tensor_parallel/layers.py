@@ -18,17 +18,12 @@ from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, divid
                                            reduce_scatter_to_sequence_parallel_region)
 
 
-def init_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed from (seed, name); stable across runs, processes and platforms."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
-
-
 def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
                      real_rows: int | None = None) -> torch.Tensor:
     """The full fp32 CPU tensor normal(0, std) for parameter `name`; with `real_rows` only those rows are
     drawn and the rest (vocabulary padding) are zero, whatever padding TP adds."""
-    generator = torch.Generator(device="cpu").manual_seed(init_seed(seed, name))
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()  # stable across runs, processes and platforms
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     rows = shape[0] if real_rows is None else real_rows
     # Explicitly on the CPU: models are built under a default-device context (cuda, meta).
     full = torch.zeros(shape, dtype=torch.float32, device="cpu")

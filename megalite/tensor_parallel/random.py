@@ -9,9 +9,6 @@ import torch
 import torch.utils.checkpoint
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
-# Megatron's offsets: the TP stream differs from the default one and between TP ranks.
-TENSOR_PARALLEL_SEED_OFFSET = 2718
-PIPELINE_SEED_STRIDE = 100
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
@@ -64,10 +61,11 @@ model_parallel_rng_tracker = RNGStatesTracker()
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu") -> None:
     """Seed torch's default RNG (CPU and CUDA) with `seed + 100 * pp_rank`, alike on a stage's ranks as in
-    Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`."""
-    stage_seed = seed + PIPELINE_SEED_STRIDE * pp_rank
+    Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`
+    (Megatron's offsets: the TP stream differs from the default one and between TP ranks)."""
+    stage_seed = seed + 100 * pp_rank
     torch.manual_seed(stage_seed)
-    model_parallel_rng_tracker.reset(device, {TENSOR_PARALLEL_RNG: stage_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank})
+    model_parallel_rng_tracker.reset(device, {TENSOR_PARALLEL_RNG: stage_seed + 2718 + tp_rank})
 
 
 _recomputations = 0  # recomputations under way (nested checkpoints count each)
