@@ -28,9 +28,8 @@ def schedule_flags(unit: str = "iterations") -> dict[str, str]:
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
                             wsd_decay_iters, unit: str = "iterations", decoupled_lr=None,
                             decoupled_min_lr=None) -> None:
-    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s. The
-    decoupled LR (embeddings and output layer) decays from `decoupled_lr` to `decoupled_min_lr`, or to
-    `min_lr` when that is None."""
+    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s. The decoupled LR
+    (embeddings and output layer) decays from `decoupled_lr` to `decoupled_min_lr`, or to `min_lr` when that is None."""
     flags = schedule_flags(unit)
     if decay_style not in DECAY_STYLES:
         raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
@@ -126,9 +125,8 @@ def global_batch_at(consumed_samples: int, global_batch_size: int, rampup: list[
 
 
 def iterations_for_samples(train_samples: int, global_batch_size: int, rampup: list[int] | None = None) -> int:
-    """The iterations --train-samples means, as Megatron's update_train_iters counts them: the ramp's
-    iterations while at most RAMPUP_SAMPLES are consumed, then whole global batches (a partial last one
-    is dropped)."""
+    """The iterations --train-samples means, as Megatron's update_train_iters counts them: the ramp's iterations while
+    at most RAMPUP_SAMPLES are consumed, then whole global batches (a partial last one is dropped)."""
     if rampup is None:
         return train_samples // global_batch_size
     iterations = consumed = 0

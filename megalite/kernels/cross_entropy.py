@@ -1,11 +1,10 @@
-"""Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on:
-padding), Triton beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP
-(docs/kernels.md has the whole computation):
+"""Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on: padding), Triton
+beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP (docs/kernels.md has the whole
+computation):
     stats:  m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
     grad:   dz_v = g * (softmax_v (1 + 2 w lse) - [v == label])   (w: --z-loss-weight)
-For fp32 logits nothing else reads, the PyTorch path takes Megatron's in-place route (`keep_exp`):
-exp(z - m) stays in the logits and becomes the grad.
-"""
+For fp32 logits nothing else reads, the PyTorch path takes Megatron's in-place route (`keep_exp`): exp(z - m) stays in
+the logits and becomes the grad."""
 
 import torch
 

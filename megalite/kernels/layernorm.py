@@ -1,12 +1,11 @@
-"""LayerNorm `y = (x - mean) / std * weight + bias` over x `[..., hidden]`, Triton beside PyTorch. The
-kernels also serve RMSNorm (rmsnorm.py), which is LayerNorm without centring (mean = 0) and without bias.
+"""LayerNorm `y = (x - mean) / std * weight + bias` over x `[..., hidden]`, Triton beside PyTorch. The kernels also
+serve RMSNorm (rmsnorm.py), which is LayerNorm without centring (mean = 0) and without bias.
 
-Statistics in fp32; the Triton forward saves x and each row's 1/std (and mean), and in the backward each
-program walks a block of rows, summing their weight and bias grads in fp32:
+Statistics in fp32; the Triton forward saves x and each row's 1/std (and mean), and in the backward each program walks a
+block of rows, summing their weight and bias grads in fp32:
     xhat = (x - mean) * rstd,  g = dy * weight,  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
-(RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), no mean(g) term.)
-"""
+(RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), no mean(g) term.)"""
 
 import torch
 import torch.nn.functional as F

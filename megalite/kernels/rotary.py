@@ -1,9 +1,8 @@
 """Rotary embedding of q `[s, b, heads, d]` and k `[s, b, groups, d]` together, Triton beside PyTorch.
 cos/sin: `[s, b or 1, 1, r]` fp32 tables (model/rotary.py); channel i pairs with i + r/2:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
-r < d (--rotary-percent) rotates the first r channels of each head and passes the rest through, as
-Megatron's partial rotary embedding does. The backward is the same kernel with the opposite sign.
-"""
+r < d (--rotary-percent) rotates the first r channels of each head and passes the rest through, as Megatron's partial
+rotary embedding does. The backward is the same kernel with the opposite sign."""
 
 import torch
 

@@ -1,10 +1,9 @@
-"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding. Each reads its TP
-rank, size, group and SP flag from `parallel` (default one process: plain `F.linear` / `F.embedding`). Each
-weight is drawn as the full tensor from (seed, global name), then sliced, so initialisation is
-layout-independent. Parameter attributes, read by grad clipping, DDP, SP and checkpoints:
-`tensor_model_parallel` (sharded, else replicated), `partition_dim` and `partition_chunks` (see
-shard_full_tensor), `sequence_parallel` (acts on sequence-split activations: its grads are summed over TP
-under SP)."""
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding. Each reads its TP rank,
+size, group and SP flag from `parallel` (default one process: plain `F.linear` / `F.embedding`). Each weight is drawn as
+the full tensor from (seed, global name), then sliced, so initialisation is layout-independent. Parameter attributes,
+read by grad clipping, DDP, SP and checkpoints: `tensor_model_parallel` (sharded, else replicated), `partition_dim` and
+`partition_chunks` (see shard_full_tensor), `sequence_parallel` (acts on sequence-split activations: its grads are
+summed over TP under SP)."""
 
 import hashlib
 
