@@ -1,7 +1,6 @@
-"""The rules behind several flags, written once and checked when the config is validated; the runtime
-trusts a validated config. They serve a few more places with the same sentence: the public entries used
-without a config (the batch sampler, the pipeline schedule, the Hugging Face import's model), and the LR
-schedule a checkpoint's settings are adopted into."""
+"""The rules behind several flags, written once and checked when the config is validated; the runtime trusts a
+validated config. The same sentences serve the public entries used without a config (the batch sampler, the pipeline
+schedule, the Hugging Face import's model) and the LR schedule a checkpoint's settings are adopted into."""
 
 from itertools import accumulate
 
