@@ -9,7 +9,7 @@ import torch
 
 from megalite.checkpoint import load_checkpoint, save_checkpoint
 from megalite.errors import UserError
-from megalite.kernels.rotary import apply_rotary_pos_emb, rotate_half
+from megalite.kernels.rotary import apply_rotary_pos_emb
 from megalite.model.gpt import build_model
 from megalite.model.rotary import RotaryEmbedding
 from megalite.parallel_state import build_parallel_state
@@ -26,9 +26,10 @@ def rotated(rope: RotaryEmbedding, x: torch.Tensor, position: int) -> torch.Tens
     return apply_rotary_pos_emb(x.view(1, 1, 1, -1), cos, sin).flatten()
 
 
-def test_rotate_half_pairs_channel_i_with_i_plus_half():
-    x = torch.arange(6.0)
-    assert rotate_half(x).tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]
+def test_rotation_pairs_channel_i_with_i_plus_half():
+    x = torch.arange(6.0).view(1, 1, 1, 6)
+    quarter_turn = apply_rotary_pos_emb(x, torch.zeros(1, 1, 1, 6), torch.ones(1, 1, 1, 6))  # cos 0, sin 1
+    assert quarter_turn.flatten().tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]
 
 
 def test_scores_depend_only_on_position_difference():
@@ -120,7 +121,8 @@ def test_full_rotary_percent_is_bitwise_the_whole_head_rotation():
     cos, sin = RotaryEmbedding(HEAD_DIM)(5)
     full_cos, full_sin = RotaryEmbedding(HEAD_DIM, rotary_percent=1.0)(5)
     assert torch.equal(cos, full_cos) and torch.equal(sin, full_sin)
-    assert torch.equal(apply_rotary_pos_emb(x, full_cos, full_sin), x * cos + rotate_half(x) * sin)
+    rotated_half = torch.cat([-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]], dim=-1)
+    assert torch.equal(apply_rotary_pos_emb(x, full_cos, full_sin), x * cos + rotated_half * sin)
 
 
 @pytest.mark.parametrize("percent, rotated_channels", [(0.5, 8), (0.25, 4), (1.0, 16)])
