@@ -8,9 +8,8 @@ import signal
 import sys
 import time
 
-# How long a rank that is not the lowest living one waits before printing its own error: that rank usually fails
-# alike and first, and the launcher then stops the others, so the sentence is printed once and torchrun's summary
-# names one rank.
+# How long a rank other than the lowest living one waits before printing its own error: the lowest usually fails
+# alike and first, and the launcher then stops the rest, so one rank prints the sentence and torchrun names it.
 OTHER_RANKS_WAIT_S = 3.0
 INTERRUPTED_EXIT_CODE = 128 + signal.SIGINT  # as a shell reports a process ended by Ctrl-C
 

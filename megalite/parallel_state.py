@@ -75,7 +75,6 @@ class ParallelState:
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sequence_parallel: bool = False
-    backend: str = "gloo"
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
 
     @property
@@ -120,8 +119,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
         dp_size=world_size // (tp * pp), dp_rank=dp_rank, dp_group=own["dp"],
         mp_group=own["mp"], embedding_group=own["embedding"],
         embedding_ranks=groups["embedding"][dp_rank * tp + tp_rank],  # pipelines are listed in (dp, tp) order
-        device=device, sequence_parallel=sequence_parallel,
-        backend=backend or ("nccl" if device.type == "cuda" else "gloo"))
+        device=device, sequence_parallel=sequence_parallel)
 
 
 # The default state of library functions (model constructors, the optimizer's DDP): one process on the CPU.

@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from megalite.arguments import GROUPS, list_models, parse_args
-from megalite.config import ModelConfig, ParallelConfig, RunConfig, Sharding, TrainConfig, with_tokenizer_vocab
+from megalite.config import ModelConfig, ParallelConfig, RunConfig, Sharding, TrainConfig
+from megalite.config.model import with_tokenizer_vocab
 from megalite.config.options import option_fields
 from megalite.errors import UserError
 

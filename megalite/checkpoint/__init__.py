@@ -8,10 +8,4 @@ from megalite.checkpoint.folder import (LATEST_FILE, STAGING_SUFFIX, checkpoint_
 from megalite.checkpoint.format import FORMAT_VERSION, CheckpointReader, read_metadata
 from megalite.checkpoint.loading import load_checkpoint
 from megalite.checkpoint.pieces import Piece, flat_range_pieces, tensor_parallel_pieces
-from megalite.checkpoint.saving import (CheckpointSaveError, begin_save, finalize_save, save_checkpoint,
-                                        write_rank_files)
-
-__all__ = ["FORMAT_VERSION", "LATEST_FILE", "STAGING_SUFFIX", "CheckpointReader", "CheckpointSaveError",
-           "Checkpointer", "Piece", "begin_save", "checkpoint_dir", "choose_checkpoint", "finalize_save",
-           "flat_range_pieces", "load_checkpoint", "read_latest_iteration", "read_metadata", "resolve_checkpoint",
-           "save_checkpoint", "tensor_parallel_pieces", "write_rank_files"]
+from megalite.checkpoint.saving import CheckpointSaveError, begin_save, finalize_save, save_checkpoint, write_rank_files

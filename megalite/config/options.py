@@ -25,10 +25,6 @@ class Option:
     default_text: str | None = None  # what --help says the default is, when the field default does not say it
     group: str | None = None  # one of HELP_GROUPS, when not the config class's group
 
-    def __post_init__(self):
-        if self.group is not None and self.group not in HELP_GROUPS:
-            raise ValueError(f"help group {self.group!r} is not one of {HELP_GROUPS}")
-
 
 def option(default, help: str, **spec):
     """A dataclass field that is also a command-line flag; `spec` holds Option's other fields."""

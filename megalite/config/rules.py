@@ -1,7 +1,6 @@
-"""The rules behind several flags, written once and checked when the config is validated; the runtime
-trusts a validated config. They serve a few more places with the same sentence: the public entries used
-without a config (the batch sampler, the pipeline schedule, the Hugging Face import's model), and the LR
-schedule a checkpoint's settings are adopted into."""
+"""The rules behind several flags, written once and checked when the config is validated; the runtime trusts a
+validated config. The same sentences serve the public entries used without a config (the batch sampler, the pipeline
+schedule, the Hugging Face import's model) and the LR schedule a checkpoint's settings are adopted into."""
 
 from itertools import accumulate
 
@@ -10,27 +9,26 @@ from megalite.errors import UserError
 DECAY_STYLES = ("constant", "linear", "cosine", "inverse-square-root", "WSD")
 WSD_DECAY_STYLES = ("exponential", "linear", "cosine", "minus_sqrt")
 
-# Each LR schedule setting and the flag that sets it, for error messages; a schedule counted in samples
-# (--train-samples) is set by the -samples flags instead (`schedule_flags`).
-LR_SCHEDULE_FLAGS = {"lr": "--lr", "min_lr": "--min-lr", "warmup_iters": "--lr-warmup-iters",
-                     "decay_iters": "--lr-decay-iters", "decay_style": "--lr-decay-style",
-                     "wsd_decay_style": "--lr-wsd-decay-style", "wsd_decay_iters": "--lr-wsd-decay-iters",
-                     "decoupled_lr": "--decoupled-lr", "decoupled_min_lr": "--decoupled-min-lr"}
+def schedule_fields(unit: str = "iterations") -> dict[str, str]:
+    """Each LR schedule setting (megalite/run/lr_schedule.py) and the TrainConfig field, so the flag, that sets
+    it; a schedule counted in samples (--train-samples) is set by the -samples fields."""
+    length = "iters" if unit == "iterations" else "samples"
+    return {"lr": "lr", "min_lr": "min_lr", "warmup_iters": f"lr_warmup_{length}", "decay_iters": f"lr_decay_{length}",
+            "decay_style": "lr_decay_style", "wsd_decay_style": "lr_wsd_decay_style",
+            "wsd_decay_iters": f"lr_wsd_decay_{length}", "decoupled_lr": "decoupled_lr",
+            "decoupled_min_lr": "decoupled_min_lr"}
 
 
 def schedule_flags(unit: str = "iterations") -> dict[str, str]:
-    """LR_SCHEDULE_FLAGS for a schedule counted in `unit` (iterations or samples)."""
-    if unit == "iterations":
-        return LR_SCHEDULE_FLAGS
-    return {key: flag.replace("-iters", "-samples") for key, flag in LR_SCHEDULE_FLAGS.items()}
+    """schedule_fields' flags, for error messages."""
+    return {key: "--" + field.replace("_", "-") for key, field in schedule_fields(unit).items()}
 
 
 def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, wsd_decay_style,
                             wsd_decay_iters, unit: str = "iterations", decoupled_lr=None,
                             decoupled_min_lr=None) -> None:
-    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s. The
-    decoupled LR (embeddings and output layer) decays from `decoupled_lr` to `decoupled_min_lr`, or to
-    `min_lr` when that is None."""
+    """Raise a UserError naming the flag for the first invalid setting; the lengths count `unit`s. The decoupled LR
+    (embeddings and output layer) decays from `decoupled_lr` to `decoupled_min_lr`, or to `min_lr` when that is None."""
     flags = schedule_flags(unit)
     if decay_style not in DECAY_STYLES:
         raise UserError(f"--lr-decay-style {decay_style!r} is unknown; use one of {', '.join(DECAY_STYLES)}")
@@ -47,11 +45,10 @@ def check_schedule_settings(lr, min_lr, warmup_iters, decay_iters, decay_style, 
     if decoupled_min_lr is not None and decoupled_lr is None:
         raise UserError("--decoupled-min-lr needs --decoupled-lr, the peak it decays from; add it or drop "
                         "--decoupled-min-lr")
-    if decoupled_lr is not None and (min_lr if decoupled_min_lr is None else decoupled_min_lr) > decoupled_lr:
-        floor = "--min-lr" if decoupled_min_lr is None else "--decoupled-min-lr"
-        raise UserError(f"{floor} {min_lr if decoupled_min_lr is None else decoupled_min_lr} (the embeddings' and "
-                        f"output layer's final learning rate) is larger than --decoupled-lr {decoupled_lr}; pass a "
-                        f"--decoupled-min-lr of at most {decoupled_lr}")
+    floor_flag, floor = ("--min-lr", min_lr) if decoupled_min_lr is None else ("--decoupled-min-lr", decoupled_min_lr)
+    if decoupled_lr is not None and floor > decoupled_lr:
+        raise UserError(f"{floor_flag} {floor} (the embeddings' and output layer's final learning rate) is larger "
+                        f"than --decoupled-lr {decoupled_lr}; pass a --decoupled-min-lr of at most {decoupled_lr}")
     if warmup_iters > decay_iters:
         raise UserError(f"{flags['warmup_iters']} {warmup_iters} is larger than {flags['decay_iters']} "
                         f"{decay_iters}; warm up for at most {decay_iters} {unit} or decay over more")
@@ -127,9 +124,8 @@ def global_batch_at(consumed_samples: int, global_batch_size: int, rampup: list[
 
 
 def iterations_for_samples(train_samples: int, global_batch_size: int, rampup: list[int] | None = None) -> int:
-    """The iterations --train-samples means, as Megatron's update_train_iters counts them: the ramp's
-    iterations while at most RAMPUP_SAMPLES are consumed, then whole global batches (a partial last one
-    is dropped)."""
+    """The iterations --train-samples means, as Megatron's update_train_iters counts them: the ramp's iterations while
+    at most RAMPUP_SAMPLES are consumed, then whole global batches (a partial last one is dropped)."""
     if rampup is None:
         return train_samples // global_batch_size
     iterations = consumed = 0

@@ -83,10 +83,9 @@ class LoggingConfig:
         if logging.wandb_project and mode != "disabled" and importlib.util.find_spec("wandb") is None:
             raise UserError("--wandb-project needs the wandb package, which is not installed; "
                             "pip install -r requirements.txt (or use --wandb-mode disabled)")
-        save_dir = logging.wandb_save_dir
-        if save_dir is None and save is not None:
-            save_dir = os.path.join(save, "wandb")
-        return replace(logging, wandb_mode=mode, wandb_save_dir=save_dir)
+        if logging.wandb_save_dir is None and save is not None:
+            logging = replace(logging, wandb_save_dir=os.path.join(save, "wandb"))
+        return replace(logging, wandb_mode=mode)
 
     def validate(self) -> "LoggingConfig":
         """Raise a UserError naming the flag for the first problem found; return self."""

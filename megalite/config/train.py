@@ -5,7 +5,7 @@ from dataclasses import dataclass, fields, replace
 
 from megalite.config.options import derived, option
 from megalite.config.rules import (DECAY_STYLES, WSD_DECAY_STYLES, check_loss_scale_settings, check_rampup,
-                                   check_schedule_settings, iterations_for_samples)
+                                   check_schedule_settings, iterations_for_samples, schedule_fields)
 from megalite.errors import UserError
 
 DEFAULT_INITIAL_LOSS_SCALE = 2.0 ** 32
@@ -141,23 +141,12 @@ class TrainConfig:
 
     def lr_schedule_settings(self) -> dict:
         """The LRSchedule's keyword arguments (megalite/run/lr_schedule.py), in the schedule's unit."""
-        samples = self.lr_schedule_unit == "samples"
-        return dict(lr=self.lr, min_lr=self.min_lr, decay_style=self.lr_decay_style,
-                    wsd_decay_style=self.lr_wsd_decay_style, unit=self.lr_schedule_unit,
-                    warmup_iters=self.lr_warmup_samples if samples else self.lr_warmup_iters,
-                    decay_iters=self.lr_decay_samples if samples else self.lr_decay_iters,
-                    wsd_decay_iters=self.lr_wsd_decay_samples if samples else self.lr_wsd_decay_iters,
-                    decoupled_lr=self.decoupled_lr, decoupled_min_lr=self.decoupled_min_lr)
+        fields = schedule_fields(self.lr_schedule_unit)
+        return {key: getattr(self, field) for key, field in fields.items()} | {"unit": self.lr_schedule_unit}
 
     def with_lr_schedule(self, settings: dict) -> "TrainConfig":
         """A copy holding an LRSchedule's `settings` (its state_dict): lr_schedule_settings' inverse."""
-        suffix = "samples" if settings["unit"] == "samples" else "iters"
-        return replace(self, lr=settings["lr"], min_lr=settings["min_lr"], lr_decay_style=settings["decay_style"],
-                       lr_wsd_decay_style=settings["wsd_decay_style"], decoupled_lr=settings["decoupled_lr"],
-                       decoupled_min_lr=settings["decoupled_min_lr"],
-                       **{f"lr_warmup_{suffix}": settings["warmup_iters"],
-                          f"lr_decay_{suffix}": settings["decay_iters"],
-                          f"lr_wsd_decay_{suffix}": settings["wsd_decay_iters"]})
+        return replace(self, **{field: settings[key] for key, field in schedule_fields(settings["unit"]).items()})
 
     @property
     def params_dtype(self):

@@ -1,8 +1,7 @@
-"""The CPU backend: speed paths applied from outside the model, each gaining at least 5% on a
-default-run step (docs/benchmarks.md). `set_up_process()` keeps freed memory and uses huge pages,
-so activations reuse pages already faulted in; `apply(model)` gives each layer the blocked
-attention of attention.py. Only run/ and the entry script import this package.
-"""
+"""The CPU backend: speed paths applied from outside the model, each gaining at least 5% on a default-run step
+(docs/benchmarks.md). `set_up_process()` keeps freed memory and uses huge pages, so activations reuse pages already
+faulted in; `apply(model)` gives each layer the blocked attention of attention.py. Only run/ and the entry script import
+this package."""
 
 import ctypes
 import os
@@ -18,11 +17,10 @@ M_MMAP_MAX = -4
 def set_up_process() -> bool:
     """The process's memory for CPU training; call before the first CPU tensor is made.
 
-    Huge pages back CPU tensors of 2 MB and more (PyTorch reads THP_MEM_ALLOC_ENABLE at its first
-    CPU allocation; a value already set is left alone), and glibc keeps freed memory (no heap
-    trimming, no mmap blocks), like a GPU caching allocator, unless MEGALITE_KEEP_FREED_MEMORY=0.
-    Returns whether freed memory is kept: False off glibc (no `mallopt`) or when opted out.
-    """
+    Huge pages back CPU tensors of 2 MB and more (PyTorch reads THP_MEM_ALLOC_ENABLE at its first CPU allocation; a
+    value already set is left alone), and glibc keeps freed memory (no heap trimming, no mmap blocks), like a GPU
+    caching allocator, unless MEGALITE_KEEP_FREED_MEMORY=0. Returns whether freed memory is kept: False off glibc (no
+    `mallopt`) or when opted out."""
     os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     if os.environ.get("MEGALITE_KEEP_FREED_MEMORY", "1") == "0":
         return False

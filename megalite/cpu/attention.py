@@ -1,10 +1,9 @@
-"""Causal self-attention on a CPU in query blocks, keeping the probabilities for the backward
-(docs/kernels.md: why, and what it costs). Each block of `BLOCK` query rows of all heads is one batched
-GEMM against the keys up to the block's end, softmax, and one GEMM with the values; with each block's
-softmax P kept (hence MAX_SEQ_LENGTH), the backward recomputes nothing:
+"""Causal self-attention on a CPU in query blocks, keeping the probabilities for the backward (docs/kernels.md: why, and
+what it costs). Each block of `BLOCK` query rows of all heads is one batched GEMM against the keys up to the block's
+end, softmax, and one GEMM with the values; with each block's softmax P kept (hence MAX_SEQ_LENGTH), the backward
+recomputes nothing:
     dV += P^T dO,  dP = dO V^T,  dS = P * (dP - rowsum(dO * O)),  dQ = scale * dS K,  dK += scale * dS^T Q
-Forward and backward are custom ops, opaque to torch.compile (traced, the block loop ran slower).
-"""
+Forward and backward are custom ops, opaque to torch.compile (traced, the block loop ran slower)."""
 
 import functools
 import math

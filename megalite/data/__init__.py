@@ -3,5 +3,3 @@
 
 from megalite.data.builder import build_gpt_datasets, parse_data_path
 from megalite.data.loader import build_data_loader
-
-__all__ = ["build_gpt_datasets", "parse_data_path", "build_data_loader"]

@@ -35,8 +35,7 @@ class BlendedDataset(torch.utils.data.Dataset):
 
     def __init__(self, datasets: list, names: list[str], weights: list[float], size: int,
                  cache_dir: str | None, split_name: str):
-        self.datasets = datasets
-        self.weights = weights
+        self.datasets, self.weights = datasets, weights
         description = {"class": "BlendedDataset", "weights": self.weights, "size": size, "split": split_name,
                        "datasets": [getattr(d, "cache_key", repr(n)) for d, n in zip(datasets, names)]}
         indices = load_or_build(cache_dir, f"BlendedDataset-{split_name}", description,

@@ -72,17 +72,15 @@ def build_gpt_datasets(data_path, split: str = "969,30,1", seq_length: int = 102
     if mock_vocab_size is not None:
         mock = MockTokenDataset(mock_vocab_size, eod if eod is not None else mock_vocab_size, seq_length, seed)
         ranges = split_document_ranges(split, len(mock))
-        return tuple(_gpt_split(mock, "mock data", ranges[i], num_samples[i], SPLIT_NAMES[i], config)
-                     for i in range(3))
+        return tuple(_gpt_split(mock, "mock data", ranges[i], num_samples[i], SPLIT_NAMES[i], config) for i in range(3))
     per_split = (train_data_path, valid_data_path, test_data_path)
     if any(per_split):
         if data_path:
             raise UserError("--data-path and --train-data-path/--valid-data-path/--test-data-path were both "
                             "given; use one or the other")
         flags = ("--train-data-path", "--valid-data-path", "--test-data-path")
-        return tuple(_blend_split(per_split[i], flags[i], None, num_samples[i], i, config, mmap_bin_files)
-                     if per_split[i] else None
-                     for i in range(3))
+        return tuple(_blend_split(path, flags[i], None, num_samples[i], i, config, mmap_bin_files) if path else None
+                     for i, path in enumerate(per_split))
     if not data_path:
         raise UserError("no training data: pass --data-path (or --mock-data for synthetic tokens)")
     return tuple(_blend_split(data_path, "--data-path", split, num_samples[i], i, config, mmap_bin_files)
@@ -104,7 +102,9 @@ def _blend_split(data_path, flag, split, num_samples, split_index, config, mmap:
     if weights is not None:  # a file weighted 0 takes no part
         keep = [i for i, w in enumerate(weights) if w > 0]
         files, prefixes, ranges, weights = ([x[i] for i in keep] for x in (files, prefixes, ranges, weights))
-    epoch_samples = [_samples_per_epoch(f, r, config.seq_length) for f, r in zip(files, ranges)]
+    # Each range is set: split_document_ranges gives None to a split for every file alike, handled above.
+    epoch_samples = [max(0, (int(f.sequence_lengths[begin:end].sum(dtype=np.int64)) - 1) // config.seq_length)
+                     for f, (begin, end) in zip(files, ranges)]
     weights = weights or epoch_samples  # plain prefixes weigh what one epoch of each gives
     weights = [w / sum(weights) for w in weights]
     size = num_samples if num_samples is not None else sum(epoch_samples)
@@ -112,14 +112,6 @@ def _blend_split(data_path, flag, split, num_samples, split_index, config, mmap:
              for f, p, r, n in zip(files, prefixes, ranges, samples_per_dataset(weights, size, SURPLUS))]
     return BlendedDataset(parts, prefixes, weights, sum(samples_per_dataset(weights, size)),
                           cache_dir_for(prefixes[0], config.cache_dir), split_name)
-
-
-def _samples_per_epoch(indexed, document_range, seq_length: int) -> int:
-    if document_range is None:
-        return 0
-    begin, end = document_range
-    tokens = int(indexed.sequence_lengths[begin:end].sum(dtype=np.int64))
-    return max(0, (tokens - 1) // seq_length)
 
 
 def _gpt_split(indexed, name, document_range, num_samples, split_name, config):

@@ -8,7 +8,7 @@ import re
 import numpy as np
 import torch
 
-from megalite.data.index_cache import description_hash, load_or_build
+from megalite.data.index_cache import description_hash, file_fingerprint, load_or_build
 from megalite.errors import UserError
 
 SPLIT_NAMES = ("train", "valid", "test")
@@ -68,11 +68,6 @@ def build_sample_index(sequence_lengths: np.ndarray, document_index: np.ndarray,
     return sample_index
 
 
-def _shuffled(array: np.ndarray, rng: np.random.RandomState) -> np.ndarray:
-    rng.shuffle(array)
-    return array
-
-
 def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_samples: int | None, seq_length: int,
                       seed: int) -> dict[str, np.ndarray]:
     """The document, sample and shuffle indices of one split (num_samples None: one epoch)."""
@@ -85,17 +80,16 @@ def build_gpt_indices(sequence_lengths: np.ndarray, documents: np.ndarray, num_s
         num_epochs = max(1, -(-(num_samples * seq_length + 1) // tokens_per_epoch))
     separate = needs_separate_final_epoch(num_samples, num_epochs, tokens_per_epoch, seq_length)
     rng = np.random.RandomState(seed)
-    # The shuffles draw from one RNG in this order: documents (all epochs, or all but the
-    # last and then the last), then samples (likewise).
+    # One RNG shuffles, in order: documents (all epochs, or all but the last, then the last), then samples (likewise).
     epochs = [num_epochs - 1, 1] if separate else [num_epochs]
     documents = documents.astype(np.int32)
-    document_index = np.concatenate([_shuffled(np.tile(documents, n), rng) for n in epochs])
+    document_index = np.concatenate([rng.permutation(np.tile(documents, n)) for n in epochs])
     sample_index = build_sample_index(sequence_lengths, document_index, seq_length, num_epochs, tokens_per_epoch)
     total = len(sample_index) - 1
     first = ((num_epochs - 1) * tokens_per_epoch - 1) // seq_length if separate else total
     dtype = np.uint32 if total < np.iinfo(np.uint32).max - 1 else np.int64
-    shuffle_index = np.concatenate([_shuffled(np.arange(first, dtype=dtype), rng),
-                                    _shuffled(np.arange(first, total, dtype=dtype), rng)])
+    shuffle_index = np.concatenate([rng.permutation(np.arange(first, dtype=dtype)),
+                                    rng.permutation(np.arange(first, total, dtype=dtype))])
     return {"document_index": document_index, "sample_index": sample_index, "shuffle_index": shuffle_index}
 
 
@@ -106,18 +100,17 @@ class GPTDataset(torch.utils.data.Dataset):
 
     def __init__(self, indexed, documents: np.ndarray, num_samples: int | None, split_name: str,
                  config: GPTDatasetConfig):
-        self.indexed = indexed
-        self.config = config
+        self.indexed, self.config = indexed, config
+        path = indexed.path_prefix  # None for synthetic data: cheap to rebuild, with nothing to key a cache on
         description = {
-            "class": "GPTDataset", "path_prefix": os.path.abspath(indexed.path_prefix) if indexed.path_prefix else None,
-            "index_file": indexed.fingerprint(), "split": split_name,
+            "class": "GPTDataset", "path_prefix": os.path.abspath(path) if path else None,
+            "index_file": file_fingerprint(path + ".idx") if path else None, "split": split_name,
             "documents": [int(documents[0]), int(documents[-1]) + 1] if len(documents) else [0, 0],
             "num_samples": num_samples, "seq_length": config.seq_length, "seed": config.seed,
             "add_extra_token_to_sequence": True,
         }
         self.cache_key = description_hash(description)
-        # Synthetic data (no path) is cheap to rebuild and has nothing to key a cache on.
-        cache_dir = cache_dir_for(indexed.path_prefix, config.cache_dir) if indexed.path_prefix else None
+        cache_dir = cache_dir_for(path, config.cache_dir) if path else None
         indices = load_or_build(cache_dir, f"GPTDataset-{split_name}", description, lambda: build_gpt_indices(
             indexed.sequence_lengths, documents, num_samples, config.seq_length, config.seed))
         self.document_index = indices["document_index"]
@@ -163,6 +156,4 @@ def ltor_masks(tokens: torch.Tensor, labels: torch.Tensor, config: GPTDatasetCon
 
 def cache_dir_for(path_prefix: str, cache_dir: str | None) -> str:
     """`--data-cache-path` when given, else a `cache/` folder beside the token files."""
-    if cache_dir is not None:
-        return cache_dir
-    return os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")
+    return cache_dir if cache_dir is not None else os.path.join(os.path.dirname(os.path.abspath(path_prefix)), "cache")

@@ -53,7 +53,15 @@ def load_or_build(cache_dir: str | None, name: str, description: dict, build):
         if is_builder_process():
             start = time.perf_counter()
             arrays = build()
-            _publish(cache_dir, base, marker, description, arrays)
+            try:
+                os.makedirs(cache_dir, exist_ok=True)
+                for key, array in arrays.items():
+                    atomic_write(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
+                record = {"description": description, "arrays": sorted(arrays)}
+                atomic_write(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
+            except OSError as err:
+                raise UserError(f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); point "
+                                "--data-cache-path at a writable folder") from err
             print(f"built {name} indices in {time.perf_counter() - start:.2f} s -> {base}-*.npy")
             return arrays
         deadline = time.monotonic() + WAIT_TIMEOUT_S
@@ -65,18 +73,6 @@ def load_or_build(cache_dir: str | None, name: str, description: dict, build):
             time.sleep(0.2)
     keys = json.load(open(marker))["arrays"]
     return {key: np.load(f"{base}-{key}.npy", mmap_mode="r") for key in keys}
-
-
-def _publish(cache_dir, base, marker, description, arrays) -> None:
-    try:
-        os.makedirs(cache_dir, exist_ok=True)
-        for key, array in arrays.items():
-            atomic_write(f"{base}-{key}.npy", lambda f, a=array: np.save(f, a, allow_pickle=False))
-        record = {"description": description, "arrays": sorted(arrays)}
-        atomic_write(marker, lambda f: f.write(json.dumps(record, indent=1).encode()))
-    except OSError as err:
-        raise UserError(f"cannot write the dataset index cache in {cache_dir} ({err.strerror}); point "
-                        "--data-cache-path at a writable folder") from err
 
 
 def atomic_write(path: str, write) -> None:

@@ -7,7 +7,6 @@ import struct
 
 import numpy as np
 
-from megalite.data.index_cache import file_fingerprint
 from megalite.errors import UserError
 
 MAGIC = b"MMIDIDX\x00\x00"
@@ -35,8 +34,7 @@ class IndexedDataset:
     .bin file instead, for file systems where mapping is slow or not allowed."""
 
     def __init__(self, path_prefix: str, mmap: bool = True):
-        self.path_prefix = path_prefix
-        self.mmap = mmap
+        self.path_prefix, self.mmap = path_prefix, mmap
         idx_file, bin_file = path_prefix + ".idx", path_prefix + ".bin"
         for path in (idx_file, bin_file):
             if not os.path.isfile(path):
@@ -63,9 +61,8 @@ class IndexedDataset:
                             "the file is corrupt, rebuild it")
         expected = _HEADER.size + num_sequences * (4 + 8) + num_doc_bounds * 8
         if size != expected:
-            raise UserError(f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, "
-                            f"{num_doc_bounds} document bounds) needs {expected}; the file is truncated or "
-                            f"corrupt, {_REBUILD}")
+            raise UserError(f"{idx_file} is {size} bytes but its header ({num_sequences} sequences, {num_doc_bounds} "
+                            f"document bounds) needs {expected}; the file is truncated or corrupt, {_REBUILD}")
         self.dtype = np.dtype(DTYPE_CODES[code])
         self._index_map = np.memmap(idx_file, mode="r", dtype=np.uint8)
         offset = _HEADER.size
@@ -93,9 +90,6 @@ class IndexedDataset:
     def __len__(self) -> int:
         return len(self.sequence_lengths)
 
-    def __getitem__(self, i: int) -> np.ndarray:
-        return self.get(i)
-
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of sequence i, as a view (a fresh array without mmap). Shape: [length]."""
         start = int(self.sequence_pointers[i]) // self.dtype.itemsize + offset
@@ -107,6 +101,8 @@ class IndexedDataset:
                 return np.fromfile(f, self.dtype, length)
         return self._bin_map[start : start + length]
 
+    __getitem__ = get  # ds[i]: the whole sequence i
+
     @property
     def num_tokens(self) -> int:
         return int(self.sequence_lengths.sum(dtype=np.int64))
@@ -114,10 +110,6 @@ class IndexedDataset:
     @property
     def num_documents(self) -> int:
         return len(self.document_indices) - 1
-
-    def fingerprint(self) -> str:
-        """Identity of the `.idx` content, for keying caches of indices built on it."""
-        return file_fingerprint(self.path_prefix + ".idx")
 
 
 class IndexedDatasetBuilder:
@@ -129,8 +121,7 @@ class IndexedDatasetBuilder:
         self.dtype = np.dtype(dtype)
         if self.dtype not in _CODE_OF_DTYPE:  # fail before creating any file
             raise ValueError(f"dtype {self.dtype} has no code in Megatron's .idx format")
-        self._tmp_bin = path_prefix + ".bin.tmp"
-        self._tmp_idx = path_prefix + ".idx.tmp"
+        self._tmp_bin, self._tmp_idx = path_prefix + ".bin.tmp", path_prefix + ".idx.tmp"
         self._lengths: list[np.ndarray] = []
         self._document_ends: list[np.ndarray] = []  # sequence counts after each document
         self._num_sequences = 0

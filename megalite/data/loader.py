@@ -17,9 +17,8 @@ class MicroBatchSampler(torch.utils.data.Sampler):
     """Yields this DP rank's micro-batches (lists of sample indices) while whole global batches remain.
     rampup: --rampup-batch-size's START INCREMENT RAMPUP_SAMPLES, or None for a constant global batch."""
 
-    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int,
-                 micro_batch_size: int, data_parallel_rank: int = 0, data_parallel_size: int = 1,
-                 rampup: list[int] | None = None):
+    def __init__(self, total_samples: int, consumed_samples: int, global_batch_size: int, micro_batch_size: int,
+                 data_parallel_rank: int = 0, data_parallel_size: int = 1, rampup: list[int] | None = None):
         check_batch_sizes(global_batch_size, micro_batch_size, data_parallel_size)
         if rampup is not None:
             check_rampup(rampup, global_batch_size)
@@ -27,10 +26,8 @@ class MicroBatchSampler(torch.utils.data.Sampler):
         if not 0 <= consumed_samples <= total_samples:
             raise UserError(f"the run has consumed {consumed_samples} samples but the dataset has {total_samples}; "
                             "train on more samples or check the checkpoint given to --load")
-        self.total_samples = total_samples
-        self.consumed_samples = consumed_samples
-        self.global_batch_size, self.rampup = global_batch_size, rampup
-        self.micro_batch_size = micro_batch_size
+        self.total_samples, self.consumed_samples = total_samples, consumed_samples
+        self.global_batch_size, self.rampup, self.micro_batch_size = global_batch_size, rampup, micro_batch_size
         self.data_parallel_rank, self.data_parallel_size = data_parallel_rank, data_parallel_size
 
     def global_batches(self):
@@ -62,11 +59,9 @@ def build_data_loader(dataset, consumed_samples: int, global_batch_size: int, mi
     # An own generator: DataLoader draws its worker base seed when an iterator starts, and
     # drawing it from the global RNG would shift dropout after a resume.
     return torch.utils.data.DataLoader(
-        dataset, batch_sampler=sampler, num_workers=num_workers,
-        persistent_workers=num_workers > 0, pin_memory=torch.cuda.is_available(),
-        generator=torch.Generator().manual_seed(0),
-        worker_init_fn=functools.partial(_init_worker, os.getpid()),
-    )
+        dataset, batch_sampler=sampler, num_workers=num_workers, persistent_workers=num_workers > 0,
+        pin_memory=torch.cuda.is_available(), generator=torch.Generator().manual_seed(0),
+        worker_init_fn=functools.partial(_init_worker, os.getpid()))
 
 
 def _init_worker(main_pid: int, worker_id: int) -> None:

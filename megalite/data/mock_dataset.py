@@ -9,8 +9,7 @@ class MockTokenDataset:
 
     path_prefix = None
 
-    def __init__(self, vocab_size: int, eod: int, seq_length: int, seed: int = 0,
-                 num_documents: int = 100_000):
+    def __init__(self, vocab_size: int, eod: int, seq_length: int, seed: int = 0, num_documents: int = 100_000):
         rng = np.random.RandomState(seed)
         self.vocab_size, self.eod = vocab_size, eod
         # Lengths around the sequence length, so samples span one to a few documents.
@@ -20,9 +19,6 @@ class MockTokenDataset:
 
     def __len__(self) -> int:
         return len(self.sequence_lengths)
-
-    def fingerprint(self) -> None:
-        return None
 
     def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
         """Tokens `[offset, offset + length)` of synthetic document i. Shape: [length]."""

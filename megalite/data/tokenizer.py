@@ -52,9 +52,7 @@ class SentencePieceTokenizer(Tokenizer):
     num_threads: threads of one batch encode; 1 suits preprocessing, which runs a process per core."""
 
     def __init__(self, model_path: str, add_bos: bool = False, num_threads: int = 1):
-        self.model_path = model_path
-        self.add_bos = add_bos
-        self.num_threads = num_threads
+        self.model_path, self.add_bos, self.num_threads = model_path, add_bos, num_threads
         try:
             self._processor = sentencepiece.SentencePieceProcessor(model_file=model_path)
         except (OSError, RuntimeError) as err:
@@ -90,8 +88,7 @@ class NullTokenizer(Tokenizer):
     `vocab_size` V, eod is V and the reported vocab_size is V + 1."""
 
     def __init__(self, vocab_size: int):
-        self.eod = int(vocab_size)
-        self.eos = self.eod
+        self.eod = self.eos = int(vocab_size)
         self.vocab_size = self.eod + 1
 
     def tokenize(self, text: str) -> list[int]:
@@ -146,10 +143,10 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
     added to a text (as in Megatron)."""
 
     def __init__(self, vocab_file: str | None, merge_file: str | None):
-        for flag, path in [("--vocab-file", vocab_file), ("--merge-file", merge_file)]:
+        files = {"--vocab-file": (vocab_file, "gpt2-vocab.json"), "--merge-file": (merge_file, "gpt2-merges.txt")}
+        for flag, (path, name) in files.items():
             if path is None or not os.path.isfile(path):
-                raise UserError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's "
-                                f"{'gpt2-vocab.json' if flag == '--vocab-file' else 'gpt2-merges.txt'}), but "
+                raise UserError(f"--tokenizer-type GPT2BPETokenizer needs {flag} (GPT-2's {name}), but "
                                 f"{path or 'none'} is not a file; pass the local file")
         try:
             from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -160,9 +157,8 @@ class GPT2BPETokenizer(HuggingFaceTokenizer):
         try:
             bpe = Tokenizer(models.BPE.from_file(vocab_file, merge_file))
         except Exception as err:  # tokenizers raises a bare Exception for unreadable or inconsistent files
-            raise UserError(f"--vocab-file {vocab_file} and --merge-file {merge_file} are not one GPT-2 BPE "
-                            f"tokenizer ({err}); pass the gpt2-vocab.json and gpt2-merges.txt of the same "
-                            f"tokenizer") from None
+            raise UserError(f"--vocab-file {vocab_file} and --merge-file {merge_file} are not one GPT-2 BPE tokenizer "
+                            f"({err}); pass the gpt2-vocab.json and gpt2-merges.txt of the same tokenizer") from None
         bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)  # GPT-2's byte-level split
         bpe.decoder = decoders.ByteLevel()
         self._tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, eos_token="<|endoftext|>")
@@ -196,49 +192,40 @@ def build_tokenizer(tokenizer_type: str, tokenizer_model: str | None = None, voc
     return SentencePieceTokenizer(tokenizer_model, add_bos=tokenizer_type == "Llama2Tokenizer")
 
 
-class TrainingSentences:
-    """The non-empty lines of `documents`, cut to MAX_SENTENCE_BYTES, counted as they are read."""
-
-    def __init__(self, documents: Iterable[str]):
-        self.documents = documents
-        self.count = 0
-
-    def __iter__(self) -> Iterator[str]:
-        for document in self.documents:
-            for line in document.split("\n"):
-                if not line:
-                    continue
-                if len(line) * 4 > MAX_SENTENCE_BYTES:  # a character is at most 4 bytes: shorter lines fit
-                    # The longest prefix that fits; "ignore" drops a character cut in two.
-                    line = line.encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
-                self.count += 1
-                yield line
-
-
 def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size: int = 8192,
                         model_type: str = "bpe", character_coverage: float = 0.9995, max_sentences: int = 0,
                         seed: int = 0, hard_vocab_limit: bool = True) -> dict:
-    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`; return
-    {"model", "vocab", "vocab_size", "num_sentences", "seconds"}. Suited to code and prose alike: no
-    normalisation, whitespace kept (indentation becomes pieces), digits split and byte fallback, so
-    decode(encode(text)) == text for any text. ids: unk 0, bos 1, eos 2, pad 3. max_sentences > 0 samples
-    that many lines (seeded by `seed`); hard_vocab_limit=False lets a small corpus give a smaller
-    vocabulary instead of an error. The same inputs give a byte-identical model."""
+    """Train a SentencePiece model on the lines of `documents`; write `P.model` and `P.vocab`; return {"model", "vocab",
+    "vocab_size", "num_sentences", "seconds"}. Suited to code and prose alike: no normalisation, whitespace kept
+    (indentation becomes pieces), digits split and byte fallback, so decode(encode(text)) == text for any text. ids: unk
+    0, bos 1, eos 2, pad 3. max_sentences > 0 samples that many lines (seeded by `seed`); hard_vocab_limit=False lets a
+    small corpus give a smaller vocabulary instead of an error. The same inputs give a byte-identical model."""
     start = time.perf_counter()
-    sentences = TrainingSentences(documents)
+    num_sentences = 0
+
+    def sentences() -> Iterator[str]:
+        """The non-empty lines of `documents`, cut to MAX_SENTENCE_BYTES, counted as they are read."""
+        nonlocal num_sentences
+        for document in documents:
+            for line in filter(None, document.split("\n")):
+                if len(line) * 4 > MAX_SENTENCE_BYTES:  # a character is at most 4 bytes: shorter lines fit
+                    # The longest prefix that fits; "ignore" drops a character cut in two.
+                    line = line.encode("utf-8")[:MAX_SENTENCE_BYTES].decode("utf-8", errors="ignore")
+                num_sentences += 1
+                yield line
+
     model = io.BytesIO()
     sentencepiece.set_random_generator_seed(seed)
     try:
         sentencepiece.SentencePieceTrainer.train(
-            sentence_iterator=iter(sentences), model_writer=model, model_type=model_type, vocab_size=vocab_size,
-            hard_vocab_limit=hard_vocab_limit, character_coverage=character_coverage,
-            input_sentence_size=max_sentences, shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES,
-            normalization_rule_name="identity", remove_extra_whitespaces=False, add_dummy_prefix=False,
-            allow_whitespace_only_pieces=True, split_digits=True, byte_fallback=True,
-            # The model records its trainer's thread count; a fixed 1 gives the same file on
-            # every machine (and BPE training gains nothing from more on our corpora).
-            num_threads=1, minloglevel=1, **SPECIAL_IDS,
-        )
+            sentence_iterator=sentences(), model_writer=model, model_type=model_type, vocab_size=vocab_size,
+            hard_vocab_limit=hard_vocab_limit, character_coverage=character_coverage, input_sentence_size=max_sentences,
+            shuffle_input_sentence=True, max_sentence_length=MAX_SENTENCE_BYTES, normalization_rule_name="identity",
+            remove_extra_whitespaces=False, add_dummy_prefix=False, allow_whitespace_only_pieces=True,
+            split_digits=True, byte_fallback=True, minloglevel=1, **SPECIAL_IDS,
+            # The model records its trainer's thread count; a fixed 1 gives the same file on every machine (and BPE
+            # training gains nothing from more on our corpora).
+            num_threads=1)
     except RuntimeError as err:
         raise UserError(f"SentencePiece training failed ({str(err).strip()}); lower --vocab-size or give it "
                         "more text") from err
@@ -247,9 +234,8 @@ def train_sentencepiece(documents: Iterable[str], output_prefix: str, vocab_size
     atomic_write(model_path, lambda file: file.write(model.getvalue()))
     processor = sentencepiece.SentencePieceProcessor(model_proto=model.getvalue())
     # SentencePiece's .vocab format: one "piece<TAB>score" line per id.
-    ids = range(processor.vocab_size())
-    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in ids)
+    vocab = "".join(f"{processor.id_to_piece(i)}\t{processor.get_score(i):g}\n" for i in range(processor.vocab_size()))
     atomic_write(vocab_path, lambda file: file.write(vocab.encode("utf-8")))
     return {"model": model_path, "vocab": vocab_path, "vocab_size": processor.vocab_size(),
-            "num_sentences": sentences.count, "seconds": time.perf_counter() - start}
+            "num_sentences": num_sentences, "seconds": time.perf_counter() - start}
 

@@ -1,11 +1,9 @@
 """The signal policy of every worker process megalite starts: data-loader workers and tokenizing pools.
 
-A SIGINT or SIGTERM meant for the whole job (Ctrl-C, a shell killing the group, SLURM's scancel) is the
-main process's to handle: under the exit signal handler it saves, then stops its workers itself. A worker
-dying of it would break the loop ("DataLoader worker is killed by signal") or leave a pool waiting
-forever; one ignoring SIGTERM, or keeping the main process's recording handler, would hang a pool's
-terminate() and the interpreter's exit. So a worker ignores SIGINT, and exits on a SIGTERM sent by its
-main process, or once that process is gone (docs/reliability.md).
+A SIGINT or SIGTERM meant for the whole job (Ctrl-C, scancel) is the main process's: it saves, then stops its workers.
+A worker dying of it would break the loop or leave a pool waiting forever; one ignoring SIGTERM would hang a pool's
+terminate(). So a worker ignores SIGINT, and exits on a SIGTERM sent by its main process, or once that process is gone
+(docs/reliability.md).
 """
 
 import contextlib

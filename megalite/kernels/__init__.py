@@ -38,10 +38,3 @@ def check_kernels(mode: str) -> None:
 def use_triton(x: torch.Tensor, kernels: str) -> bool:
     """Whether the op on `x` runs the Triton kernel under `--kernels kernels` (auto, triton or torch)."""
     return kernels == "triton" or (kernels == "auto" and x.is_cuda and triton_available())
-
-
-def backward_programs(rows: int, device: torch.device) -> int:
-    """Programs for a row-reduction backward (norms): enough to fill a GPU, few in the interpreter."""
-    if device.type == "cuda":
-        return min(rows, 4 * torch.cuda.get_device_properties(device).multi_processor_count)
-    return min(rows, 4)

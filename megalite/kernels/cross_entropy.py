@@ -1,11 +1,10 @@
-"""Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on:
-padding), Triton beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP
-(docs/kernels.md has the whole computation):
+"""Cross-entropy blocks over vocab-sharded logits `[rows, v/tp]` (columns from `real_columns` on: padding), Triton
+beside PyTorch; tensor_parallel/cross_entropy.py combines the shards over TP (docs/kernels.md has the whole
+computation):
     stats:  m = max_v z_v,  s = sum_v exp(z_v - m),  t = z_label
     grad:   dz_v = g * (softmax_v (1 + 2 w lse) - [v == label])   (w: --z-loss-weight)
-For fp32 logits nothing else reads, the PyTorch path takes Megatron's in-place route (`keep_exp`):
-exp(z - m) stays in the logits and becomes the grad.
-"""
+For fp32 logits nothing else reads, the PyTorch path takes Megatron's in-place route (`keep_exp`): exp(z - m) stays in
+the logits and becomes the grad."""
 
 import torch
 
@@ -20,37 +19,6 @@ def local_targets(labels: torch.Tensor, vocab_start: int, real_columns: int, ign
     local = labels - vocab_start
     owned = (labels != ignore_index) & (local >= 0) & (local < real_columns)
     return local.masked_fill(~owned, 0), owned
-
-
-def _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp):
-    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
-    if real_columns == 0:
-        empty = torch.zeros(logits.shape[0], device=logits.device)
-        return torch.full_like(empty, float("-inf")), empty, empty
-    z = logits[:, :real_columns]
-    m = z.amax(dim=-1).float()
-    t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)  # before keep_exp writes
-    exp = z.sub_(m.unsqueeze(-1)).exp_() if keep_exp else (z.float() - m.unsqueeze(-1)).exp_()
-    return m, exp.sum(dim=-1), t
-
-
-def _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                       ignore_index, out, shift, exp_in_logits):
-    """softmax = exp(z - shift) * exp(shift - lse): the same arithmetic whether the exponentials are
-    computed here or were kept in `logits` by row_stats (then they become the grad in place)."""
-    if real_columns == 0:
-        return out.zero_()
-    shift = lse if shift is None else shift
-    scale = grad_losses * (1.0 + 2.0 * z_loss_weight * lse) * torch.exp(shift - lse).nan_to_num_(0.0)  # [rows]
-    real = logits[:, :real_columns]
-    grad = real if exp_in_logits else (real.float() - shift.unsqueeze(-1)).exp_()
-    grad.mul_(scale.unsqueeze(-1))
-    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
-    grad.scatter_add_(-1, local.unsqueeze(-1), -(grad_losses * owned).unsqueeze(-1))
-    if grad.data_ptr() != out.data_ptr():
-        out[:, :real_columns] = grad
-    out[:, real_columns:] = 0
-    return out
 
 
 if triton is not None:
@@ -103,14 +71,22 @@ def row_stats(logits, labels, vocab_start: int, real_columns: int, ignore_index:
     """Per-row (max, sum of exp(z - max), target logit or 0), each `[rows]` fp32; Triton or PyTorch per
     `kernels`. logits: `[rows, v_local]` (unit column stride); labels: `[rows]` global ids. keep_exp (fp32
     logits nothing else reads, on the PyTorch path): exp(z - max) overwrites the logits' real columns."""
-    if not use_triton(logits, kernels):
-        return _row_stats_torch(logits, labels, vocab_start, real_columns, ignore_index, keep_exp)
-    rows = logits.shape[0]
-    m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
-    if rows:
-        _stats_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), m, s, t, real_columns, vocab_start,
-                               ignore_index, BLOCK=min(BLOCK, triton.next_power_of_2(max(real_columns, 1))))
-    return m, s, t
+    if use_triton(logits, kernels):
+        rows = logits.shape[0]
+        m, s, t = (torch.empty(rows, dtype=torch.float32, device=logits.device) for _ in range(3))
+        if rows:
+            _stats_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), m, s, t, real_columns, vocab_start,
+                                   ignore_index, BLOCK=min(BLOCK, triton.next_power_of_2(max(real_columns, 1))))
+        return m, s, t
+    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
+    if real_columns == 0:
+        empty = torch.zeros(logits.shape[0], device=logits.device)
+        return torch.full_like(empty, float("-inf")), empty, empty
+    z = logits[:, :real_columns]
+    m = z.amax(dim=-1).float()
+    t = z.gather(-1, local.unsqueeze(-1)).squeeze(-1).float().masked_fill(~owned, 0.0)  # before keep_exp writes
+    exp = z.sub_(m.unsqueeze(-1)).exp_() if keep_exp else (z.float() - m.unsqueeze(-1)).exp_()
+    return m, exp.sum(dim=-1), t
 
 
 def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_start: int, real_columns: int,
@@ -120,17 +96,29 @@ def logit_grads(logits, labels, lse, grad_losses, z_loss_weight: float, vocab_st
     lse, grad_losses: `[rows]` fp32 (grad_losses zero on ignored rows). shift: the row max the PyTorch path
     exponentiates against (default lse). exp_in_logits: `logits` hold exp(z - shift) from
     `row_stats(keep_exp=True)`, and the grad is written over them. kernels: the `--kernels` mode."""
-    if exp_in_logits:
-        out = logits
-    out = torch.empty_like(logits) if out is None else out
-    if not use_triton(logits, kernels):
-        return _logit_grads_torch(logits, labels, lse, grad_losses, z_loss_weight, vocab_start, real_columns,
-                                  ignore_index, out, shift, exp_in_logits)
-    rows, columns = logits.shape
-    if rows:
-        _grad_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), lse.contiguous(), grad_losses.contiguous(),
-                              out, out.stride(0), columns, real_columns, vocab_start, ignore_index,
-                              float(z_loss_weight), BLOCK=min(BLOCK, triton.next_power_of_2(max(columns, 1))))
+    out = logits if exp_in_logits else torch.empty_like(logits) if out is None else out
+    if use_triton(logits, kernels):
+        rows, columns = logits.shape
+        if rows:
+            _grad_kernel[(rows,)](logits, logits.stride(0), labels.contiguous(), lse.contiguous(),
+                                  grad_losses.contiguous(), out, out.stride(0), columns, real_columns, vocab_start,
+                                  ignore_index, float(z_loss_weight),
+                                  BLOCK=min(BLOCK, triton.next_power_of_2(max(columns, 1))))
+        return out
+    if real_columns == 0:
+        return out.zero_()
+    # softmax = exp(z - shift) * exp(shift - lse): the same arithmetic whether the exponentials are computed here
+    # or were kept in `logits` by row_stats (then they become the grad in place).
+    shift = lse if shift is None else shift
+    scale = grad_losses * (1.0 + 2.0 * z_loss_weight * lse) * torch.exp(shift - lse).nan_to_num_(0.0)  # [rows]
+    real = logits[:, :real_columns]
+    grad = real if exp_in_logits else (real.float() - shift.unsqueeze(-1)).exp_()
+    grad.mul_(scale.unsqueeze(-1))
+    local, owned = local_targets(labels, vocab_start, real_columns, ignore_index)
+    grad.scatter_add_(-1, local.unsqueeze(-1), -(grad_losses * owned).unsqueeze(-1))
+    if grad.data_ptr() != out.data_ptr():
+        out[:, :real_columns] = grad
+    out[:, real_columns:] = 0
     return out
 
 

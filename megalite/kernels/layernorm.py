@@ -1,17 +1,16 @@
-"""LayerNorm `y = (x - mean) / std * weight + bias` over x `[..., hidden]`, Triton beside PyTorch. The
-kernels also serve RMSNorm (rmsnorm.py), which is LayerNorm without centring (mean = 0) and without bias.
+"""LayerNorm `y = (x - mean) / std * weight + bias` over x `[..., hidden]`, Triton beside PyTorch. The kernels also
+serve RMSNorm (rmsnorm.py), which is LayerNorm without centring (mean = 0) and without bias.
 
-Statistics in fp32; the Triton forward saves x and each row's 1/std (and mean), and in the backward each
-program walks a block of rows, summing their weight and bias grads in fp32:
+Statistics in fp32; the Triton forward saves x and each row's 1/std (and mean), and in the backward each program walks a
+block of rows, summing their weight and bias grads in fp32:
     xhat = (x - mean) * rstd,  g = dy * weight,  dx = rstd * (g - mean(g) - xhat * mean(g * xhat))
     dweight = sum over rows of dy * xhat,  dbias = sum over rows of dy
-(RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), no mean(g) term.)
-"""
+(RMSNorm: dx = rstd * (g - xhat * mean(g * xhat)), no mean(g) term.)"""
 
 import torch
 import torch.nn.functional as F
 
-from megalite.kernels import backward_programs, tl, triton, use_triton
+from megalite.kernels import tl, triton, use_triton
 
 
 def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float) -> torch.Tensor:
@@ -21,9 +20,8 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float,
                kernels: str = "auto") -> torch.Tensor:
     """LayerNorm of `x` over its last dimension; Triton or PyTorch per `--kernels kernels`."""
-    if use_triton(x, kernels):
-        return TritonNorm.apply(x, weight, bias, eps)
-    return layer_norm_reference(x, weight, bias, eps)
+    norm = TritonNorm.apply if use_triton(x, kernels) else layer_norm_reference
+    return norm(x, weight, bias, eps)
 
 
 if triton is not None:
@@ -104,7 +102,9 @@ class TritonNorm(torch.autograd.Function):
         centred = ctx.bias_dtype is not None
         dy2 = dy.reshape(rows, hidden).contiguous()
         dx = torch.empty_like(x2)
-        programs = backward_programs(rows, x2.device)
+        # Enough programs to fill a GPU, few in the interpreter.
+        processors = torch.cuda.get_device_properties(x2.device).multi_processor_count if x2.is_cuda else 1
+        programs = min(rows, 4 * processors)
         dweight = torch.empty((programs, hidden), dtype=torch.float32, device=x2.device)
         dbias = torch.empty((programs if centred else 0, hidden), dtype=torch.float32, device=x2.device)
         _backward_kernel[(programs,)](dy2, x2, weight.contiguous(), mean, rstd, dx, dweight, dbias, rows, hidden,

@@ -83,8 +83,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
     hidden: `[..., h]`; weight: `[V, h]`, rows from `real_vocab_size` (None: V) on are padding;
     labels: `[...]`, ids or `ignore_index`; returns losses shaped like labels.
-    chunk_elements: logits per chunk (forward: whole rows; backward: whole columns). kernels: the `--kernels` mode.
-    """
+    chunk_elements: logits per chunk (forward: whole rows; backward: whole columns). kernels: the `--kernels` mode."""
     vocab = weight.shape[0] if real_vocab_size is None else real_vocab_size
     losses = _LinearCrossEntropy.apply(hidden.reshape(-1, hidden.shape[-1]), weight, labels.reshape(-1), vocab,
                                        z_loss_weight, ignore_index, chunk_elements, kernels)

@@ -1,9 +1,8 @@
 """Rotary embedding of q `[s, b, heads, d]` and k `[s, b, groups, d]` together, Triton beside PyTorch.
 cos/sin: `[s, b or 1, 1, r]` fp32 tables (model/rotary.py); channel i pairs with i + r/2:
     y1 = x1 cos - x2 sin,   y2 = x2 cos + x1 sin
-r < d (--rotary-percent) rotates the first r channels of each head and passes the rest through, as
-Megatron's partial rotary embedding does. The backward is the same kernel with the opposite sign.
-"""
+r < d (--rotary-percent) rotates the first r channels of each head and passes the rest through, as Megatron's partial
+rotary embedding does. The backward is the same kernel with the opposite sign."""
 
 import torch
 
@@ -12,19 +11,14 @@ from megalite.kernels import tl, triton, use_triton
 TOKENS_PER_PROGRAM = 4
 
 
-def rotate_half(x: torch.Tensor) -> torch.Tensor:
-    """[x1, x2] -> [-x2, x1] on the last dimension, halves of d/2 channels."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return torch.cat([-x2, x1], dim=-1)
-
-
 def apply_rotary_pos_emb(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """Rotate the first r channels of x `[s, b, heads, d]` by the angles of cos/sin `[s, b or 1, 1, r]`
     and pass the other d - r through; keeps x's dtype."""
     r = cos.shape[-1]
     if r < x.shape[-1]:
         return torch.cat([apply_rotary_pos_emb(x[..., :r], cos, sin), x[..., r:]], dim=-1)
-    return (x * cos.to(x.dtype)) + (rotate_half(x) * sin.to(x.dtype))
+    x1, x2 = x.chunk(2, dim=-1)
+    return (x * cos.to(x.dtype)) + (torch.cat([-x2, x1], dim=-1) * sin.to(x.dtype))
 
 
 def apply_rotary_reference(q, k, cos, sin):

@@ -1,7 +1,6 @@
-"""SwiGLU `silu(gate) * up`, Triton beside PyTorch: x `[..., 2 * ffn]`, gate then up (the layout
-ColumnParallelLinear's `output_chunks=2` keeps per TP rank) -> `[..., ffn]`. The Triton forward saves only x;
-the backward recomputes in fp32 d gate = dy * up * s * (1 + gate * (1 - s)), d up = dy * gate * s, s =
-sigmoid(gate)."""
+"""SwiGLU `silu(gate) * up`, Triton beside PyTorch: x `[..., 2 * ffn]`, gate then up (the layout ColumnParallelLinear's
+`output_chunks=2` keeps per TP rank) -> `[..., ffn]`. The Triton forward saves only x; the backward recomputes in fp32
+d gate = dy * up * s * (1 + gate * (1 - s)), d up = dy * gate * s, s = sigmoid(gate)."""
 
 import torch
 import torch.nn.functional as F

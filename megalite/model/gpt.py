@@ -52,10 +52,9 @@ class Embedding(nn.Module):
 
 
 class GPTModel(nn.Module):
-    """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the
-    embedding if `pre_process`, the final norm and output layer if `post_process`; its fused ops
-    (norms, rotary, SwiGLU) on the path `kernels` (`--kernels`) picks. The forward returns hidden states;
-    the loss (model/loss.py) or `logits` applies the output layer to the last stage's."""
+    """A GPT / LLaMA model, or the part one pipeline stage holds: the layers `layer_ids` (default all), the embedding
+    if `pre_process`, the final norm and output layer if `post_process`; its fused ops (norms, rotary, SwiGLU) on the
+    path `kernels` (`--kernels`) picks. The forward returns hidden states (the module docstring says what follows)."""
 
     def __init__(self, config: ModelConfig, seed: int, layer_ids=None, pre_process: bool = True,
                  post_process: bool = True, parallel: ParallelState = ONE_PROCESS, kernels: str = "auto"):
@@ -73,14 +72,11 @@ class GPTModel(nn.Module):
             # A tied last stage keeps its own copy of the word embeddings, with the same name and
             # initial values; DDP sums the copies' grads (parameters marked shared_embedding).
             self.embedding = Embedding(config, parallel, with_positions=pre_process)
-        if self.embedding is not None and self.tied:
-            self.embedding.word_embeddings.weight.shared_embedding = True
+            self.embedding.word_embeddings.weight.shared_embedding = self.tied
 
-        self.rotary = None
-        if config.position_embedding_type == "rope":
-            self.rotary = RotaryEmbedding(config.head_dim, config.rotary_base,
-                                          config.rope_scaling_factor if config.use_rope_scaling else None,
-                                          config.rotary_percent)
+        scaling = config.rope_scaling_factor if config.use_rope_scaling else None
+        self.rotary = (RotaryEmbedding(config.head_dim, config.rotary_base, scaling, config.rotary_percent)
+                       if config.position_embedding_type == "rope" else None)
 
         self.layers = nn.ModuleDict({str(i): TransformerLayer(config, parallel, kernels, i) for i in layer_ids})
 
@@ -121,10 +117,9 @@ class GPTModel(nn.Module):
         return logits[..., :self.config.real_vocab_size].transpose(0, 1).contiguous()
 
     def sharding_units(self) -> list[list[nn.Module]]:
-        """ZeRO-3's units (data_parallel/param_shards.py) in forward order: each a list of modules whose parameters
-        are gathered together before any of them runs and released after the last one's forward. Each layer, the
-        embedding, and the head (final norm, output layer); a tied head holds the embedding, whose weight the
-        output layer reads."""
+        """ZeRO-3's units (data_parallel/param_shards.py) in forward order: each a list of modules whose parameters are
+        gathered together before any of them runs and released after the last one's forward. Each layer, the embedding,
+        and the head (final norm, output layer); a tied head holds the embedding, whose weight the output layer uses."""
         layers = [[layer] for layer in self.layers.values()]
         head = [module for module in (self.final_layernorm, self.output_layer) if module is not None]
         if self.post_process and self.tied:
@@ -142,9 +137,8 @@ class GPTModel(nn.Module):
 def build_model(config: ModelConfig, seed: int, device="cpu", dtype: torch.dtype = torch.float32,
                 layer_ids=None, pre_process: bool = True, post_process: bool = True,
                 parallel: ParallelState = ONE_PROCESS, kernels: str = "auto") -> GPTModel:
-    """GPTModel on `device` in `dtype`, its fused ops per `--kernels kernels`; 'meta' gives shapes only (no
-    memory, no init). Weights are drawn on the CPU in fp32, then copied and cast, so a GPU model starts
-    from exactly the CPU model."""
+    """GPTModel on `device` in `dtype`, its fused ops per `--kernels kernels`; 'meta': shapes only (no memory, no init).
+    Weights are drawn on the CPU in fp32, then copied and cast, so a GPU model starts from exactly the CPU model."""
     # Built directly on the device: Module.to_empty would drop the parameters' TP attributes.
     with torch.device(device):
         model = GPTModel(config, seed, layer_ids, pre_process, post_process, parallel, kernels)

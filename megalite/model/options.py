@@ -15,11 +15,10 @@ def apply_options(model: nn.Module, *, recompute_granularity: str | None = None,
                   recompute_num_layers: int | None = None, compile: bool = False) -> nn.Module:
     """Apply `--recompute-*` and `--compile` to a GPTModel (one pipeline chunk); returns it.
 
-    "selective" recomputes each layer's attention core (its `[b, heads, s, s]`-sized intermediates),
-    "full" whole layers, keeping only the input of each checkpointed unit: the segments of the chunk's
-    layers that `recompute_segments` cuts by `recompute_method` and `recompute_num_layers` (default: each
-    layer). Both replay the TP RNG streams. compile: each layer and the final norm compiled in place (one
-    traced graph serves all layers).
+    "selective" recomputes each layer's attention core (its `[b, heads, s, s]`-sized intermediates), "full" whole
+    layers, keeping only the input of each checkpointed unit: the segments of the chunk's layers that
+    `recompute_segments` cuts by `recompute_method` and `recompute_num_layers` (default: each layer). Both replay the TP
+    RNG streams. compile: each layer and the final norm compiled in place (one traced graph serves all layers).
     """
     layers = list(model.layers.values())
     if recompute_granularity == "full":

@@ -1,10 +1,9 @@
 """Rotary position embeddings: the cos/sin tables (the rotation is megalite/kernels/rotary.py).
 
-Hugging Face's rotate-half convention (channel i pairs with i + d/2), so converted checkpoints
-need no permutation; inv_freq[j] = base^(-2j/d), with Llama 3.1's scaling given `scaling_factor`.
-With `rotary_percent` P < 1 (Megatron's --rotary-percent) only the first d = int(head_dim x P) channels
-of a head rotate, with their own frequencies (d in the formula); the tables are d wide and the rotation
-passes the other channels through.
+Hugging Face's rotate-half convention (channel i pairs with i + d/2), so converted checkpoints need no permutation;
+inv_freq[j] = base^(-2j/d), with Llama 3.1's scaling given `scaling_factor`. With `rotary_percent` P < 1 (Megatron's
+--rotary-percent) only the first d = int(head_dim x P) channels of a head rotate, with their own frequencies (d in the
+formula); the tables are d wide and the rotation passes the other channels through.
 """
 
 import math
@@ -28,9 +27,8 @@ def llama3_scaled_inv_freq(inv_freq: torch.Tensor, factor: float, low_freq_facto
 
 
 class RotaryEmbedding(nn.Module):
-    """cos/sin tables `[s, b, 1, d]` (fp32, d = rotary_dim(head_dim, rotary_percent)) for positions
-    `position_ids` `[b, s]` when given (--reset-position-ids), else `offset + arange(s)`, cached per
-    device for the longest length seen."""
+    """cos/sin tables `[s, b, 1, d]` (fp32, d = rotary_dim(head_dim, rotary_percent)) of `position_ids` `[b, s]` when
+    given (--reset-position-ids), else of `arange(s)`, cached per device for the longest length seen."""
 
     def __init__(self, head_dim: int, base: float = 10000.0, scaling_factor: float | None = None,
                  rotary_percent: float = 1.0):
@@ -50,14 +48,13 @@ class RotaryEmbedding(nn.Module):
         angles = torch.cat([freqs, freqs], dim=-1)[:, :, None, :]
         return angles.cos(), angles.sin()
 
-    def forward(self, seq_length: int, position_ids: torch.Tensor | None = None, offset: int = 0,
+    def forward(self, seq_length: int, position_ids: torch.Tensor | None = None,
                 device: torch.device | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         if position_ids is not None:
             return self._tables(position_ids.t())
-        end = offset + seq_length
         key = str(device)
-        if key not in self._cache or self._cache[key][0].shape[0] < end:
-            # One table per device for positions [0, end); shorter requests slice it.
-            self._cache[key] = self._tables(torch.arange(end, device=device)[:, None])
+        if key not in self._cache or self._cache[key][0].shape[0] < seq_length:
+            # One table per device for positions [0, seq_length); shorter requests slice it.
+            self._cache[key] = self._tables(torch.arange(seq_length, device=device)[:, None])
         cos, sin = self._cache[key]
-        return cos[offset:end], sin[offset:end]
+        return cos[:seq_length], sin[:seq_length]

@@ -5,11 +5,7 @@ in; the same code runs on gloo and NCCL."""
 
 import torch
 import torch.distributed as dist
-
-# torch 2.13 renamed the single-tensor collectives (the old names warn); DDP and the distributed optimizer use
-# them too: (output, input, group=None, async_op=False), output size x input (gather) or input / size (scatter).
-all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+from torch.distributed import all_gather_single, reduce_scatter_single
 
 
 def group_size(group) -> int:
@@ -95,11 +91,6 @@ def reduce_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     return _collective(x, group, _all_reduce_copy, _identity)
 
 
-def scatter_to_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
-    """`[*, h] -> [*, h/tp]` (this rank's slice); grads all-gathered."""
-    return _collective(x, group, _split_last_dim, _gather_last_dim)
-
-
 def gather_from_tensor_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[*, h/tp] -> [*, h]` (all-gather, rank order); grads sliced."""
     return _collective(x, group, _gather_last_dim, _split_last_dim)
@@ -127,12 +118,10 @@ def allreduce_sequence_parallel_grads(params, group) -> None:
     if group_size(group) == 1:
         return
     grads_by_dtype: dict[torch.dtype, dict[int, torch.Tensor]] = {}
-    for param in params:
-        if not getattr(param, "sequence_parallel", False):
-            continue
+    for param in params:  # keyed by id: a parameter listed twice is summed once
         grad = getattr(param, "main_grad", None)
         grad = param.grad if grad is None else grad
-        if grad is not None:  # keyed by id: a parameter listed twice is summed once
+        if getattr(param, "sequence_parallel", False) and grad is not None:
             grads_by_dtype.setdefault(grad.dtype, {})[id(param)] = grad
     for grads in grads_by_dtype.values():
         all_reduce_together(list(grads.values()), group)

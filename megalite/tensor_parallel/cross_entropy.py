@@ -1,8 +1,6 @@
-"""Cross-entropy over vocabulary-sharded logits `[s, b, v/tp]` without gathering them: each rank
-computes the max logit, the sum of exponentials and the target logit over its shard
-(megalite/kernels/cross_entropy.py), three all-reduces of `[s * b]` combine them, and the
-backward is local (softmax minus one-hot on this rank's slice).
-"""
+"""Cross-entropy over vocabulary-sharded logits `[s, b, v/tp]` without gathering them: each rank computes the max logit,
+the sum of exponentials and the target logit over its shard (megalite/kernels/cross_entropy.py), three all-reduces of
+`[s * b]` combine them, and the backward is local (softmax minus one-hot on this rank's slice)."""
 
 import torch
 import torch.distributed as dist
@@ -69,7 +67,6 @@ def vocab_parallel_cross_entropy(logits: torch.Tensor, labels: torch.Tensor, gro
     full_logits[..., :real_vocab_size], labels, reduction="none", ignore_index=ignore_index).
     inplace: `logits` may be overwritten (by the exponentials, then their grad), as Megatron does,
     for logits nothing else reads (else autograd stops with "modified by an inplace operation").
-    kernels: the `--kernels` mode (Triton or PyTorch blocks).
-    """
+    kernels: the `--kernels` mode (Triton or PyTorch blocks)."""
     return VocabParallelCrossEntropy.apply(logits, labels, group, vocab_start_index, real_vocab_size,
                                            z_loss_weight, ignore_index, inplace, kernels)

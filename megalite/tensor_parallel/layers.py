@@ -1,10 +1,9 @@
-"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding. Each reads its TP
-rank, size, group and SP flag from `parallel` (default one process: plain `F.linear` / `F.embedding`). Each
-weight is drawn as the full tensor from (seed, global name), then sliced, so initialisation is
-layout-independent. Parameter attributes, read by grad clipping, DDP, SP and checkpoints:
-`tensor_model_parallel` (sharded, else replicated), `partition_dim` and `partition_chunks` (see
-shard_full_tensor), `sequence_parallel` (acts on sequence-split activations: its grads are summed over TP
-under SP)."""
+"""Tensor-parallel layers: ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding. Each reads its TP rank,
+size, group and SP flag from `parallel` (default one process: plain `F.linear` / `F.embedding`). Each weight is drawn as
+the full tensor from (seed, global name), then sliced, so initialisation is layout-independent. Parameter attributes,
+read by grad clipping, DDP, SP and checkpoints: `tensor_model_parallel` (sharded, else replicated), `partition_dim` and
+`partition_chunks` (see shard_full_tensor), `sequence_parallel` (acts on sequence-split activations: its grads are
+summed over TP under SP)."""
 
 import hashlib
 
@@ -14,22 +13,16 @@ from torch import nn
 
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
-                                           gather_from_tensor_parallel_region, reduce_from_tensor_parallel_region,
-                                           reduce_scatter_to_sequence_parallel_region,
-                                           scatter_to_tensor_parallel_region)
-
-
-def init_seed(seed: int, name: str) -> int:
-    """A 63-bit generator seed from (seed, name); stable across runs, processes and platforms."""
-    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()
-    return int.from_bytes(digest[:8], "little") & ((1 << 63) - 1)
+                                           reduce_from_tensor_parallel_region,
+                                           reduce_scatter_to_sequence_parallel_region)
 
 
 def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
                      real_rows: int | None = None) -> torch.Tensor:
     """The full fp32 CPU tensor normal(0, std) for parameter `name`; with `real_rows` only those rows are
     drawn and the rest (vocabulary padding) are zero, whatever padding TP adds."""
-    generator = torch.Generator(device="cpu").manual_seed(init_seed(seed, name))
+    digest = hashlib.sha256(f"{seed}:{name}".encode()).digest()  # stable across runs, processes and platforms
+    generator = torch.Generator(device="cpu").manual_seed(int.from_bytes(digest[:8], "little") & ((1 << 63) - 1))
     rows = shape[0] if real_rows is None else real_rows
     # Explicitly on the CPU: models are built under a default-device context (cuda, meta).
     full = torch.zeros(shape, dtype=torch.float32, device="cpu")
@@ -73,13 +66,13 @@ def initialize(module: nn.Module, seed: int, prefix: str = "") -> None:
 
 class ColumnParallelLinear(nn.Module):
     """y = x A^T + b with A's rows (output features) split across TP ranks: `[*, in]` (TP+SP: `[s/tp, b, in]`,
-    all-gathered) -> `[*, out/tp]`, or `[*, out]` with `gather_output`. output_chunks: the output is that many
-    equal blocks sharded block by block. skip_weight_param: the weight is passed to forward (tied output
-    layer). real_output_size: rows from it on are padding."""
+    all-gathered) -> `[*, out/tp]`. output_chunks: the output is that many equal blocks sharded block by block.
+    skip_weight_param: the weight is passed to forward (tied output layer). real_output_size: rows from it on
+    are padding."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
-                 gather_output: bool = False, output_chunks: int = 1, skip_weight_param: bool = False,
-                 real_output_size: int | None = None, parallel: ParallelState = ONE_PROCESS):
+                 output_chunks: int = 1, skip_weight_param: bool = False, real_output_size: int | None = None,
+                 parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
@@ -88,8 +81,7 @@ class ColumnParallelLinear(nn.Module):
         if output_size % (output_chunks * self.tp_size):
             raise ValueError(f"output size {output_size} ({output_chunks} equal blocks) is not divisible into "
                              f"{output_chunks} x tensor-parallel size {self.tp_size} parts")
-        self.init_std, self.gather_output, self.output_chunks = init_std, gather_output, output_chunks
-        self.real_output_size = real_output_size
+        self.init_std, self.output_chunks, self.real_output_size = init_std, output_chunks, real_output_size
         rows = self.output_size_per_partition
         self.weight = None if skip_weight_param else mark_parameter(
             nn.Parameter(torch.empty(rows, input_size)), True, 0, partition_chunks=output_chunks)
@@ -112,31 +104,24 @@ class ColumnParallelLinear(nn.Module):
             input = gather_from_sequence_parallel_region(input, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
             input = copy_to_tensor_parallel_region(input, self.tp_group)
-        output = F.linear(input, weight, self.bias)
-        if self.gather_output and self.tp_size > 1:
-            output = gather_from_tensor_parallel_region(output, self.tp_group)  # [*, tp * out/tp]
-            if self.output_chunks > 1:  # rank-major [r0: b0 b1, r1: b0 b1] -> block-major [b0: r0 r1, b1: r0 r1]
-                per_rank_block = self.output_size // (self.tp_size * self.output_chunks)
-                output = output.unflatten(-1, (self.tp_size, self.output_chunks, per_rank_block))
-                output = output.transpose(-3, -2).flatten(-3)
-        return output
+        return F.linear(input, weight, self.bias)
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
 
 
 class RowParallelLinear(nn.Module):
-    """y = x A^T + b with A's columns (input features) split across TP ranks: `[*, in/tp]` (or `[*, in]`,
-    scattered, without `input_is_parallel`) -> `[*, out]` summed over TP (TP+SP: `[s/tp, b, out]`)."""
+    """y = x A^T + b with A's columns (input features) split across TP ranks: `[*, in/tp]` -> `[*, out]` summed
+    over TP (TP+SP: `[s/tp, b, out]`)."""
 
     def __init__(self, input_size: int, output_size: int, *, bias: bool = True, init_std: float = 0.02,
-                 input_is_parallel: bool = True, parallel: ParallelState = ONE_PROCESS):
+                 parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.tp_rank, self.tp_size = parallel.tp_rank, parallel.tp_size
         self.tp_group, self.sequence_parallel = tensor_parallel_group(parallel), parallel.sequence_parallel
         self.input_size, self.output_size = input_size, output_size
         self.input_size_per_partition = divide(input_size, self.tp_size, "input size")
-        self.init_std, self.input_is_parallel = init_std, input_is_parallel
+        self.init_std = init_std
         self.weight = mark_parameter(nn.Parameter(torch.empty(output_size, self.input_size_per_partition)), True, 1)
         self.bias = None
         if bias:
@@ -150,8 +135,6 @@ class RowParallelLinear(nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        if not self.input_is_parallel:
-            input = scatter_to_tensor_parallel_region(input, self.tp_group)  # [*, in] -> [*, in/tp]
         output = F.linear(input, self.weight)  # this rank's partial sum
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, out]
@@ -161,8 +144,7 @@ class RowParallelLinear(nn.Module):
             output = output + self.bias
         return output
 
-    def extra_repr(self) -> str:
-        return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
+    extra_repr = ColumnParallelLinear.extra_repr
 
 
 class VocabParallelEmbedding(nn.Module):

@@ -9,9 +9,6 @@ import torch
 import torch.utils.checkpoint
 
 TENSOR_PARALLEL_RNG = "tensor-parallel"
-# Megatron's offsets: the TP stream differs from the default one and between TP ranks.
-TENSOR_PARALLEL_SEED_OFFSET = 2718
-PIPELINE_SEED_STRIDE = 100
 
 
 def _get_rng_state(device: torch.device) -> torch.Tensor:
@@ -28,19 +25,14 @@ def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
 class RNGStatesTracker:
     """Named generator states of one device (CPU or a CUDA device), swapped in by `fork`."""
 
-    def __init__(self, device="cpu"):
-        self.reset(device)
+    def __init__(self):
+        self.reset("cpu", {})
 
-    def reset(self, device="cpu") -> None:
-        """Forget every state; later states belong to `device`'s default generator."""
+    def reset(self, device, seeds: dict[str, int]) -> None:
+        """Track exactly the states `seeds` names: each that of a generator on `device` seeded with its seed."""
         self.device = torch.device(device)
-        self.states: dict[str, torch.Tensor] = {}
-
-    def add(self, name: str, seed: int) -> None:
-        """Track a new state `name`, that of a generator seeded with `seed`."""
-        if name in self.states:
-            raise ValueError(f"RNG state {name!r} is already tracked")
-        self.states[name] = torch.Generator(device=self.device).manual_seed(seed).get_state()
+        self.states = {name: torch.Generator(device=self.device).manual_seed(seed).get_state()
+                       for name, seed in seeds.items()}
 
     def get_states(self) -> dict[str, torch.Tensor]:
         """A copy of every tracked state (uint8 CPU tensors), e.g. for a checkpoint."""
@@ -69,11 +61,11 @@ model_parallel_rng_tracker = RNGStatesTracker()
 
 def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu") -> None:
     """Seed torch's default RNG (CPU and CUDA) with `seed + 100 * pp_rank`, alike on a stage's ranks as in
-    Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`."""
-    stage_seed = seed + PIPELINE_SEED_STRIDE * pp_rank
+    Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`
+    (Megatron's offsets: the TP stream differs from the default one and between TP ranks)."""
+    stage_seed = seed + 100 * pp_rank
     torch.manual_seed(stage_seed)
-    model_parallel_rng_tracker.reset(device)
-    model_parallel_rng_tracker.add(TENSOR_PARALLEL_RNG, stage_seed + TENSOR_PARALLEL_SEED_OFFSET + tp_rank)
+    model_parallel_rng_tracker.reset(device, {TENSOR_PARALLEL_RNG: stage_seed + 2718 + tp_rank})
 
 
 _recomputations = 0  # recomputations under way (nested checkpoints count each)

@@ -3,7 +3,8 @@
 import pytest
 import torch
 
-from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset, num_parameters, pad_vocab_size
+from megalite.config import MODEL_PRESETS, ModelConfig, model_config_from_preset, num_parameters
+from megalite.config.model import pad_vocab_size
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 

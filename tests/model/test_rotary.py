@@ -1,4 +1,4 @@
-"""Rotary embeddings: relative positions, position ids, offsets, HF's tables, and partial rotation
+"""Rotary embeddings: relative positions, position ids, cached lengths, HF's tables, and partial rotation
 (--rotary-percent) in the model, under TP and in checkpoints."""
 
 import math
@@ -9,7 +9,7 @@ import torch
 
 from megalite.checkpoint import load_checkpoint, save_checkpoint
 from megalite.errors import UserError
-from megalite.kernels.rotary import apply_rotary_pos_emb, rotate_half
+from megalite.kernels.rotary import apply_rotary_pos_emb
 from megalite.model.gpt import build_model
 from megalite.model.rotary import RotaryEmbedding
 from megalite.parallel_state import build_parallel_state
@@ -26,9 +26,10 @@ def rotated(rope: RotaryEmbedding, x: torch.Tensor, position: int) -> torch.Tens
     return apply_rotary_pos_emb(x.view(1, 1, 1, -1), cos, sin).flatten()
 
 
-def test_rotate_half_pairs_channel_i_with_i_plus_half():
-    x = torch.arange(6.0)
-    assert rotate_half(x).tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]
+def test_rotation_pairs_channel_i_with_i_plus_half():
+    x = torch.arange(6.0).view(1, 1, 1, 6)
+    quarter_turn = apply_rotary_pos_emb(x, torch.zeros(1, 1, 1, 6), torch.ones(1, 1, 1, 6))  # cos 0, sin 1
+    assert quarter_turn.flatten().tolist() == [-3.0, -4.0, -5.0, 0.0, 1.0, 2.0]
 
 
 def test_scores_depend_only_on_position_difference():
@@ -49,7 +50,7 @@ def test_rotation_keeps_the_norm_and_position_zero_is_identity():
     torch.testing.assert_close(rotated(rope, x, 123).norm(), x.norm())
 
 
-def test_position_ids_and_offsets():
+def test_position_ids_and_cached_lengths():
     rope = RotaryEmbedding(HEAD_DIM)
     s, b = 12, 2
     cos, sin = rope(s)
@@ -61,11 +62,10 @@ def test_position_ids_and_offsets():
     assert reset_cos.shape == (s, b, 1, HEAD_DIM)
     torch.testing.assert_close(reset_cos[5:, 0], cos[: s - 5, 0])
     torch.testing.assert_close(reset_sin[:, 1], sin[:, 0])
-    # An offset continues the sequence; a longer request after a shorter one still works.
-    off_cos, off_sin = rope(4, offset=8)
+    # A longer request after a shorter one grows the table; a shorter one after it slices it.
     long_cos, long_sin = rope(40)
-    torch.testing.assert_close(off_cos, long_cos[8:12])
-    torch.testing.assert_close(off_sin, rope(12)[1][8:12])
+    torch.testing.assert_close(long_cos[:s], cos)
+    torch.testing.assert_close(rope(4)[1], long_sin[:4])
 
 
 def test_rotated_queries_of_a_reset_document_equal_a_fresh_document():
@@ -121,7 +121,8 @@ def test_full_rotary_percent_is_bitwise_the_whole_head_rotation():
     cos, sin = RotaryEmbedding(HEAD_DIM)(5)
     full_cos, full_sin = RotaryEmbedding(HEAD_DIM, rotary_percent=1.0)(5)
     assert torch.equal(cos, full_cos) and torch.equal(sin, full_sin)
-    assert torch.equal(apply_rotary_pos_emb(x, full_cos, full_sin), x * cos + rotate_half(x) * sin)
+    rotated_half = torch.cat([-x[..., HEAD_DIM // 2:], x[..., :HEAD_DIM // 2]], dim=-1)
+    assert torch.equal(apply_rotary_pos_emb(x, full_cos, full_sin), x * cos + rotated_half * sin)
 
 
 @pytest.mark.parametrize("percent, rotated_channels", [(0.5, 8), (0.25, 4), (1.0, 16)])

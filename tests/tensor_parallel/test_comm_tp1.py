@@ -11,9 +11,8 @@ from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 def test_collectives_are_identities_without_a_group():
     x = torch.randn(4, 2, 6, requires_grad=True)
     for function in (comm.copy_to_tensor_parallel_region, comm.reduce_from_tensor_parallel_region,
-                     comm.scatter_to_tensor_parallel_region, comm.gather_from_tensor_parallel_region,
-                     comm.scatter_to_sequence_parallel_region, comm.gather_from_sequence_parallel_region,
-                     comm.reduce_scatter_to_sequence_parallel_region):
+                     comm.gather_from_tensor_parallel_region, comm.scatter_to_sequence_parallel_region,
+                     comm.gather_from_sequence_parallel_region, comm.reduce_scatter_to_sequence_parallel_region):
         assert function(x, None) is x
     parameter = torch.nn.Parameter(torch.zeros(2))
     parameter.sequence_parallel, parameter.grad = True, torch.ones(2)

@@ -8,8 +8,7 @@ import torch.nn.functional as F
 
 from megalite.parallel_state import ONE_PROCESS
 from megalite.tensor_parallel.layers import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                             init_full_tensor, init_seed, initialize, shard_full_tensor,
-                                             tensor_parallel_group)
+                                             init_full_tensor, initialize, shard_full_tensor, tensor_parallel_group)
 
 
 def check_against_linear(layer, x):
@@ -68,8 +67,7 @@ def test_init_full_tensor_is_a_function_of_seed_name_and_shape_only():
     assert not torch.equal(a, init_full_tensor((6, 4), 0.02, 1235, "layers.0.mlp.linear_fc1.weight"))
     assert not torch.equal(a, init_full_tensor((6, 4), 0.02, 1234, "layers.1.mlp.linear_fc1.weight"))
     # The seed comes from sha256, not Python's salted hash: fixed across processes. The
-    # drawn values are pinned too, so a change of torch's sampler shows up here.
-    assert init_seed(1234, "x") == 6181962963154747775
+    # drawn values are pinned, so a change of the seed or of torch's sampler shows up here.
     torch.testing.assert_close(init_full_tensor((2, 3), 1.0, 1234, "x"), torch.tensor(
         [[1.7327677011489868, -0.380985289812088, -1.5173431634902954],
          [-1.4285054206848145, -1.4973044395446777, 1.1427996158599854]]), atol=0, rtol=0)

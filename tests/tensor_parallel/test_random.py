@@ -55,14 +55,10 @@ def test_states_round_trip_exactly():
         assert torch.equal(torch.rand(8), first)
 
 
-def test_untracked_or_duplicate_states_are_refused():
-    tracker = RNGStatesTracker()
+def test_untracked_states_are_refused():
     with pytest.raises(KeyError, match="model_parallel_seed"):
-        with tracker.fork():
+        with RNGStatesTracker().fork():
             pass
-    tracker.add("a", 1)
-    with pytest.raises(ValueError, match="already tracked"):
-        tracker.add("a", 2)
 
 
 def test_checkpoint_replays_the_forked_stream_in_recomputation():

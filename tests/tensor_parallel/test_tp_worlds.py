@@ -75,10 +75,6 @@ def check_comm_functions(rank, world_size):
     # reduce: all-reduce / identity
     y, dx = run(comm.reduce_from_tensor_parallel_region, xs[rank], grads[rank])
     close(y, sum(xs)), close(dx, grads[rank])
-    # scatter last dim: own slice / all-gather grad (a replicated input, the same on all ranks)
-    local_grads = [g.chunk(world_size, -1)[r] for r, g in enumerate(grads)]
-    y, dx = run(comm.scatter_to_tensor_parallel_region, xs[0], local_grads[rank])
-    close(y, xs[0].chunk(world_size, -1)[rank]), close(dx, torch.cat(local_grads, -1))
     # gather last dim: all-gather / own slice of the grad
     y, dx = run(comm.gather_from_tensor_parallel_region, small[rank], grads[rank][:SEQ // world_size])
     close(y, torch.cat(small, -1)), close(dx, grads[rank][:SEQ // world_size].chunk(world_size, -1)[rank])
@@ -103,8 +99,6 @@ def check_comm_functions(rank, world_size):
     # Shapes that do not divide fail before any collective, on every rank alike.
     with pytest.raises(ValueError, match="sequence length 5 is not divisible"):
         comm.reduce_scatter_to_sequence_parallel_region(torch.ones(5, 1, world_size), group)
-    with pytest.raises(ValueError, match="last dimension 5 is not divisible"):
-        comm.scatter_to_tensor_parallel_region(torch.ones(2, 5), group)
 
 
 def check_allreduce_sequence_parallel_grads(rank, world_size):
@@ -128,16 +122,15 @@ def check_allreduce_sequence_parallel_grads(rank, world_size):
 
 def check_column_parallel_linear(rank, world_size):
     for bias in (True, False):
-        for gather_output in (False, True):
-            for chunks in (1, 2):
-                for sequence_parallel in (False, True):
-                    _check_column(rank, world_size, bias, gather_output, chunks, sequence_parallel)
+        for chunks in (1, 2):
+            for sequence_parallel in (False, True):
+                _check_column(rank, world_size, bias, chunks, sequence_parallel)
 
 
-def _check_column(rank, world_size, bias, gather_output, chunks, sequence_parallel):
+def _check_column(rank, world_size, bias, chunks, sequence_parallel):
     hidden, out = 6, 16
-    layer = ColumnParallelLinear(hidden, out, bias=bias, gather_output=gather_output, output_chunks=chunks,
-                                 init_std=1.0, parallel=tp_state(rank, world_size, sequence_parallel))
+    layer = ColumnParallelLinear(hidden, out, bias=bias, output_chunks=chunks, init_std=1.0,
+                                 parallel=tp_state(rank, world_size, sequence_parallel))
     reference = ColumnParallelLinear(hidden, out, bias=bias, output_chunks=chunks, init_std=1.0)
     initialize(layer, seed=3, prefix="fc")
     initialize(reference, seed=3, prefix="fc")
@@ -159,8 +152,8 @@ def _check_column(rank, world_size, bias, gather_output, chunks, sequence_parall
 
     local_x = (seq_chunk(x, rank, world_size) if sequence_parallel else x).clone().requires_grad_()
     output = layer(local_x)
-    close(output, expected if gather_output else shard(expected))
-    output.backward(grad if gather_output else shard(grad))
+    close(output, shard(expected))
+    output.backward(shard(grad))
     expected_dx = seq_chunk(reference_x.grad, rank, world_size) if sequence_parallel else reference_x.grad
     close(local_x.grad, expected_dx)
     close(layer.weight.grad, shard_full_tensor(reference.weight.grad, 0, rank, world_size, chunks))
@@ -186,14 +179,13 @@ def check_column_parallel_linear_with_external_weight(rank, world_size):
 
 def check_row_parallel_linear(rank, world_size):
     for bias in (True, False):
-        for input_is_parallel in (True, False):
-            for sequence_parallel in (False, True):
-                _check_row(rank, world_size, bias, input_is_parallel, sequence_parallel)
+        for sequence_parallel in (False, True):
+            _check_row(rank, world_size, bias, sequence_parallel)
 
 
-def _check_row(rank, world_size, bias, input_is_parallel, sequence_parallel):
+def _check_row(rank, world_size, bias, sequence_parallel):
     hidden, out = 16, 6
-    layer = RowParallelLinear(hidden, out, bias=bias, input_is_parallel=input_is_parallel, init_std=1.0,
+    layer = RowParallelLinear(hidden, out, bias=bias, init_std=1.0,
                               parallel=tp_state(rank, world_size, sequence_parallel))
     reference = RowParallelLinear(hidden, out, bias=bias, init_std=1.0)
     initialize(layer, seed=5, prefix="fc2")
@@ -212,11 +204,11 @@ def _check_row(rank, world_size, bias, input_is_parallel, sequence_parallel):
     expected = reference(reference_x)
     expected.backward(grad)
 
-    local_x = (shard(x) if input_is_parallel else x).clone().requires_grad_()
+    local_x = shard(x).clone().requires_grad_()
     output = layer(local_x)
     close(output, seq_chunk(expected, rank, world_size) if sequence_parallel else expected)
     output.backward(seq_chunk(grad, rank, world_size) if sequence_parallel else grad)
-    close(local_x.grad, shard(reference_x.grad) if input_is_parallel else reference_x.grad)
+    close(local_x.grad, shard(reference_x.grad))
     close(layer.weight.grad, shard(reference.weight.grad))
     if bias:
         if sequence_parallel:  # this rank's tokens only, until summed over TP

@@ -1,7 +1,6 @@
-"""The built-in default corpus: the running interpreter's standard library (one document per `.py`
-file), with a SentencePiece tokenizer trained on it, tokenized into `data/build/stdlib-py<version>/`.
-Reused while its `manifest.json`, written last, checks out; deterministic and safe when several
-processes ask at once."""
+"""The built-in default corpus: the running interpreter's standard library (one document per `.py` file), with a
+SentencePiece tokenizer trained on it, tokenized into `data/build/stdlib-py<version>/`. Reused while its
+`manifest.json`, written last, checks out; deterministic and safe when several processes ask at once."""
 
 import fcntl
 import json
@@ -34,19 +33,14 @@ def ensure_builtin_corpus(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | N
     """Build the corpus if needed; return (data_prefix, tokenizer_model_path). build_dir: relative to the
     repository root, not the cwd. max_files: keep only the first N files (by path), for tests, built in its
     own folder. force: rebuild even if complete."""
-    corpus_dir = corpus_folder(build_dir, max_files)
+    name = f"stdlib-py{platform.python_version()}" + (f"-first{max_files}" if max_files is not None else "")
+    corpus_dir = REPO_ROOT / build_dir / name  # joining keeps an absolute build_dir as it is
     corpus_dir.parent.mkdir(parents=True, exist_ok=True)
     with open(corpus_dir.with_name(corpus_dir.name + ".lock"), "a") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # a second process waits here; closing the file unlocks
         if force or load_manifest(corpus_dir, max_files) is None:
             _build(corpus_dir, max_files)
     return str(corpus_dir / f"{DATA_NAME}_text_document"), str(corpus_dir / f"{TOKENIZER_NAME}.model")
-
-
-def corpus_folder(build_dir: str = DEFAULT_BUILD_DIR, max_files: int | None = None) -> Path:
-    """Where the corpus for this Python version (and `max_files`) is built."""
-    name = f"stdlib-py{platform.python_version()}" + (f"-first{max_files}" if max_files is not None else "")
-    return REPO_ROOT / build_dir / name  # joining keeps an absolute build_dir as it is
 
 
 def load_manifest(corpus_dir: Path, max_files: int | None = None) -> dict | None:
@@ -81,8 +75,7 @@ def stdlib_files(max_files: int | None = None) -> tuple[Path, list[str]]:
         subfolders[:] = [name for name in subfolders if name not in EXCLUDED_DIRS]
         relative = Path(folder).relative_to(root)
         files.extend((relative / name).as_posix() for name in names if name.endswith(".py"))
-    files.sort()
-    return root, files if max_files is None else files[:max_files]
+    return root, sorted(files)[:max_files]  # max_files None: all
 
 
 def write_corpus_jsonl(root: Path, files: list[str], path: Path) -> int:
@@ -121,12 +114,10 @@ def _build(corpus_dir: Path, max_files: int | None) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    manifest = {
-        **_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
-        "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
-        "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"], "vocab_size": tokenizer["vocab_size"],
-        "build_seconds": round(time.perf_counter() - start, 1),
-    }
+    manifest = {**_identity(max_files, len(files)), "stdlib": str(root), "num_skipped_not_utf8": num_skipped,
+                "num_empty_files": summary["skipped_empty"], "num_documents": summary["documents"]["text"],
+                "num_tokens": summary["tokens"]["text"], "dtype": summary["dtype"],
+                "vocab_size": tokenizer["vocab_size"], "build_seconds": round(time.perf_counter() - start, 1)}
     (staging / "manifest.json").write_text(json.dumps(manifest, indent=1) + "\n")
     shutil.rmtree(corpus_dir, ignore_errors=True)
     staging.rename(corpus_dir)

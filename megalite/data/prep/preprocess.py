@@ -31,8 +31,7 @@ class EncodedChunk:
     stats: ReadStats
 
 
-def encode_chunk(chunk, tokenizer, json_keys: tuple[str, ...], skip_bad_lines: bool,
-                 append_eod: bool) -> EncodedChunk:
+def encode_chunk(chunk, tokenizer, json_keys: tuple[str, ...], skip_bad_lines: bool, append_eod: bool) -> EncodedChunk:
     """Parse and batch-encode one chunk; documents that yield no tokens count as empty."""
     parsed = chunk.parse(json_keys, skip_bad_lines)
     tokens, lengths = {}, {}
@@ -94,18 +93,16 @@ def encoded_chunks(chunks, encode, workers: int) -> Iterator[EncodedChunk]:
             yield in_flight.popleft().get()
 
 
-def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str,
-               tokenizer_model: str | None = None, vocab_size: int | None = None, *,
-               json_keys: Sequence[str] = ("text",), hf_split: str | None = None, skip_bad_lines: bool = False,
-               append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
+def preprocess(inputs: str | Sequence[str], output_prefix: str, tokenizer_type: str, tokenizer_model: str | None = None,
+               vocab_size: int | None = None, *, json_keys: Sequence[str] = ("text",), hf_split: str | None = None,
+               skip_bad_lines: bool = False, append_eod: bool = False, workers: int = 1, log_interval: int = 1000,
                chunk_bytes: int = DEFAULT_CHUNK_BYTES) -> dict:
-    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per
-    key; bad input raises UserError and leaves no output files. The tokenizer flags are build_tokenizer's.
-    skip_bad_lines: count malformed lines and go on. append_eod: end every document with the
-    end-of-document token. workers: encoding processes (1: this one). log_interval: a progress line to
-    stderr every this many documents (0: never). chunk_bytes: input bytes per worker task. Returns
-    {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad", "bad_examples",
-    "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}."""
+    """Tokenize `inputs` (text_sources.resolve_inputs) into `{output_prefix}_{key}_document.bin/.idx` per key; bad input
+    raises UserError and leaves no output files. The tokenizer flags are build_tokenizer's. skip_bad_lines: count
+    malformed lines and go on. append_eod: end every document with the end-of-document token. workers: encoding
+    processes (1: this one). log_interval: a progress line to stderr every this many documents (0: never). chunk_bytes:
+    input bytes per worker task. Returns {"documents": {key: n}, "tokens": {key: n}, "skipped_empty", "skipped_bad",
+    "bad_examples", "input_bytes", "seconds", "output_prefixes": {key: prefix}, "dtype"}."""
     if workers < 1 or chunk_bytes < 1:
         raise ValueError(f"workers ({workers}) and chunk_bytes ({chunk_bytes}) must be at least 1")
     tokenizer = build_tokenizer(tokenizer_type, tokenizer_model, vocab_size)

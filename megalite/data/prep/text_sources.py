@@ -24,8 +24,7 @@ MAX_BAD_EXAMPLES = 5  # where the first few skipped lines are; the rest are only
 def add_input_args(parser) -> None:
     """The input flags shared by tools/preprocess_data.py and tools/train_tokenizer.py."""
     parser.add_argument("--input", nargs="+", required=True,
-                        help="JSONL files or globs, .txt files, a datasets folder or data files, "
-                        "or a hub name")
+                        help="JSONL files or globs, .txt files, a datasets folder or data files, or a hub name")
     parser.add_argument("--json-keys", nargs="+", default=["text"],
                         help="keys (columns) to read; preprocessing writes one .bin/.idx per key")
     parser.add_argument("--hf-split", default=None, help="split of a Hugging Face dataset input")
@@ -112,8 +111,7 @@ class _BadLine(Exception):
     """A malformed input line; the message says what is wrong."""
 
 
-_JSON_TYPE_NAMES = {dict: "object", list: "array", int: "number", float: "number", bool: "boolean",
-                    type(None): "null"}
+_JSON_TYPE_NAMES = {dict: "object", list: "array", int: "number", float: "number", bool: "boolean", type(None): "null"}
 
 
 def _json_line_values(raw: bytes, json_keys) -> list[str]:
