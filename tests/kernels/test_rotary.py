@@ -40,7 +40,7 @@ def test_triton_rotary_matches_float64_within_twice_torch_error(d, percent, posi
              torch.randn(k.shape, generator=generator, dtype=torch.float64))
     rotary = RotaryEmbedding(d, base=500.0, rotary_percent=percent)
     if positions == "offset":
-        cos, sin = rotary(s, offset=11)  # [s, 1, 1, d]
+        cos, sin = (table[11:] for table in rotary(11 + s))  # [s, 1, 1, d]: positions 11..15
     else:
         cos, sin = rotary(s, torch.tensor([[0, 1, 2, 0, 1], [3, 4, 5, 6, 7], [9, 8, 7, 6, 5]]))  # [s, b, 1, d]
     q, k, cos, sin = (t.to(device) for t in (q, k, cos, sin))  # tables made on the CPU: the same values
