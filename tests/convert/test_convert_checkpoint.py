@@ -320,7 +320,7 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
     ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "OLMo models normalise q and k across all heads"),
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
      "Qwen3 then has biases on q/k/v/o"),
-    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "'MixtralForCausalLM', which megalite"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "'DeepseekV3ForCausalLM', which"),
     ({"quantization_config": {"bits": 4}}, "field 'quantization_config' is set"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "field 'partial_rotary_factor' is 0.5"),
