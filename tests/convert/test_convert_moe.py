@@ -18,7 +18,7 @@ from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.run.data import build_datasets
-from tests.convert.test_convert_checkpoint import LLAMA_CONFIG, hf_tensors, load_hf, train
+from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, train
 from tools.convert_checkpoint import main as convert
 from tools.generate import load_model
 
@@ -184,3 +184,14 @@ MIXTRAL_CONFIG = {**LLAMA_CONFIG, "architectures": ["MixtralForCausalLM"], "mode
 def test_moe_hf_configs_megalite_cannot_compute_are_refused_naming_the_field(change, words):
     with pytest.raises(UserError, match=words):
         model_fields_from_hf({**MIXTRAL_CONFIG, **change})
+
+
+def test_moe_presets_export_as_their_hf_classes():
+    from megalite.config import model_config_from_preset
+
+    classes = {"tiny-moe": "Qwen2MoeForCausalLM", "mixtral-8x7b": "MixtralForCausalLM",
+               "qwen3-30b-a3b": "Qwen3MoeForCausalLM"}
+    for name, architecture in classes.items():
+        assert hf_architecture(model_config_from_preset(name)) == architecture
+    with pytest.raises(UserError, match="only Qwen2MoeForCausalLM .* has a shared expert, gated"):
+        hf_architecture(model_config_from_preset("deepseek-v2-lite"))  # ungated shared experts: no HF class
