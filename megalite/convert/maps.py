@@ -190,7 +190,20 @@ def hf_shapes(tensor_map: TensorMap, shape: tuple[int, ...], config: ModelConfig
     return [tuple(part.shape) for part in to_hf(tensor_map, torch.empty(shape, device="meta"), config)]
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A whole megalite state dict -> the HF state dict (tied lm_head left out, as HF saves it)."""
-    return {name: tensor for tensor_map in tensor_maps(config)
-            for name, tensor in zip(tensor_map.theirs, to_hf(tensor_map, state[tensor_map.ours], config))}
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                  fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """A whole megalite state dict -> the HF state dict as HF saves it (tied lm_head left out). fused_experts:
+    transformers 5's in-memory names instead, for `load_state_dict` on a model built in memory: each MoE
+    layer's `mlp.experts.gate_up_proj` `[E, 2 ffn, h]` and `down_proj` `[E, h, ffn]` (megalite's stacked
+    tensors as they are), and Mixtral's `block_sparse_moe.` named `mlp.`."""
+    hf = {}
+    for tensor_map in tensor_maps(config):
+        if fused_experts and tensor_map.layout in ("experts", "experts_gate_up"):
+            layer = tensor_map.theirs[0].split(".experts.")[0]
+            kind = "gate_up_proj" if tensor_map.layout == "experts_gate_up" else "down_proj"
+            hf[f"{layer}.experts.{kind}"] = state[tensor_map.ours]
+        else:
+            hf.update(zip(tensor_map.theirs, to_hf(tensor_map, state[tensor_map.ours], config)))
+    if fused_experts:
+        hf = {name.replace(".block_sparse_moe.", ".mlp."): tensor for name, tensor in hf.items()}
+    return hf
