@@ -102,8 +102,9 @@ def test_qwen2_moe_fields_map_to_megatron_s_flags(hf_moe):
     assert fields["moe_layer_freq"] == "[0,1]" and not fields["moe_router_pre_softmax"]
 
 
-def test_a_converted_moe_model_continues_training_from_its_hf_loss(tmp_path, hf_moe):
+def test_a_converted_moe_model_continues_training_from_its_hf_loss(tmp_path, hf_moe, capsys):
     convert(["from-hf", "--load", hf_moe["qwen2-moe"], "--save", str(tmp_path / "ckpt")])
+    assert "--moe-layer-freq '[1,0,1]'" in capsys.readouterr().out  # quoted for the shell
     metadata = checkpoint.read_metadata(checkpoint.resolve_checkpoint(str(tmp_path / "ckpt")))
     flags = [*metadata["extra"]["model_flags"], "--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size",
              "79", "--micro-batch-size", "2", "--global-batch-size", "2", "--train-iters", "2", "--lr", "1e-3",
