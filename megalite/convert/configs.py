@@ -133,8 +133,8 @@ def _moe_fields_to_hf(config: ModelConfig, architecture: str) -> dict:
 
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
     """The `transformers` config (given `extra`) of a LLaMA-shaped megalite config (real vocabulary):
-    LlamaConfig, Qwen2Config, Qwen3Config or their MoE kin as hf_architecture decides. Llama 3.1 rope scaling is HF's
-    "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
+    LlamaConfig, Qwen2Config, Qwen3Config or their MoE kin as hf_architecture decides. Llama 3.1 rope
+    scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
@@ -255,7 +255,8 @@ def _llama_fields(hf: dict, kind: str) -> dict:
         use_rope_scaling=rope is not None, rope_scaling_factor=float(rope["factor"]) if rope else 8.0,
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         openai_gelu=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        add_bias_linear=attention_bias and kind == LLAMA, add_qkv_bias=qkv_bias, qk_layernorm=kind in (QWEN3, QWEN3_MOE),
+        add_bias_linear=attention_bias and kind == LLAMA, add_qkv_bias=qkv_bias,
+        qk_layernorm=kind in (QWEN3, QWEN3_MOE),
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)))
