@@ -230,15 +230,17 @@ def _train_config(args, parallel: ParallelConfig, checkpoint: CheckpointConfig) 
 
 
 def list_models() -> str:
-    """A table of the presets: shape, vocabulary, sequence length and parameter count."""
-    rows = [f"{'name':<12} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'vocab':>6} "
-            f"{'seq':>5}  {'norm':<9} {'pos':<16} {'params':>8}"]
+    """A table of the presets: shape, vocabulary, sequence length, experts (routed, top-k) and parameter count."""
+    width = max(map(len, MODEL_PRESETS))
+    rows = [f"{'name':<{width}} {'layers':>6} {'hidden':>6} {'ffn':>6} {'heads':>5} {'kv':>3} {'vocab':>6} "
+            f"{'seq':>5}  {'norm':<9} {'pos':<16} {'experts':>9} {'params':>8}"]
     for name in MODEL_PRESETS:
         config = model_config_from_preset(name)
         params = num_parameters(dataclasses.replace(config, vocab_size=config.real_vocab_size))
         size = f"{params / 1e9:.2f}B" if params >= 1e9 else f"{params / 1e6:.1f}M"
-        rows.append(f"{name:<12} {config.num_layers:>6} {config.hidden_size:>6} {config.ffn_hidden_size:>6} "
+        experts = f"{config.num_experts} top-{config.moe_router_topk}" if config.num_experts else "-"
+        rows.append(f"{name:<{width}} {config.num_layers:>6} {config.hidden_size:>6} {config.ffn_hidden_size:>6} "
                     f"{config.num_attention_heads:>5} {config.query_groups:>3} {config.real_vocab_size:>6} "
                     f"{config.seq_length:>5}  {config.normalization:<9} {config.position_embedding_type:<16} "
-                    f"{size:>8}")
+                    f"{experts:>9} {size:>8}")
     return "\n".join(rows)

@@ -9,6 +9,7 @@
 #   DRY_RUN=1 scripts/pretrain_cpu_demo.sh                         # print each rank's plan and exit
 #
 # Environment overrides (default):
+#   MODEL (tiny; tiny-moe: 8 experts, top-2, a shared expert, about tiny's active parameters)
 #   TP (2), PP (2), NPROC (TP x PP; a multiple of it adds data parallelism)
 #   TRAIN_ITERS (100), MICRO_BATCH_SIZE (4), GLOBAL_BATCH_SIZE (16), LR (1e-3), MIN_LR (1e-4)
 #   LOG_INTERVAL (10), EVAL_INTERVAL (50), EVAL_ITERS (5), SAVE_DIR (runs/cpu_demo)
@@ -25,7 +26,7 @@ PROCS_PER_NODE=${NPROC:-$((TP * PP))}
 TRAIN_ITERS=${TRAIN_ITERS:-100}
 
 args=(
-  --model tiny
+  --model "${MODEL:-tiny}"
   --tensor-model-parallel-size "$TP" --pipeline-model-parallel-size "$PP"
   --micro-batch-size "${MICRO_BATCH_SIZE:-4}" --global-batch-size "${GLOBAL_BATCH_SIZE:-16}"
   --train-iters "$TRAIN_ITERS" --lr "${LR:-1e-3}" --min-lr "${MIN_LR:-1e-4}" --lr-decay-style cosine

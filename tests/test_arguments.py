@@ -88,7 +88,9 @@ def test_list_models_prints_every_preset_with_its_size(capsys):
     assert out == list_models() + "\n"
     for name, size in [("tiny", "7.1M"), ("gpt2-124m", "124.4M"), ("llama2-7b", "6.74B"), ("llama3-8b", "8.03B"),
                        ("llama3.2-1b", "1.24B"), ("llama-1b", "1.10B"), ("gpt2-350m", "354.8M"),
-                       ("qwen2.5-0.5b", "494.0M"), ("qwen3-0.6b", "596.0M")]:
+                       ("qwen2.5-0.5b", "494.0M"), ("qwen3-0.6b", "596.0M"), ("tiny-moe", "8 top-2    11.2M"),
+                       ("mixtral-8x7b", "8 top-2   46.70B"), ("qwen3-30b-a3b", "128 top-8   30.53B"),
+                       ("deepseek-v2-lite", "64 top-6   15.79B")]:
         line = next(line for line in out.splitlines() if line.startswith(name + " "))
         assert line.endswith(size)
 

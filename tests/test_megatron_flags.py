@@ -1,7 +1,9 @@
 """Megatron-LM's own launch scripts run unchanged apart from paths: the flag sets of
 examples/gpt3/train_gpt3_175b_distributed.sh (TP8 PP16, with --rampup-batch-size), examples/llama/
 train_llama3_8b_h100_fp8.sh and train_llama32_1b_h100_fp8.sh (minus their FP8 group) pass the parser
-and the dry run; with the FP8 group, context parallelism or experts they stop with one sentence."""
+and the dry run; with the FP8 group, context parallelism or experts they stop with one sentence. So do the MoE
+flag sets of examples/mixtral/train_mixtral_8x7b_distributed.sh and the Qwen3-30B-A3B model flags of
+examples/post_training/modelopt/conf/qwen/ (minus expert parallelism and --moe-layer-recompute)."""
 
 import importlib.util
 import json
@@ -12,6 +14,7 @@ import pytest
 
 import pretrain_gpt
 from megalite.arguments import parse_args
+from megalite.config import MODEL_PRESETS, ModelConfig
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 
@@ -64,6 +67,41 @@ FP8 = "--fp8-format hybrid --fp8-amax-history-len 1024 --fp8-amax-compute-algo m
 
 # (name, flag set, world size): the scripts' layouts
 SCRIPTS = [("gpt3-175b", GPT3_175B, 128), ("llama3-8b", LLAMA3_8B, 8), ("llama3.2-1b", LLAMA32_1B, 8)]
+
+# examples/mixtral/train_mixtral_8x7b_distributed.sh, whose PP 4 runs on 4 nodes of 8 GPUs, without its
+# --expert-model-parallel-size 8 (MIXTRAL_EP), refused until megalite has expert parallelism.
+MIXTRAL_8X7B = """
+--use-mcore-models --disable-bias-linear --seq-length 4096 --max-position-embeddings 32768 --num-layers 32
+--hidden-size 4096 --ffn-hidden-size 14336 --num-attention-heads 32 --init-method-std 0.01 --attention-dropout 0.0
+--hidden-dropout 0.0 --normalization RMSNorm --position-embedding-type rope --swiglu
+--untie-embeddings-and-output-weights --group-query-attention --num-query-groups 8 --no-masked-softmax-fusion
+--no-position-embedding --rotary-base 1000000
+--num-experts 8 --moe-router-topk 2 --moe-router-load-balancing-type aux_loss --moe-aux-loss-coeff 1e-2
+--moe-grouped-gemm --moe-token-dispatcher-type alltoall --overlap-param-gather --overlap-grad-reduce
+--tokenizer-type Llama2Tokenizer --tokenizer-model {ckpt}/tokenizer.model --data-path {data} --split 99990,8,2
+--micro-batch-size 1 --global-batch-size 256 --lr 1e-4 --train-iters 500000 --lr-decay-iters 320000
+--lr-decay-style cosine --min-lr 1.0e-5 --weight-decay 0.1 --lr-warmup-iters 500 --clip-grad 1.0 --bf16
+--tensor-model-parallel-size 1 --pipeline-model-parallel-size 4 --use-distributed-optimizer --sequence-parallel
+--log-interval 1 --save-interval 10000 --eval-interval 1000 --eval-iters 10 --save {ckpt} --load {ckpt}
+--tensorboard-dir {tb} --no-load-optim --no-load-rng
+"""
+MIXTRAL_EP = "--expert-model-parallel-size 8"
+
+# examples/post_training/modelopt/conf/qwen/Qwen3-30B-A3B.sh (model flags only; data and batch added here),
+# without its --moe-layer-recompute (QWEN3_RECOMPUTE), which megalite refuses: it recomputes whole layers.
+QWEN3_30B_A3B = """
+--save-interval 100000 --micro-batch-size 1 --bf16 --no-masked-softmax-fusion --disable-bias-linear
+--untie-embeddings-and-output-weights --position-embedding-type rope --no-rope-fusion --normalization RMSNorm
+--swiglu --num-layers 48 --hidden-size 2048 --ffn-hidden-size 6144 --num-attention-heads 32 --group-query-attention
+--num-query-groups 4 --kv-channels 128 --qk-layernorm --num-experts 128 --moe-ffn-hidden-size 768
+--moe-router-topk 8 --moe-router-dtype fp32 --moe-aux-loss-coeff 1e-3 --moe-token-dispatcher-type alltoall
+--moe-router-load-balancing-type aux_loss --seq-length 4096 --max-position-embeddings 40960
+--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 1187 --use-mcore-models --rotary-percent 1.0
+--rotary-base 1000000 --no-bias-swiglu-fusion --sequence-parallel
+--tokenizer-model {hf} --data-path {data} --global-batch-size 64 --train-iters 100 --save {ckpt}
+"""
+QWEN3_RECOMPUTE = "--moe-layer-recompute"
+MOE_SCRIPTS = [("mixtral-8x7b", MIXTRAL_8X7B, 32), ("qwen3-30b-a3b", QWEN3_30B_A3B, 8)]
 
 def _gpt2_bpe_files(folder) -> tuple[str, str]:
     """A byte-level GPT-2 vocabulary (the 256 byte symbols, two merges, <|endoftext|>) and its merges."""
@@ -164,6 +202,29 @@ def test_missing_features_stop_with_one_sentence(name, flag_set, world_size, ext
     assert "\n" not in message and "unrecognized arguments" not in message
     for word in words:
         assert word in message, message
+
+
+@pytest.mark.parametrize("name, flag_set, world_size", MOE_SCRIPTS, ids=[s[0] for s in MOE_SCRIPTS])
+def test_megatron_moe_scripts_pass_the_parser_and_the_dry_run(name, flag_set, world_size, paths, capsys):
+    pretrain_gpt.main(_argv(flag_set, paths) + ["--dry-run", "--world-size", str(world_size)])
+    out = capsys.readouterr().out
+    assert out.count("accepted without effect") == 1 and "--moe-token-dispatcher-type alltoall" in out
+    run = parse_args(_argv(flag_set, paths), world_size)
+    model, preset = run.model, MODEL_PRESETS[name]  # the script's MoE model is the preset's
+    for field in ("num_experts", "moe_router_topk", "expert_ffn_hidden_size", "num_layers", "hidden_size",
+                  "query_groups", "head_dim", "qk_layernorm", "moe_aux_loss_coeff"):
+        assert getattr(model, field) == getattr(ModelConfig.of(**preset), field), field
+    assert model.moe_router_load_balancing_type == "aux_loss" and not model.moe_router_pre_softmax
+
+
+@pytest.mark.parametrize("flag_set, extra, world_size, words", [
+    (MIXTRAL_8X7B, MIXTRAL_EP, 32, ["--expert-model-parallel-size 8", "expert parallelism"]),
+    (QWEN3_30B_A3B, QWEN3_RECOMPUTE, 8, ["--moe-layer-recompute", "does not build"]),
+], ids=["mixtral-expert-parallel", "qwen3-moe-layer-recompute"])
+def test_megatron_moe_scripts_stop_with_one_sentence_on_what_is_missing(flag_set, extra, world_size, words, paths):
+    with pytest.raises(UserError) as err:
+        pretrain_gpt.main(_argv(flag_set, paths) + shlex.split(extra) + ["--dry-run", "--world-size", str(world_size)])
+    assert "\n" not in str(err.value) and all(word in str(err.value) for word in words), str(err.value)
 
 
 def test_too_small_vocab_size_for_the_tokenizer_is_refused(paths):

@@ -102,13 +102,15 @@ def test_multinode_script_names_what_is_missing():
 
 
 def test_cpu_demo_trains_end_to_end(tmp_path):
-    """4 gloo processes, TP 2 x PP 2, on a small build of the built-in corpus (the full one takes 15 s)."""
+    """4 gloo processes, TP 2 x PP 2, on a small build of the built-in corpus (the full one takes 15 s), with
+    the MoE model (the dense one is every other test's)."""
     data_prefix, tokenizer_model = ensure_builtin_corpus(str(tmp_path / "corpus"), max_files=20)
     save = tmp_path / "run"
     # 20 documents: the default split (969,30,1) would leave the test split empty.
     result = run_script("scripts/pretrain_cpu_demo.sh", "--seq-length", "32", "--split", "8,1,1", DATA_PATH=data_prefix,
                         TOKENIZER_MODEL=tokenizer_model, SAVE_DIR=str(save), TRAIN_ITERS="2", MICRO_BATCH_SIZE="1",
-                        GLOBAL_BATCH_SIZE="2", LOG_INTERVAL="1", EVAL_ITERS="1", OMP_NUM_THREADS="1")
+                        GLOBAL_BATCH_SIZE="2", LOG_INTERVAL="1", EVAL_ITERS="1", OMP_NUM_THREADS="1",
+                        MODEL="tiny-moe")
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     out = result.stdout
     command = next(line for line in out.splitlines() if line.startswith("command: "))
@@ -116,4 +118,5 @@ def test_cpu_demo_trains_end_to_end(tmp_path):
     assert command.endswith("--seq-length 32 --split 8,1,1")
     assert "CUDA_DEVICE_MAX_CONNECTIONS=1" in out  # TP 2
     assert "trained iterations 1-2" in out and "test loss at iteration 2" in out
+    assert "--model tiny-moe" in command and "tokens per expert" in out
     assert (save / "latest_checkpointed_iteration.txt").read_text().strip() == "2"

@@ -43,6 +43,8 @@ COMPAT_FLAGS = [
                                                     "either way"),
     CompatFlag("--no-create-attention-mask-in-dataloader", "megalite's loader never builds an attention mask "
                                                            "(causal attention needs none)"),
+    CompatFlag("--no-position-embedding", "Megatron's switch off of the learned position table, which rope models "
+                                          "(--position-embedding-type rope) have none of anyway"),
     CompatFlag("--tiktoken-pattern", "only TikTokenizer reads it, which megalite does not have", takes_value=True,
                allowed=("v1", "v2")),
     CompatFlag("--ckpt-format", "megalite writes one layout-free format (safetensors + metadata), which any "

@@ -30,6 +30,14 @@ def _llama(num_layers: int, hidden_size: int, ffn_hidden_size: int, num_attentio
                 attention_dropout=0.0, **extra)
 
 
+def _moe(experts: int, topk: int, aux_loss_coeff: float, expert_ffn: int | None = None,
+         shared: int | None = None) -> dict:
+    """The MoE fields: `experts` routed experts of hidden size `expert_ffn` (default the dense ffn size), `topk`
+    per token, shared experts of total size `shared`, the aux loss (aux_loss) coefficient."""
+    return dict(num_experts=experts, moe_router_topk=topk, moe_ffn_hidden_size=expert_ffn,
+                moe_shared_expert_intermediate_size=shared, moe_aux_loss_coeff=aux_loss_coeff)
+
+
 MODEL_PRESETS: dict[str, dict] = {
     # The default CPU model: LLaMA-shaped, about 7.1M parameters with an 8192-token vocabulary.
     "tiny": _llama(num_layers=4, hidden_size=256, ffn_hidden_size=688, num_attention_heads=4,
@@ -54,6 +62,32 @@ MODEL_PRESETS: dict[str, dict] = {
                          num_query_groups=8, vocab_size=151936, seq_length=4096, rotary_base=1000000.0,
                          tied=True, max_position_embeddings=40960, norm_epsilon=1e-6, kv_channels=128,
                          qk_layernorm=True),
+    # Mixture-of-experts models: MoE layers with softmax top-k routing (Megatron's default) unless noted, the aux
+    # loss coefficient each was published with.
+    # The CPU MoE model: tiny's attention, 8 experts of which 2 per token plus one shared expert (sigmoid-gated, so
+    # it exports as Qwen2MoeForCausalLM): 7.06M parameters active (2 x 224 + 224 ~ tiny's 688), 11.2M in all.
+    "tiny-moe": _llama(num_layers=4, hidden_size=256, ffn_hidden_size=688, num_attention_heads=4,
+                       num_query_groups=2, vocab_size=8192, seq_length=256, rotary_base=10000.0,
+                       **_moe(experts=8, topk=2, expert_ffn=224, shared=224, aux_loss_coeff=1e-2),
+                       moe_shared_expert_gate=True),
+    "mixtral-8x7b": _llama(num_layers=32, hidden_size=4096, ffn_hidden_size=14336, num_attention_heads=32,
+                           num_query_groups=8, vocab_size=32000, seq_length=4096, rotary_base=1000000.0,
+                           max_position_embeddings=32768, **_moe(experts=8, topk=2, aux_loss_coeff=1e-2)),
+    # HF's norm_topk_prob True: the default softmax routing; the dense ffn size is unused (every layer is MoE).
+    "qwen3-30b-a3b": _llama(num_layers=48, hidden_size=2048, ffn_hidden_size=6144, num_attention_heads=32,
+                            num_query_groups=4, vocab_size=151936, seq_length=4096, rotary_base=1000000.0,
+                            max_position_embeddings=40960, norm_epsilon=1e-6, kv_channels=128, qk_layernorm=True,
+                            **_moe(experts=128, topk=8, expert_ffn=768, aux_loss_coeff=1e-3)),
+    # DeepSeek-V2-Lite's MoE part (layer 0 dense, 64 routed experts of which 6, two shared ones as one of 2816,
+    # not renormalised: --moe-router-pre-softmax; the sequence-level aux loss) with standard multi-head attention
+    # of 16 x 128 channels in place of its multi-head latent attention (MLA), which megalite does not build, and a
+    # 4096-token context without YaRN: 15.79B parameters (MLA's are 3M a layer fewer: 15.71B published).
+    "deepseek-v2-lite": _llama(num_layers=27, hidden_size=2048, ffn_hidden_size=10944, num_attention_heads=16,
+                               num_query_groups=None, vocab_size=102400, seq_length=4096, rotary_base=10000.0,
+                               norm_epsilon=1e-6, moe_layer_freq="([0]*1+[1]*26)", moe_router_pre_softmax=True,
+                               moe_router_load_balancing_type="seq_aux_loss",
+                               **_moe(experts=64, topk=6, expert_ffn=1408, shared=2816, aux_loss_coeff=1e-3)),
+    # Not here: OLMoE-1B-7B, whose q/k norms span all heads (megalite's --qk-layernorm is per head, as Qwen3's).
 }
 
 

@@ -2,22 +2,34 @@
 (rope, RMSNorm, SwiGLU; GQA, tied or untied) with biases on all linear layers or none <-> `LlamaForCausalLM`
 (Mistral without a sliding window imports as it too), with biases on QKV only (--add-qkv-bias) <->
 `Qwen2ForCausalLM`, with per-head q/k norms (--qk-layernorm) and no biases <-> `Qwen3ForCausalLM`; and
-GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`. Anything else is
-refused, naming the setting or the field."""
+GPT-2-style (learned positions, LayerNorm, GELU, biases, multi-head) <-> `GPT2LMHeadModel`. LLaMA-style MoE
+models with softmax top-k routing: plain <-> `MixtralForCausalLM`, with a sigmoid-gated shared expert <->
+`Qwen2MoeForCausalLM`, with q/k norms <-> `Qwen3MoeForCausalLM` (HF's norm_topk_prob False is Megatron's
+--moe-router-pre-softmax). Anything else is refused, naming the setting or the field."""
 
 from dataclasses import dataclass
 
 import torch
 
 from megalite.config import ModelConfig
+from megalite.config.model import moe_layer_pattern
 from megalite.errors import UserError
 
 LLAMA, GPT2 = "LlamaForCausalLM", "GPT2LMHeadModel"
 QWEN2, QWEN3 = "Qwen2ForCausalLM", "Qwen3ForCausalLM"
+MIXTRAL, QWEN2_MOE, QWEN3_MOE = "MixtralForCausalLM", "Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM"
+MOE_FAMILIES = (MIXTRAL, QWEN2_MOE, QWEN3_MOE)
 # config.json's architectures or model_type -> the family it imports as.
 _FAMILIES = {"LlamaForCausalLM": LLAMA, "llama": LLAMA, "MistralForCausalLM": LLAMA, "mistral": LLAMA,
              "Qwen2ForCausalLM": QWEN2, "qwen2": QWEN2, "Qwen3ForCausalLM": QWEN3, "qwen3": QWEN3,
+             "MixtralForCausalLM": MIXTRAL, "mixtral": MIXTRAL, "Qwen2MoeForCausalLM": QWEN2_MOE,
+             "qwen2_moe": QWEN2_MOE, "Qwen3MoeForCausalLM": QWEN3_MOE, "qwen3_moe": QWEN3_MOE,
              "GPT2LMHeadModel": GPT2, "gpt2": GPT2}
+# Routing options no MoE class of transformers has: (field, flag).
+_HF_LESS_ROUTING = [("moe_router_enable_expert_bias", "--moe-router-enable-expert-bias"),
+                    ("moe_router_num_groups", "--moe-router-num-groups"),
+                    ("moe_router_topk_scaling_factor", "--moe-router-topk-scaling-factor"),
+                    ("moe_expert_capacity_factor", "--moe-expert-capacity-factor")]
 _ROPE_TYPES = ("default", "llama3")
 _LLAMA3_ROPE = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -36,7 +48,10 @@ def hf_architecture(config: ModelConfig) -> str:
             raise UserError(f"this model rotates {config.rotary_dim} of each head's {config.head_dim} channels "
                             f"(--rotary-percent {config.rotary_percent:g}), but transformers' LlamaForCausalLM "
                             f"rotates whole heads; train with --rotary-percent 1.0 to export to Hugging Face")
-        return _llama_family(config)
+        return _llama_family(config) if config.num_experts is None else _moe_family(config)
+    if config.num_experts is not None:
+        raise UserError("transformers' MoE classes (Mixtral, Qwen2-MoE, Qwen3-MoE) are LLaMA-style; train the MoE "
+                        "model with rope, RMSNorm and --swiglu to export it to Hugging Face")
     if config.add_qkv_bias or config.qk_layernorm:
         raise UserError("only LLaMA-style models (rope, RMSNorm, SwiGLU) with --add-qkv-bias (Qwen2) or "
                         "--qk-layernorm (Qwen3) have a transformers class; GPT-2 has neither")
@@ -65,23 +80,77 @@ def _llama_family(config: ModelConfig) -> str:
     return QWEN2 if config.add_qkv_bias and not config.add_bias_linear else LLAMA
 
 
+def _moe_family(config: ModelConfig) -> str:
+    """Which MoE class: by the shared expert and the q/k norms, after the routing (softmax top-k only)."""
+    if config.moe_router_score_function != "softmax":
+        raise UserError("this MoE model routes by sigmoid scores (--moe-router-score-function sigmoid), but "
+                        "transformers' Mixtral, Qwen2-MoE and Qwen3-MoE route by a softmax; train with softmax "
+                        "routing to export to Hugging Face")
+    for field, flag in _HF_LESS_ROUTING:
+        if getattr(config, field):
+            raise UserError(f"this MoE model routes with {flag}, which no transformers MoE class (Mixtral, "
+                            f"Qwen2-MoE, Qwen3-MoE) computes; train without it to export to Hugging Face")
+    if config.add_bias_linear:
+        raise UserError("transformers' MoE classes have no biases on their projections and experts; train the MoE "
+                        "model with --disable-bias-linear to export it to Hugging Face")
+    if config.moe_shared_expert_intermediate_size is not None:
+        if not config.moe_shared_expert_gate or config.qk_layernorm:
+            raise UserError("only Qwen2MoeForCausalLM among transformers' MoE classes has a shared expert, gated by "
+                            "sigmoid(x w) and without q/k norms; train with --moe-shared-expert-gate and without "
+                            "--qk-layernorm (or without shared experts) to export to Hugging Face")
+        return QWEN2_MOE
+    if config.qk_layernorm:
+        if config.add_qkv_bias:
+            raise UserError("Qwen3MoeForCausalLM, the MoE class with q/k norms, has no QKV bias; train without "
+                            "--add-qkv-bias to export to Hugging Face")
+        return QWEN3_MOE
+    if config.add_qkv_bias:
+        raise UserError("an MoE model with --add-qkv-bias exports as Qwen2MoeForCausalLM, which has a gated shared "
+                        "expert; add --moe-shared-expert-intermediate-size and --moe-shared-expert-gate, or train "
+                        "without --add-qkv-bias")
+    if config.moe_router_pre_softmax or not all(moe_layer_pattern(config.moe_layer_freq, config.num_layers)):
+        raise UserError("MixtralForCausalLM, the MoE class without shared experts or q/k norms, has an MoE layer in "
+                        "every layer and renormalises the top-k probabilities; train with --moe-layer-freq 1 and "
+                        "without --moe-router-pre-softmax (or add --qk-layernorm, as Qwen3-MoE) to export it")
+    return MIXTRAL
+
+
+def _moe_fields_to_hf(config: ModelConfig, architecture: str) -> dict:
+    """The HF config fields of the experts and the router (intermediate_size: the dense layers', Qwen's)."""
+    experts = dict(num_experts_per_tok=config.moe_router_topk, output_router_logits=False)
+    if architecture == MIXTRAL:
+        return dict(experts, num_local_experts=config.num_experts, intermediate_size=config.expert_ffn_hidden_size,
+                    router_jitter_noise=0.0)
+    pattern = moe_layer_pattern(config.moe_layer_freq, config.num_layers)
+    qwen = dict(experts, num_experts=config.num_experts, moe_intermediate_size=config.expert_ffn_hidden_size,
+                norm_topk_prob=not config.moe_router_pre_softmax, decoder_sparse_step=1,
+                mlp_only_layers=[i for i, moe in enumerate(pattern) if not moe], use_sliding_window=False)
+    if architecture == QWEN2_MOE:
+        qwen.update(shared_expert_intermediate_size=config.moe_shared_expert_intermediate_size,
+                    qkv_bias=config.add_qkv_bias)
+    return qwen
+
+
 def llama_config_to_hf(config: ModelConfig, attn_implementation: str = "sdpa", **extra):
     """The `transformers` config (given `extra`) of a LLaMA-shaped megalite config (real vocabulary):
-    LlamaConfig, Qwen2Config or Qwen3Config as hf_architecture decides. Llama 3.1 rope scaling is HF's
-    "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
+    LlamaConfig, Qwen2Config, Qwen3Config or their MoE kin as hf_architecture decides. Llama 3.1 rope
+    scaling is HF's "llama3" rope type with megalite's fixed factors (_LLAMA3_ROPE)."""
     import transformers  # only conversion, tests and benchmarks need it
 
     rope_scaling = None
     if config.use_rope_scaling:
         rope_scaling = {"rope_type": "llama3", "factor": config.rope_scaling_factor, **_LLAMA3_ROPE}
     architecture = hf_architecture(config)
-    biases = {LLAMA: {"attention_bias": False, "mlp_bias": False}, QWEN3: {"attention_bias": False}}
-    extra = {**biases.get(architecture, {}), "attention_dropout": 0.0, **extra}
+    biases = {LLAMA: {"attention_bias": False, "mlp_bias": False}, QWEN3: {"attention_bias": False},
+              QWEN3_MOE: {"attention_bias": False}}
+    moe = _moe_fields_to_hf(config, architecture) if architecture in MOE_FAMILIES else {}
+    extra = {"intermediate_size": config.ffn_hidden_size, **biases.get(architecture, {}), **moe,
+             "attention_dropout": 0.0, **extra}
     config_class = {LLAMA: transformers.LlamaConfig, QWEN2: transformers.Qwen2Config,
-                    QWEN3: transformers.Qwen3Config}[architecture]
+                    QWEN3: transformers.Qwen3Config, MIXTRAL: transformers.MixtralConfig,
+                    QWEN2_MOE: transformers.Qwen2MoeConfig, QWEN3_MOE: transformers.Qwen3MoeConfig}[architecture]
     return config_class(
-        vocab_size=config.real_vocab_size, hidden_size=config.hidden_size,
-        intermediate_size=config.ffn_hidden_size, num_hidden_layers=config.num_layers,
+        vocab_size=config.real_vocab_size, hidden_size=config.hidden_size, num_hidden_layers=config.num_layers,
         num_attention_heads=config.num_attention_heads, num_key_value_heads=config.query_groups,
         head_dim=config.head_dim, max_position_embeddings=config.max_position_embeddings,
         rms_norm_eps=config.norm_epsilon, rope_theta=config.rotary_base, rope_scaling=rope_scaling,
@@ -139,10 +208,14 @@ def model_fields_from_hf(hf: dict, seq_length: int | None = None) -> ImportedCon
                 if str(architecture).lower().startswith("olmo") else "")
         raise UserError(f"config.json's architectures/model_type is {architecture!r}, which megalite cannot "
                         f"import{hint}; supported: {', '.join(name for name in _FAMILIES if name[0].isupper())}")
-    for field in ("quantization_config", "num_local_experts", "num_experts"):
-        if hf.get(field):
-            raise UserError(f"config.json field {field!r} is set; megalite imports dense, unquantized models only")
+    if hf.get("quantization_config"):
+        raise UserError("config.json field 'quantization_config' is set; megalite imports unquantized models only")
+    if kind not in MOE_FAMILIES and (hf.get("num_local_experts") or hf.get("num_experts")):
+        raise UserError(f"config.json sets experts for {architecture!r}, a dense class; megalite imports MoE models "
+                        f"as {', '.join(MOE_FAMILIES)}")
     fields = _gpt2_fields(hf) if kind == GPT2 else _llama_fields(hf, kind)
+    if kind in MOE_FAMILIES:
+        fields.update(_moe_fields(hf, kind))
     max_positions = fields["max_position_embeddings"]
     fields["seq_length"] = seq_length or min(max_positions, 4096)
     if fields["position_embedding_type"] == "learned_absolute" and fields["seq_length"] > max_positions:
@@ -166,11 +239,12 @@ def _llama_fields(hf: dict, kind: str) -> dict:
     if kind == LLAMA and attention_bias != mlp_bias:
         raise UserError(f"config.json fields 'attention_bias' ({attention_bias}) and 'mlp_bias' ({mlp_bias}) "
                         f"differ, but megalite's linear layers have biases all or none (--disable-bias-linear)")
-    if kind == QWEN3 and attention_bias:
+    if kind in (QWEN3, QWEN3_MOE) and attention_bias:
         raise UserError("config.json field 'attention_bias' is true, but Qwen3 then has biases on q/k/v/o and "
                         "none in the MLP, which megalite's --disable-bias-linear / --add-qkv-bias cannot express")
     heads, hidden = int(hf["num_attention_heads"]), int(hf["hidden_size"])
     head_dim = int(hf.get("head_dim") or (128 if kind == QWEN3 else hidden // heads))  # Qwen3Config's default
+    qkv_bias = kind == QWEN2 or kind == QWEN2_MOE and bool(hf.get("qkv_bias", True))
     groups = int(hf.get("num_key_value_heads") or heads)
     rope_theta, rope = _rope(hf)
     return dict(
@@ -181,10 +255,38 @@ def _llama_fields(hf: dict, kind: str) -> dict:
         use_rope_scaling=rope is not None, rope_scaling_factor=float(rope["factor"]) if rope else 8.0,
         normalization="RMSNorm", norm_epsilon=float(hf.get("rms_norm_eps", 1e-6)), swiglu=True,
         openai_gelu=False, untie_embeddings_and_output_weights=not hf.get("tie_word_embeddings", False),
-        add_bias_linear=attention_bias and kind == LLAMA, add_qkv_bias=kind == QWEN2, qk_layernorm=kind == QWEN3,
+        add_bias_linear=attention_bias and kind == LLAMA, add_qkv_bias=qkv_bias,
+        qk_layernorm=kind in (QWEN3, QWEN3_MOE),
         hidden_dropout=0.0,
         attention_dropout=float(hf.get("attention_dropout") or 0.0),
         init_method_std=float(hf.get("initializer_range", 0.02)))
+
+
+def _moe_fields(hf: dict, kind: str) -> dict:
+    """The MoE fields of a Mixtral / Qwen2-MoE / Qwen3-MoE config.json: experts, router and which layers."""
+    experts = hf.get("num_local_experts") or hf.get("num_experts")  # Qwen3-MoE writes either name
+    if not experts:
+        raise UserError(f"config.json of {kind} sets no experts (num_experts / num_local_experts); a model "
+                        f"without MoE layers imports as its dense class")
+    layers = int(hf["num_hidden_layers"])
+    fields = dict(num_experts=int(experts), moe_router_topk=int(hf["num_experts_per_tok"]))
+    if kind == MIXTRAL:
+        if hf.get("router_jitter_noise"):
+            raise UserError(f"config.json field 'router_jitter_noise' is {hf['router_jitter_noise']}, but megalite's "
+                            f"router has no input jitter; set it to 0.0 to import")
+        return fields  # every layer MoE, the experts of size intermediate_size (megalite's ffn_hidden_size)
+    step, dense = int(hf.get("decoder_sparse_step") or 1), set(hf.get("mlp_only_layers") or [])
+    pattern = [int(i not in dense and (i + 1) % step == 0) for i in range(layers)]
+    if not any(pattern):
+        raise UserError("config.json fields 'decoder_sparse_step' and 'mlp_only_layers' leave no MoE layer; import "
+                        "the model as its dense class")
+    fields.update(moe_ffn_hidden_size=int(hf["moe_intermediate_size"]),
+                  moe_router_pre_softmax=not hf.get("norm_topk_prob", False),
+                  moe_layer_freq=1 if all(pattern) else "[" + ",".join(map(str, pattern)) + "]")
+    if kind == QWEN2_MOE:
+        fields.update(moe_shared_expert_intermediate_size=int(hf["shared_expert_intermediate_size"]),
+                      moe_shared_expert_gate=True)
+    return fields
 
 
 def _rope(hf: dict) -> tuple[float, dict | None]:

@@ -6,6 +6,7 @@ for that TP size); any other layout loads the checkpoint just as well."""
 import dataclasses
 import json
 import os
+import shlex
 import time
 from collections.abc import Callable
 
@@ -78,7 +79,7 @@ def import_checkpoint(load: str, save: str, tensor_model_parallel_size: int = 1,
         log(note)
     log("continue pretraining with these model flags (the tokenizer must have "
         f"{imported.vocab_size} tokens):")
-    log("  " + " ".join(continue_command(load, save, flags, tokenizer, tp, pp)))
+    log("  " + shlex.join(continue_command(load, save, flags, tokenizer, tp, pp)))  # "[1,0,1]" quoted
 
 
 def continue_command(load: str, save: str, model_flags: list[str], tokenizer: bool, tensor_model_parallel_size: int,

@@ -7,6 +7,10 @@ Layouts that differ:
 - `gate_up`: megalite's SwiGLU fc1 is [gate; up]; HF has gate_proj and up_proj.
 - `vocab`: megalite pads the vocabulary with zero rows; HF holds the tokenizer's rows only.
 - `transposed`: GPT-2's Conv1D stores weights as [in, out], nn.Linear as [out, in].
+- `experts`, `experts_gate_up`: megalite stacks the routed experts, fc2 `[E, h, ffn]` and fc1 `[E, 2 ffn, h]`
+  ([gate; up] per expert); HF files hold one tensor per expert and kind (Mixtral's w1 gate, w3 up, w2 down;
+  Qwen's gate_proj, up_proj, down_proj), the names `save_pretrained` writes and `from_pretrained` reads. (In
+  memory transformers 5 fuses them into `experts.gate_up_proj` / `down_proj`; the files never hold those.)
 Rotary embeddings need no permutation: both rotate halves of each head (channel i with i + d/2).
 """
 
@@ -15,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from megalite.config import ModelConfig
-from megalite.convert.configs import GPT2, hf_architecture
+from megalite.convert.configs import GPT2, MIXTRAL, hf_architecture
 
 
 @dataclass(frozen=True)
@@ -52,6 +56,9 @@ def _llama_maps(config: ModelConfig) -> list[TensorMap]:
         for kind in kinds:
             maps.append(TensorMap(ours + f"self_attention.linear_proj.{kind}", (theirs + f"self_attn.o_proj.{kind}",)))
         maps.append(TensorMap(ours + "pre_mlp_layernorm.weight", (theirs + "post_attention_layernorm.weight",)))
+        if config.is_moe_layer(i):
+            maps += _moe_maps(config, ours + "mlp.", theirs)
+            continue
         for kind in kinds:
             maps.append(TensorMap(ours + f"mlp.linear_fc1.{kind}",
                                   (theirs + f"mlp.gate_proj.{kind}", theirs + f"mlp.up_proj.{kind}"), "gate_up"))
@@ -59,6 +66,29 @@ def _llama_maps(config: ModelConfig) -> list[TensorMap]:
     maps.append(TensorMap("final_layernorm.weight", ("model.norm.weight",)))
     if config.untie_embeddings_and_output_weights:
         maps.append(TensorMap("output_layer.weight", ("lm_head.weight",), "vocab"))
+    return maps
+
+
+def _moe_maps(config: ModelConfig, ours: str, theirs: str) -> list[TensorMap]:
+    """One MoE layer's router, routed experts (one HF tensor per expert and kind, in expert order) and
+    Qwen2-MoE's shared expert and its gate. `ours`: "layers.{i}.mlp.", `theirs`: "model.layers.{i}."."""
+    experts = range(config.num_experts)
+    if hf_architecture(config) == MIXTRAL:
+        moe, gate, up, down = theirs + "block_sparse_moe.", "w1", "w3", "w2"
+    else:
+        moe, gate, up, down = theirs + "mlp.", "gate_proj", "up_proj", "down_proj"
+    maps = [TensorMap(ours + "router.weight", (moe + "gate.weight",)),
+            TensorMap(ours + "experts.linear_fc1.weight",
+                      tuple(moe + f"experts.{e}.{kind}.weight" for e in experts for kind in (gate, up)),
+                      "experts_gate_up"),
+            TensorMap(ours + "experts.linear_fc2.weight", tuple(moe + f"experts.{e}.{down}.weight" for e in experts),
+                      "experts")]
+    if config.moe_shared_expert_intermediate_size is not None:  # Qwen2-MoE's, gated
+        shared = moe + "shared_expert."
+        maps += [TensorMap(ours + "shared_experts.linear_fc1.weight",
+                           (shared + "gate_proj.weight", shared + "up_proj.weight"), "gate_up"),
+                 TensorMap(ours + "shared_experts.linear_fc2.weight", (shared + "down_proj.weight",)),
+                 TensorMap(ours + "shared_expert_gate", (moe + "shared_expert_gate.weight",))]
     return maps
 
 
@@ -109,7 +139,8 @@ def merge_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, config: ModelCo
 def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> list[torch.Tensor]:
     """The HF tensors (one per `tensor_map.theirs`) of the full megalite tensor `tensor`; contiguous, same
     dtype. vocab `[padded vocab, h]` -> `[real vocab, h]`; qkv as split_qkv; SwiGLU fc1 `[2 ffn, h]` ->
-    gate, up `[ffn, h]`; transposed maps swap the two dimensions."""
+    gate, up `[ffn, h]`; stacked experts `[E, ...]` -> one tensor per expert (fc1: its gate, then its up);
+    transposed maps swap the two dimensions."""
     layout = tensor_map.layout
     if layout == "vocab":
         parts = [tensor[:config.real_vocab_size]]
@@ -119,6 +150,10 @@ def to_hf(tensor_map: TensorMap, tensor: torch.Tensor, config: ModelConfig) -> l
             parts = [torch.cat(parts)]
     elif layout == "gate_up":
         parts = list(tensor.chunk(2))
+    elif layout == "experts_gate_up":
+        parts = [part for expert in tensor.unbind() for part in expert.chunk(2)]
+    elif layout == "experts":
+        parts = list(tensor.unbind())
     else:
         parts = [tensor]
     if tensor_map.transposed:
@@ -143,6 +178,10 @@ def from_hf(tensor_map: TensorMap, tensors: list[torch.Tensor], config: ModelCon
         return merge_qkv(*parts, config).contiguous()
     if layout == "gate_up":
         return torch.cat(parts).contiguous()
+    if layout == "experts_gate_up":
+        return torch.stack([torch.cat(parts[i:i + 2]) for i in range(0, len(parts), 2)])
+    if layout == "experts":
+        return torch.stack(parts)
     return parts[0].contiguous()
 
 
@@ -151,7 +190,20 @@ def hf_shapes(tensor_map: TensorMap, shape: tuple[int, ...], config: ModelConfig
     return [tuple(part.shape) for part in to_hf(tensor_map, torch.empty(shape, device="meta"), config)]
 
 
-def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig) -> dict[str, torch.Tensor]:
-    """A whole megalite state dict -> the HF state dict (tied lm_head left out, as HF saves it)."""
-    return {name: tensor for tensor_map in tensor_maps(config)
-            for name, tensor in zip(tensor_map.theirs, to_hf(tensor_map, state[tensor_map.ours], config))}
+def hf_state_dict(state: dict[str, torch.Tensor], config: ModelConfig,
+                  fused_experts: bool = False) -> dict[str, torch.Tensor]:
+    """A whole megalite state dict -> the HF state dict as HF saves it (tied lm_head left out). fused_experts:
+    transformers 5's in-memory names instead, for `load_state_dict` on a model built in memory: each MoE
+    layer's `mlp.experts.gate_up_proj` `[E, 2 ffn, h]` and `down_proj` `[E, h, ffn]` (megalite's stacked
+    tensors as they are), and Mixtral's `block_sparse_moe.` named `mlp.`."""
+    hf = {}
+    for tensor_map in tensor_maps(config):
+        if fused_experts and tensor_map.layout in ("experts", "experts_gate_up"):
+            layer = tensor_map.theirs[0].split(".experts.")[0]
+            kind = "gate_up_proj" if tensor_map.layout == "experts_gate_up" else "down_proj"
+            hf[f"{layer}.experts.{kind}"] = state[tensor_map.ours]
+        else:
+            hf.update(zip(tensor_map.theirs, to_hf(tensor_map, state[tensor_map.ours], config)))
+    if fused_experts:
+        hf = {name.replace(".block_sparse_moe.", ".mlp."): tensor for name, tensor in hf.items()}
+    return hf

@@ -18,6 +18,10 @@ _BASE_PRESETS = ("tiny", "llama3.2-1b", "gpt2-124m")
 # Fields whose raw value may differ while the model computes the same thing.
 _DERIVED = {"num_query_groups": "query_groups", "kv_channels": "head_dim"}
 _FLAGS = {field.name: flags_of(field)[0] for field in dataclasses.fields(ModelConfig) if "option" in field.metadata}
+_DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)}
+# The MoE fields an import sets, in flag order: all on-only booleans or values.
+_MOE_FIELDS = ("num_experts", "moe_ffn_hidden_size", "moe_router_topk", "moe_router_pre_softmax", "moe_layer_freq",
+               "moe_shared_expert_intermediate_size", "moe_shared_expert_gate")
 
 
 @dataclass(frozen=True)
@@ -92,6 +96,9 @@ def _overrides_on_preset(fields: dict, preset: str) -> dict:
             overrides[key] = True
     if not fields["add_bias_linear"]:
         overrides["add_bias_linear"] = False
+    for key in _MOE_FIELDS:  # an imported MoE model's (model_fields_from_hf gives them only for MoE classes)
+        if key in fields and fields[key] != _DEFAULTS[key]:
+            overrides[key] = fields[key]
     for key in ("hidden_dropout", "attention_dropout", "init_method_std"):
         overrides[key] = fields[key]
     if fields.get("make_vocab_size_divisible_by", 128) != 128:

@@ -23,8 +23,7 @@ from megalite.run.generation import generate
 from megalite.convert import model_fields_from_hf, sentencepiece_to_tokenizers
 from megalite.model.gpt import build_model
 from megalite.run.data import build_datasets
-from megalite.run.training import pretrain
-from tools.check_layouts import run as run_processes
+from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, train
 from tools.convert_checkpoint import main as convert
 from tools.generate import load_model
 
@@ -40,19 +39,6 @@ MOCK = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99"
 LLAMA_GQA = ["--group-query-attention", "--num-query-groups", "2", "--ffn-hidden-size", "96"]  # tiny: untied
 # tied output, biases, LayerNorm, GELU, learned positions
 GPT2 = ["--model", "gpt2-124m", "--max-position-embeddings", "64", "--ffn-hidden-size", "256"]
-
-
-def train(folder, flags: list[str], processes: int = 1) -> None:
-    flags = [*flags, "--save", str(folder), "--data-cache-path", str(folder / "cache")]
-    if processes == 1:
-        pretrain(parse_args(flags), log=lambda line: None)
-    else:
-        run_processes(processes, flags, str(folder / "metrics.jsonl"))
-
-
-def load_hf(folder):
-    """An HF model from a local folder, in fp32 and eval mode."""
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32, local_files_only=True).eval()
 
 
 def compare_with_hf(run_folder, hf_folder) -> float:
@@ -76,15 +62,6 @@ def compare_with_hf(run_folder, hf_folder) -> float:
     hf_ids = theirs.generate(torch.tensor([prompt]), max_new_tokens=20, do_sample=False)[0].tolist()
     assert hf_ids == expected and len(expected) == 28
     return difference
-
-
-def hf_tensors(folder) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for path in sorted(glob.glob(os.path.join(folder, "*.safetensors"))):
-        tensors.update(load_file(path))
-    return tensors
 
 
 # -- to-hf from trained runs ----------------------------------------------------------------------
@@ -300,10 +277,6 @@ def test_from_hf_continues_at_tp2_starting_from_the_hf_models_loss(tmp_path, hf_
 # -- errors ---------------------------------------------------------------------------------------
 
 
-LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": 100, "hidden_size": 64,
-                "intermediate_size": 96, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-                "max_position_embeddings": 64, "rms_norm_eps": 1e-6, "hidden_act": "silu",
-                "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0}}
 
 
 @pytest.mark.parametrize("change, message", [
@@ -320,7 +293,7 @@ LLAMA_CONFIG = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "v
     ({"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe"}, "OLMo models normalise q and k across all heads"),
     ({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "attention_bias": True},
      "Qwen3 then has biases on q/k/v/o"),
-    ({"architectures": ["MixtralForCausalLM"], "model_type": "mixtral"}, "'MixtralForCausalLM', which megalite"),
+    ({"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3"}, "'DeepseekV3ForCausalLM', which"),
     ({"quantization_config": {"bits": 4}}, "field 'quantization_config' is set"),
     ({"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
      "field 'partial_rotary_factor' is 0.5"),

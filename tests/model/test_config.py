@@ -18,7 +18,16 @@ PUBLISHED = {
     "llama-1b": 1_100_048_384,  # TinyLlama-1.1B
     "qwen2.5-0.5b": 494_032_768,
     "qwen3-0.6b": 596_049_920,
+    "mixtral-8x7b": 46_702_792_704,
+    "qwen3-30b-a3b": 30_532_122_624,
+    # 15_706_484_224 published with multi-head latent attention, whose 13_763_072 parameters a layer (q 2048 x 3072,
+    # kv down 2048 x 576 and its norm 512, kv up 512 x 4096, out 2048 x 2048) the preset's standard attention
+    # replaces by 4 x 2048 x 2048 = 16_777_216: 27 x 3_014_144 more.
+    "deepseek-v2-lite": 15_706_484_224 + 27 * 3_014_144,
 }
+# Active parameters (a token's top-k routed experts, all else whole): Mixtral's published "12.9B", Qwen3's "3.3B"
+# (Qwen's name, A3B, and model card), tiny-moe's near tiny's 7_096_576.
+ACTIVE = {"mixtral-8x7b": 12_879_925_248, "qwen3-30b-a3b": 3_353_032_704, "tiny-moe": 7_056_640}
 
 
 def meta_count(config: ModelConfig) -> int:
@@ -30,6 +39,14 @@ def test_presets_have_published_parameter_counts(name):
     config = model_config_from_preset(name, make_vocab_size_divisible_by=1)
     assert config.vocab_size == MODEL_PRESETS[name]["vocab_size"]
     assert meta_count(config) == num_parameters(config) == PUBLISHED[name]
+
+
+@pytest.mark.parametrize("name", sorted(ACTIVE))
+def test_moe_presets_have_published_active_parameter_counts(name):
+    config = model_config_from_preset(name, make_vocab_size_divisible_by=1)
+    moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
+    expert = 3 * config.hidden_size * config.expert_ffn_hidden_size  # SwiGLU: gate, up, down
+    assert num_parameters(config) - moe_layers * (config.num_experts - config.moe_router_topk) * expert == ACTIVE[name]
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))

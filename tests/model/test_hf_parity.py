@@ -112,6 +112,27 @@ def test_qwen_logits_match_hugging_face(llama_config, overrides, architecture):
     compare(ours, hf_model, config, reset_at=5)
 
 
+MOE = dict(num_experts=4, moe_router_topk=2, moe_ffn_hidden_size=32)
+
+
+@pytest.mark.parametrize("overrides, architecture", [
+    (dict(), "MixtralForCausalLM"),
+    (dict(add_qkv_bias=True, moe_shared_expert_intermediate_size=48, moe_shared_expert_gate=True,
+          moe_router_pre_softmax=True, moe_layer_freq="[1,0,1,1]"), "Qwen2MoeForCausalLM"),
+    (dict(qk_layernorm=True, kv_channels=24, moe_router_topk=3, moe_layer_freq=2), "Qwen3MoeForCausalLM"),
+], ids=["mixtral", "qwen2-moe-shared-gated-dense-layer", "qwen3-moe"])
+def test_moe_logits_match_hugging_face(llama_config, overrides, architecture):
+    """megalite's own random MoE models (aux loss off) in transformers 5's in-memory layout: fused experts."""
+    config = llama_config(init_method_std=INIT_STD, **{**MOE, **overrides})
+    ours = GPTModel(config, seed=14)
+    randomise_norms_and_biases(ours)
+    hf_model = transformers.AutoModelForCausalLM.from_config(
+        llama_config_to_hf(config, attn_implementation="eager")).float()
+    assert type(hf_model).__name__ == architecture
+    load_into(hf_model, hf_state_dict(ours.state_dict(), config, fused_experts=True))
+    compare(ours, hf_model, config)
+
+
 @pytest.mark.parametrize("openai_gelu", [True, False], ids=["gelu_new", "gelu-exact"])
 def test_gpt2_logits_match_hugging_face(gpt2_config, openai_gelu):
     config = gpt2_config(openai_gelu=openai_gelu, tokenizer_vocab_size=250, init_method_std=INIT_STD)
