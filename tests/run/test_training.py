@@ -277,3 +277,14 @@ def test_a_tiny_moe_model_trains_and_logs_its_routing(tmp_path):
     restored = build_model(trainer.run.model, seed=1)
     load_checkpoint(str(tmp_path), restored, model_config=trainer.run.model, load_rng=False)
     assert torch.equal(restored.layers["0"].mlp.router.expert_bias, bias)
+
+
+def test_moe_grouped_gemm_and_the_expert_loop_train_to_bitwise_equal_losses():
+    """10 iterations of the Trainer (Adam, shared expert, aux and z losses, a dense layer) with each path
+    (tests/model/test_moe.py compares them in bf16 too)."""
+    flags = [*MOCK, "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
+             "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "16", "--moe-layer-freq", "[1,0]",
+             "--train-iters", "10", "--eval-interval", "0", "--eval-iters", "0"]
+    loop = train(*flags)[1].losses
+    grouped = train(*flags, "--moe-grouped-gemm")[1].losses
+    assert loop == grouped and len(set(loop)) == 10
