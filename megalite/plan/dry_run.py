@@ -180,11 +180,15 @@ def format_report(report: DryRunReport) -> str:
     if model.recompute_method is not None:
         recompute += f", {model.recompute_method} {model.recompute_num_layers}"
     params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
+    active = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size), active=True)
+    experts = "" if model.num_experts is None else (
+        f"; {active:,} active per token (its top {model.moe_router_topk} of {model.num_experts} experts in "
+        f"{sum(map(model.is_moe_layer, range(model.num_layers)))} MoE layers)")
     lines = [
         f"dry run: {run.model_name} on {layout.describe()}, {dtype}",
         *([f"precision: {dtype}, a GPU run's default (no --bf16, --fp16 or --fp32 given); --fp32 or --fp16 plans "
            f"those instead"] if train.bf16_default else []),
-        f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}); "
+        f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}){experts}; "
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
