@@ -125,11 +125,12 @@ def plan(run: RunConfig) -> DryRunReport:
                                  in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers)
                                  if checkpointed)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
-        chunk_bytes = [chunk_activation_bytes(activations, len(ids), chunk * pp + pp_rank == 0,
+        chunk_bytes = [chunk_activation_bytes(activations, list(ids), chunk * pp + pp_rank == 0,
                                               chunk * pp + pp_rank == pp * vp - 1)
                        for chunk, ids in enumerate(layers)]
         recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
-        activation = peak_activation_bytes(ops, chunk_bytes, recomputed_unit * activations.layer_bytes())
+        rebuilt = max(activations.recomputed_unit_bytes(list(ids)) for ids in layers)
+        activation = peak_activation_bytes(ops, chunk_bytes, rebuilt)
         for dp_rank in range(dp):
             shard = dp_rank if sharding.optimizer_state else 0
             figures = state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
