@@ -404,6 +404,15 @@ def read_routing(path: str) -> dict[tuple[str, int], float]:
             if "split" not in record for name in ROUTING if name in record}
 
 
+def comparable_routing(routing: dict, values: dict) -> dict:
+    """The routing statistics a run is compared by against one process: all of them in fp32; in bf16 / fp16,
+    where another layout's rounding may flip a top-k choice near a tie (a token moves to another expert, and
+    the loss stays within the tolerance), the balancing losses only. Exact references compare all."""
+    if VALUE["precision", values["precision"]].rtol == 0:
+        return routing
+    return {key: value for key, value in routing.items() if not key[0].startswith("tokens_per_expert")}
+
+
 def _tail(path: str, lines: int = 15) -> str:
     with open(path, encoding="utf-8", errors="replace") as file:
         return "".join(file.readlines()[-lines:])
@@ -472,7 +481,8 @@ def check(values: dict, trainings: Trainings) -> Outcome:
             bitwise = used[2].losses == run.losses and used[2].routing == run.routing
         difference = _difference(single.losses, run.losses)
         if single.routing or run.routing:
-            difference = max(difference, _difference(single.routing, run.routing))
+            difference = max(difference, _difference(*(comparable_routing(training.routing, values)
+                                                        for training in (single, run))))
     return Outcome(values, exact, bitwise, difference, tolerance(values), violations, error,
                    sum(training.seconds for training in used), known_failure(values))
 
