@@ -416,8 +416,8 @@ def take_moe_statistics(model: nn.Module, config: ModelConfig, parallel: Paralle
     table = table[table[:, 2] > 0]  # the MoE layers that ran training forwards
     if not len(table):
         return {}
-    losses = (table[:, :2] / table[:, 2:3]).mean(dim=0).tolist()  # per layer and forward, then over layers
+    losses = (table[:, :2] / table[:, 2:3]).mean(dim=0)  # per layer and forward, then over layers
     counts = table[:, 3:]
     load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
-    return {"load_balancing_loss": losses[0], "z_loss": losses[1],
-            "tokens_per_expert_min": float(load.min()), "tokens_per_expert_max": float(load.max())}
+    values = torch.cat([losses, load.min().view(1), load.max().view(1)]).tolist()  # one read
+    return dict(zip(("load_balancing_loss", "z_loss", "tokens_per_expert_min", "tokens_per_expert_max"), values))
