@@ -2,11 +2,10 @@
 exactly under each sharding strategy, and an estimate of the activations autograd keeps on the GPU code path
 (flash attention, the fused kernels); tools/bench/memory.py checks them against live tensors."""
 
-import math
-
 import torch
 
 from megalite.config import ModelConfig, Sharding, recompute_segments
+from megalite.model.moe import expert_capacity
 
 GRAD_BYTES = 4  # the grad buffer is fp32 whatever the model's dtype
 MAIN_PARAM_BYTES = 4  # fp32 main params of a bf16 / fp16 model
@@ -98,13 +97,15 @@ class ActivationModel:
         rows = self.tokens * c.moe_router_topk
         if c.moe_expert_capacity_factor is None:
             return rows
-        capacity = c.num_experts * math.ceil(rows / c.num_experts * c.moe_expert_capacity_factor)
-        return capacity if c.moe_pad_expert_input_to_capacity else min(rows, capacity)
+        capacity = expert_capacity(self.tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
+        padded = c.num_experts * min(capacity, self.tokens)  # an expert takes each token once at most
+        return padded if c.moe_pad_expert_input_to_capacity else min(rows, padded)
 
     def moe_terms(self) -> dict[str, int]:
         """An MoE layer's MLP (model/moe.py) on one TP rank, which routes all `tokens` (all-gathered under SP).
-        Exact for softmax routing, dropless, with or without the aux_loss and z-loss (tests/plan); the other
-        routings keep a few more `[tokens, E]` fp32 tensors, small beside the experts'."""
+        Exact for softmax, pre-softmax or sigmoid routing, with the aux_loss, the z-loss or neither, dropless or
+        padded to a capacity (tests/plan); dropping to a capacity, at most. Groups and seq_aux_loss differ by a
+        few `[tokens]` or `[tokens, E]` tensors, small beside the routed rows."""
         c, e, tp, tokens, local = self.config, self.e, self.tp, self.tokens, self.stream_tokens
         h, experts, topk, rows = c.hidden_size, c.num_experts, c.moe_router_topk, self.routed_rows()
         ffn, acts = c.expert_ffn_hidden_size // tp, 3 if c.swiglu else 2
@@ -112,18 +113,23 @@ class ActivationModel:
         training = {  # the balancing losses exist in training forwards only, as every term here
             # z-loss: the logits, their log-sum-exp
             "z-loss": FP32_BYTES * tokens * (experts + 1) if c.moe_z_loss_coeff else 0,
-            # aux_loss: its scores, its top-k choice and counts
-            "aux loss": (FP32_BYTES * tokens * experts + ID_BYTES * tokens * topk + FP32_BYTES * experts
+            # aux_loss: its scores (sigmoid: and the per-token sum normalising them), top-k choice and counts
+            "aux loss": (FP32_BYTES * tokens * (experts + (c.moe_router_score_function == "sigmoid"))
+                         + ID_BYTES * tokens * topk + FP32_BYTES * experts
                          if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff else 0),
         }
         shared = c.moe_shared_expert_intermediate_size
         gate = c.moe_shared_expert_gate
         return {
-            # the gate's fp32 input (the layer's input at TP 1 in fp32, else a copy) and, in a 16-bit model, an
-            # fp32 copy of the gate weight each forward
+            # the router's fp32 input (the layer's input at TP 1 in fp32, else a copy) and, in a 16-bit model,
+            # an fp32 copy of its weight each forward
             "router input": FP32_BYTES * tokens * h + (0 if fp32_model else FP32_BYTES * experts * h),
-            # top-k ids and their softmax; the probs `[tokens, E]` and the map dispatch selects by
-            "routing": (ID_BYTES + FP32_BYTES) * tokens * topk + (FP32_BYTES + MASK_BYTES) * tokens * experts,
+            # top-k ids and the scores (below); the probs `[tokens, E]` and the map dispatch selects by
+            "routing": ID_BYTES * tokens * topk + self._score_bytes() + (FP32_BYTES + MASK_BYTES) * tokens * experts,
+            # a capacity by probs: each expert's top tokens (ids; by position no grad flows through the choice)
+            "capacity": (ID_BYTES * experts * min(expert_capacity(tokens, experts, topk, c.moe_expert_capacity_factor),
+                                                  tokens)
+                         if c.moe_expert_capacity_factor is not None and c.moe_token_drop_policy == "probs" else 0),
             **training,
             # per row: its token id and prob; the gathered rows, fc1's output and the activation (as the dense
             # MLP's), fc2's input (the activation times the prob), and the experts' outputs the combine keeps
@@ -135,6 +141,14 @@ class ActivationModel:
                                + (e * local * (h + 1) + (e * local * h if tp > 1 else 0) if gate else 0)
                                if shared else 0),
         }
+
+    def _score_bytes(self) -> int:
+        """The routing scores an MoE layer keeps (fp32): the softmax of the top-k logits (pre-softmax: of all E);
+        sigmoid: all E sigmoids, and for k > 1 the k chosen and their sum, which normalises them."""
+        c, tokens, experts, topk = self.config, self.tokens, self.config.num_experts, self.config.moe_router_topk
+        if c.moe_router_score_function == "sigmoid":
+            return FP32_BYTES * tokens * (experts + (topk + 1 if topk > 1 else 0))
+        return FP32_BYTES * tokens * (experts if c.moe_router_pre_softmax else topk)
 
     def layer_bytes(self, recompute: str | None = None, layer_id: int = 0) -> int:
         """Global layer `layer_id`'s kept bytes under `recompute` (None, "selective" or "full")."""

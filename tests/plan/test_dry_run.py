@@ -143,7 +143,9 @@ MOE = {"num_experts": 4, "moe_ffn_hidden_size": 24, "moe_layer_freq": "[0,1]", "
     ("tiny", None, {"fused_output_cross_entropy": True}),
     ("tiny", None, {"qk_layernorm": True, "add_qkv_bias": True}),
     ("tiny", None, MOE),  # layer 1 an MoE layer
-    ("tiny", "selective", {**MOE, "moe_grouped_gemm": False, "moe_shared_expert_gate": False}),
+    ("tiny", "selective", {**MOE, "moe_grouped_gemm": False, "moe_shared_expert_gate": False,  # the loop
+                           "moe_router_score_function": "sigmoid", "moe_expert_capacity_factor": 1.5,
+                           "moe_pad_expert_input_to_capacity": True}),
     ("tiny", "full", {**MOE, "moe_layer_freq": "[1,1]", "moe_z_loss_coeff": None,  # one unit of two MoE layers
                       "recompute_method": "uniform", "recompute_num_layers": 2}),
     ("tiny", "full", {"recompute_method": "uniform", "recompute_num_layers": 2}),  # both layers one unit
