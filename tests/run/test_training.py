@@ -13,6 +13,7 @@ from megalite.checkpoint import load_checkpoint
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
+from megalite.run.tracking import scalars_of
 from megalite.run.training import Trainer, pretrain
 from tests.helpers.model import token_losses
 from tests.helpers.runs import MOCK, SMALL
@@ -276,6 +277,9 @@ def test_a_tiny_moe_model_trains_and_logs_its_routing(tmp_path):
     assert "load_balancing_loss: 1.0" in line and "tokens per expert (of the mean): min" in line
     record = [record for record in map(json.loads, open(tmp_path / "metrics.jsonl")) if "split" not in record][-1]
     assert record["tokens_per_expert_min"] <= 1 <= record["tokens_per_expert_max"]
+    # The tracking sink (wandb, TensorBoard) gets them as train/ scalars with every training record.
+    assert {f"train/{name}" for name in ("load_balancing_loss", "z_loss", "tokens_per_expert_min",
+                                         "tokens_per_expert_max")} <= set(scalars_of(record))
     # The Trainer moved the expert bias after each step, and the checkpoint holds it.
     bias = trainer.model[0].layers["0"].mlp.router.expert_bias
     assert bias.abs().min() > 0
