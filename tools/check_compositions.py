@@ -107,8 +107,9 @@ def _rampup(values: dict) -> list[str]:
     return ["--rampup-batch-size", str(batch // 2), str(batch // 2), str(batch)]
 
 
-# The llama model with MoE layers 1 and 3 (a pipeline stage of 2 chunks has one dense layer, of 4 chunks a dense
-# chunk): 4 experts, top-2, a gated shared expert, the aux and z losses, the grouped GEMM.
+# The llama model with MoE layers 1 and 3 (under PP 2 each stage holds a dense and an MoE layer; under PP 2 x
+# VP 2 pipeline rank 0 holds layers 0 and 2, no MoE layer): 4 experts, top-2, a gated shared expert, the aux
+# and z losses, the grouped GEMM.
 MOE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1,0,1]",
        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm")
