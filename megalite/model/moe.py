@@ -391,7 +391,7 @@ LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a module name's global laye
 @torch.no_grad()
 def take_moe_statistics(model: nn.Module, config: ModelConfig, parallel: ParallelState = ONE_PROCESS) -> dict:
     """The MoE log values of the whole job since the last call, then reset; every rank calls it at the same
-    iterations (two small all-reduces, the only host reads, so at log lines only). `load_balancing_loss` and
+    iterations (at most two small all-reduces and one host read, so at log lines only). `load_balancing_loss` and
     `z_loss`: per MoE layer and forward, with their coefficients, averaged over all MoE layers (every pipeline
     stage's) and DP ranks, as Megatron's tracker does; `tokens_per_expert_min` / `_max`: the least and most
     loaded expert's tokens over all DP ranks, as a fraction of the mean, over all MoE layers. TP ranks route
