@@ -11,6 +11,7 @@ import sys
 import pytest
 
 from megalite.arguments import parse_args
+from megalite.pipeline_parallel.stages import chunk_layers
 from tools import check_compositions as matrix
 from tools.covering_array import coverable, covered_by, covering_array
 
@@ -57,6 +58,21 @@ def test_references_keep_the_settings_and_drop_what_they_test():
     pipeline_only = {**single, "pp": "2"}
     assert matrix.tolerance(pipeline_only) == 0.0  # pipelining alone changes no arithmetic: bitwise
     assert matrix.tolerance({**single, "tp": "2+sp", "precision": "bf16"}) == matrix.LOW_PRECISION_RTOL
+    # An MoE model's routing statistics: the tokens per expert in fp32 only (bf16 may flip a top-k choice).
+    routing = {("tokens_per_expert_max", 1): 1.5, ("z_loss", 1): 2e-3}
+    assert matrix.comparable_routing(routing, {**single, "precision": "fp32"}) == routing
+    assert matrix.comparable_routing(routing, {**single, "precision": "bf16"}) == {("z_loss", 1): 2e-3}
+
+
+def test_moe_meets_every_layout_and_a_pipeline_rank_without_moe_layers():
+    moe = [run for run in RUNS if run["model"] == "moe"]
+    for name in ("tp", "pp", "sharding", "recompute", "precision", "resume", "kernels"):
+        assert {run[name] for run in moe} == set(FACTORS[name]), name
+    # --moe-layer-freq [0,1,0,1] under PP 2 x VP 2: pipeline rank 0 holds layers 0 and 2, both dense.
+    run = next(run for run in moe if run["pp"] == "2+vp2")
+    config = parse_args(matrix.flags(run), matrix.ranks_of(run)).model
+    assert [config.is_moe_layer(layer) for layer in range(4)] == [False, True, False, True]
+    assert chunk_layers(4, 2, 0, 2) == [[0], [2]]
 
 
 # -- the probe -------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ Each feature is of one kind, which says what its reference is:
 - ROUNDING is a layout, or an option that may change rounding only: the run must match the same
   settings on one process (every non-SETTING feature at its first value) within the largest
   tolerance of its values (0, bitwise, for pipeline-only layouts; bf16 and fp16 widen it).
+An MoE model's routing statistics (its balancing losses, tokens per expert), reduced over the ranks, are
+compared as its losses are.
 References are trained once and shared by every run that needs them. Every training, references
 too, runs the invariants of tools/composition_probe.py inside each rank (updates not lost, the
 model computing with the optimizer's values, model state within the dry run's plan).
@@ -41,6 +43,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from megalite.run.metrics import read_metrics_records
 from tools.check_layouts import COMMON, MODELS
 from tools.covering_array import covering_array
 from tools.fork_ranks import cpu_world_environment
@@ -104,12 +107,19 @@ def _rampup(values: dict) -> list[str]:
     return ["--rampup-batch-size", str(batch // 2), str(batch // 2), str(batch)]
 
 
+# The llama model with MoE layers 1 and 3 (under PP 2 each stage holds a dense and an MoE layer; under PP 2 x
+# VP 2 pipeline rank 0 holds layers 0 and 2, no MoE layer): 4 experts, top-2, a gated shared expert, the aux
+# and z losses, the grouped GEMM.
+MOE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1,0,1]",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm")
 DP2 = {"dp": ("2",)}
 SEVERAL_BUCKETS = ("small", "per-parameter")
 FEATURES = (
     # --ffn-hidden-size: the gpt2-124m preset's is 4 x 768, not 4 x COMMON's hidden size.
     Feature("model", SETTING, (Value("llama", tuple(MODELS["llama"])),  # untied output layer, RMSNorm, rope
-                               Value("gpt", (*MODELS["gpt"], "--ffn-hidden-size", "256")))),  # tied, LayerNorm
+                               Value("gpt", (*MODELS["gpt"], "--ffn-hidden-size", "256")),  # tied, LayerNorm
+                               Value("moe", (*MODELS["llama"], *MOE)))),
     # A CPU with AVX512-FP16 overflows every fp16 step at the default 2^32: start where fp16 trains.
     Feature("precision", SETTING, (Value("fp32"), Value("bf16", ("--bf16",), rtol=LOW_PRECISION_RTOL),
                                    Value("fp16", ("--fp16", "--initial-loss-scale", "4096"),
@@ -165,6 +175,9 @@ FEATURE = {feature.name: feature for feature in FEATURES}
 FORBIDDEN = (
     # The ramp's first global batch at DP 2 is one micro-batch, which the interleaved schedule cannot run.
     ({"rampup": "on", "pp": "2+vp2", "dp": "2"}, "the ramp's first global batch is one micro-batch per DP rank"),
+    # Megatron's aux_loss balances each micro-batch's tokens: another micro-batch size is another loss, and one
+    # process with several micro-batches no reference (the z-loss and the tokens per expert would match).
+    ({"model": "moe", "micro-batches": "one"}, "the balancing loss is a function of the micro-batch"),
 )
 
 # Runs expected to fail until an issue is fixed: (a predicate on the run's values, the issue). Each is an
@@ -261,10 +274,11 @@ def known_failure(values: dict) -> str | None:
 
 @dataclass
 class Training:
-    """One training's outcome: its losses by (split, iteration), each rank's probe report, and an error
-    (exit code and log tail) if it failed."""
+    """One training's outcome: its losses by (split, iteration), an MoE model's routing statistics by (name,
+    iteration), each rank's probe report, and an error (exit code and log tail) if it failed."""
 
     losses: dict = field(default_factory=dict)
+    routing: dict = field(default_factory=dict)
     reports: list[dict] = field(default_factory=list)
     error: str | None = None
     seconds: float = 0.0
@@ -376,7 +390,28 @@ def train(values: dict, folder: str) -> Training:
         result.error += "".join(f"\n--- {os.path.basename(path)}:\n{_tail(path)}" for path in logs)
     elif os.path.exists(os.path.join(folder, "metrics.jsonl")):
         result.losses = read_losses(os.path.join(folder, "metrics.jsonl"))
+        result.routing = read_routing(os.path.join(folder, "metrics.jsonl"))
     return result
+
+
+# The routing statistics of an MoE model's training records, reduced over the job's ranks (model/moe.py's
+# take_moe_statistics): like the losses, each run must log those of its references.
+ROUTING = ("load_balancing_loss", "z_loss", "tokens_per_expert_min", "tokens_per_expert_max")
+
+
+def read_routing(path: str) -> dict[tuple[str, int], float]:
+    """{(name, iteration): value} of the ROUTING values in a metrics file's training records."""
+    return {(name, record["iteration"]): record[name] for record in read_metrics_records(path)
+            if "split" not in record for name in ROUTING if name in record}
+
+
+def comparable_routing(routing: dict, values: dict) -> dict:
+    """The routing statistics a run is compared by against one process: all of them in fp32; in bf16 / fp16,
+    where another layout's rounding may flip a top-k choice near a tie (a token moves to another expert, and
+    the loss stays within the tolerance), the balancing losses only. Exact references compare all."""
+    if VALUE["precision", values["precision"]].rtol == 0:
+        return routing
+    return {key: value for key, value in routing.items() if not key[0].startswith("tokens_per_expert")}
 
 
 def _tail(path: str, lines: int = 15) -> str:
@@ -444,14 +479,18 @@ def check(values: dict, trainings: Trainings) -> Outcome:
     bitwise = difference = None
     if error is None:
         if exact:
-            bitwise = used[2].losses == run.losses
+            bitwise = used[2].losses == run.losses and used[2].routing == run.routing
         difference = _difference(single.losses, run.losses)
+        if single.routing or run.routing:
+            difference = max(difference, _difference(*(comparable_routing(training.routing, values)
+                                                        for training in (single, run))))
     return Outcome(values, exact, bitwise, difference, tolerance(values), violations, error,
                    sum(training.seconds for training in used), known_failure(values))
 
 
 def _difference(reference: dict, losses: dict) -> float:
-    """Largest relative loss difference (inf when the runs logged different records or a loss is missing)."""
+    """Largest relative difference of two runs' logged values, {key: value} (inf when the runs logged different
+    records or a value is missing)."""
     if set(reference) != set(losses) or not losses:
         return math.inf
     return compare(reference, losses)[1]

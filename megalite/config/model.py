@@ -396,8 +396,10 @@ def with_tokenizer_vocab(model: ModelConfig, tokenizer_vocab_size: int, tensor_m
     return replace(model, vocab_size=padded, tokenizer_vocab_size=tokenizer_vocab_size).validate()
 
 
-def num_parameters(config: ModelConfig) -> int:
-    """Parameters of the whole model (padded vocabulary included), in closed form."""
+def num_parameters(config: ModelConfig, active: bool = False) -> int:
+    """Parameters of the whole model (padded vocabulary included), in closed form. `active`: those one token
+    goes through, an MoE layer's top-k routed experts instead of all of them (shared experts and router
+    included)."""
     hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads,
                                        config.query_groups, config.head_dim)
     bias = 1 if config.add_bias_linear else 0
@@ -418,7 +420,8 @@ def num_parameters(config: ModelConfig) -> int:
     layers = dense * config.num_layers
     if config.num_experts is not None:
         shared = config.moe_shared_expert_intermediate_size
-        moe = (attention + config.num_experts * (hidden + mlp(config.expert_ffn_hidden_size))  # router + experts
+        routed = config.moe_router_topk if active else config.num_experts
+        moe = (attention + config.num_experts * hidden + routed * mlp(config.expert_ffn_hidden_size)  # router, experts
                + (mlp(shared) if shared else 0) + (hidden if config.moe_shared_expert_gate else 0))
         layers = sum(moe if config.is_moe_layer(i) else dense for i in range(config.num_layers))
     embedding = config.vocab_size * hidden

@@ -16,6 +16,7 @@ shards its own dim, and a checkpoint or a Hugging Face export unbinds it into pe
 """
 
 import math
+import re
 
 import torch
 import torch.nn.functional as F
@@ -384,23 +385,39 @@ def update_expert_bias(model: nn.Module, dp_group=None) -> None:
         router.tokens_per_expert.zero_()
 
 
+LAYER_ID = re.compile(r"(?:^|\.)layers\.(\d+)\.")  # a module name's global layer id ("0.layers.3.mlp.router")
+
+
 @torch.no_grad()
-def take_moe_statistics(model: nn.Module) -> dict[str, float]:
-    """The MoE log values since the last call, then reset: `load_balancing_loss` and `z_loss` (per MoE layer and
-    forward, with their coefficients, as Megatron logs them), and `tokens_per_expert_min` / `_max`, the least and
-    most loaded expert's tokens as a fraction of the mean, over all MoE layers. {} without MoE layers or
-    training forwards."""
-    routers = [router for router in moe_routers(model) if router.forwards]
-    if not routers:
+def take_moe_statistics(model: nn.Module, config: ModelConfig, parallel: ParallelState = ONE_PROCESS) -> dict:
+    """The MoE log values of the whole job since the last call, then reset; every rank calls it at the same
+    iterations (at most two small all-reduces and one host read, so at log lines only). `load_balancing_loss` and
+    `z_loss`: per MoE layer and forward, with their coefficients, averaged over all MoE layers (every pipeline
+    stage's) and DP ranks, as Megatron's tracker does; `tokens_per_expert_min` / `_max`: the least and most
+    loaded expert's tokens over all DP ranks, as a fraction of the mean, over all MoE layers. TP ranks route
+    the same (all-gathered) tokens, so their counts are taken once, not summed. {} for a dense model."""
+    if config.num_experts is None:
         return {}
-    stats = {}
-    for name in ("load_balancing_loss", "z_loss"):
-        stats[name] = float(sum(router.loss_sums[name] / router.forwards for router in routers) / len(routers))
-    counts = torch.stack([router.routed_tokens.float() for router in routers])  # [layers, E]
-    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
-    stats["tokens_per_expert_min"], stats["tokens_per_expert_max"] = float(load.min()), float(load.max())
-    for router in routers:
+    # Per global layer: the two loss sums, the training forwards, the tokens per expert.
+    table = torch.zeros(config.num_layers, 3 + config.num_experts, dtype=torch.float64,
+                        device=next(model.parameters()).device)
+    routers = [(name, module) for name, module in model.named_modules() if isinstance(module, Router)]
+    for index, (name, router) in enumerate(routers):
+        layer = LAYER_ID.search(name)  # none in a lone MoE layer or router: rows in module order
+        row = table[int(layer.group(1)) if layer else index]
+        row[0], row[1] = router.loss_sums["load_balancing_loss"], router.loss_sums["z_loss"]
+        row[2], row[3:] = router.forwards, router.routed_tokens
         router.routed_tokens.zero_()
         router.loss_sums = dict.fromkeys(router.loss_sums, 0.0)
         router.forwards = 0
-    return stats
+    for size, group in ((parallel.pp_size, parallel.pp_group), (parallel.dp_size, parallel.dp_group)):
+        if size > 1:  # each stage fills its own layers' rows; DP ranks add their forwards and tokens
+            torch.distributed.all_reduce(table, group=group)
+    table = table[table[:, 2] > 0]  # the MoE layers that ran training forwards
+    if not len(table):
+        return {}
+    losses = (table[:, :2] / table[:, 2:3]).mean(dim=0)  # per layer and forward, then over layers
+    counts = table[:, 3:]
+    load = counts / counts.mean(dim=1, keepdim=True).clamp(min=1)
+    values = torch.cat([losses, load.min().view(1), load.max().view(1)]).tolist()  # one read
+    return dict(zip(("load_balancing_loss", "z_loss", "tokens_per_expert_min", "tokens_per_expert_max"), values))

@@ -125,11 +125,12 @@ def plan(run: RunConfig) -> DryRunReport:
                                  in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers)
                                  if checkpointed)
         ops = operation_order(pp, vp, num_microbatches, pp_rank)
-        chunk_bytes = [chunk_activation_bytes(activations, len(ids), chunk * pp + pp_rank == 0,
+        chunk_bytes = [chunk_activation_bytes(activations, list(ids), chunk * pp + pp_rank == 0,
                                               chunk * pp + pp_rank == pp * vp - 1)
                        for chunk, ids in enumerate(layers)]
         recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
-        activation = peak_activation_bytes(ops, chunk_bytes, recomputed_unit * activations.layer_bytes())
+        rebuilt = max(activations.recomputed_unit_bytes(list(ids)) for ids in layers)
+        activation = peak_activation_bytes(ops, chunk_bytes, rebuilt)
         for dp_rank in range(dp):
             shard = dp_rank if sharding.optimizer_state else 0
             figures = state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
@@ -180,11 +181,15 @@ def format_report(report: DryRunReport) -> str:
     if model.recompute_method is not None:
         recompute += f", {model.recompute_method} {model.recompute_num_layers}"
     params = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size))
+    active = num_parameters(dataclasses.replace(model, vocab_size=model.real_vocab_size), active=True)
+    experts = "" if model.num_experts is None else (
+        f"; {active:,} active per token (its top {model.moe_router_topk} of {model.num_experts} experts in "
+        f"{sum(map(model.is_moe_layer, range(model.num_layers)))} MoE layers)")
     lines = [
         f"dry run: {run.model_name} on {layout.describe()}, {dtype}",
         *([f"precision: {dtype}, a GPU run's default (no --bf16, --fp16 or --fp32 given); --fp32 or --fp16 plans "
            f"those instead"] if train.bf16_default else []),
-        f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}); "
+        f"model: {params:,} parameters ({padded_params:,} with the vocabulary padded to {model.vocab_size}){experts}; "
         f"{model.num_layers} layers, hidden {model.hidden_size}, seq {model.seq_length}; vocabulary "
         f"{report.tokenizer_vocab} from {report.vocab_source}",
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "

@@ -5,6 +5,7 @@ exactly under each sharding strategy, and an estimate of the activations autogra
 import torch
 
 from megalite.config import ModelConfig, Sharding, recompute_segments
+from megalite.model.moe import expert_capacity
 
 GRAD_BYTES = 4  # the grad buffer is fp32 whatever the model's dtype
 MAIN_PARAM_BYTES = 4  # fp32 main params of a bf16 / fp16 model
@@ -14,6 +15,8 @@ MASK_BYTES = 1  # a dropout mask is a bool tensor
 STATS_BYTES = 4  # fp32 per-row statistics of a norm (rstd; LayerNorm adds the mean)
 LSE_BYTES = 4  # an fp32 log-sum-exp (flash attention: per query head and token; cross-entropy: per token)
 ID_BYTES = 8  # int64 token ids and labels
+FP32_BYTES = 4  # the router computes in fp32 (logits, scores, probs)
+OFFSET_BYTES = 4  # the grouped GEMM's int32 expert offsets
 
 
 def element_bytes(dtype: torch.dtype) -> int:
@@ -58,18 +61,22 @@ class ActivationModel:
         self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
         self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)
 
-    def layer_terms(self) -> dict[str, int]:
-        """One transformer layer without recomputation, term by term (docs/memory.md)."""
+    def layer_terms(self, layer_id: int = 0) -> dict[str, int]:
+        """Global layer `layer_id` without recomputation, term by term (docs/memory.md)."""
         c, e, t, tokens, stream = self.config, self.e, self.tp, self.tokens, self.stream_tokens
         h, d = c.hidden_size, c.head_dim
         heads, groups, ffn = c.num_attention_heads // t, c.query_groups // t, c.ffn_hidden_size // t
         rope = c.position_embedding_type == "rope"
         qk_copies = rope or c.qk_layernorm
+        mlp = self.moe_terms() if c.is_moe_layer(layer_id) else {
+            "fc1 input": e * tokens * h,  # all-gathered to the full sequence under SP
+            # SwiGLU: fc1's [gate; up] output and the product fed to fc2; GELU: its input and output
+            "mlp": e * tokens * ffn * (3 if c.swiglu else 2)}
         return {
             # input_layernorm and pre_mlp_layernorm keep their input and per-row statistics
             "norm inputs": 2 * (e * stream * h + self.stats * stream),
-            # linear_qkv and linear_fc1 keep their input, all-gathered to the full sequence under SP
-            "qkv and fc1 inputs": 2 * e * tokens * h,
+            # linear_qkv keeps its input, all-gathered to the full sequence under SP
+            "qkv input": e * tokens * h,
             # attention keeps q, k, v; v is a view of linear_qkv's output, which it keeps whole, and
             # with rope (or q/k norms) q and k are rotated (normalised) copies
             "q, k, v": e * tokens * d * ((heads + 2 * groups) + (heads + groups if qk_copies else 0)),
@@ -79,28 +86,98 @@ class ActivationModel:
             # flash attention keeps the log-sum-exp, not the s x s matrix; its output is the next input
             "attention lse": LSE_BYTES * tokens * heads,
             "linear_proj input": e * tokens * heads * d,
-            # SwiGLU: fc1's [gate; up] output and the product fed to fc2; GELU: its input and output
-            "mlp": e * tokens * ffn * (3 if c.swiglu else 2),
+            **mlp,
             "dropout masks": 2 * MASK_BYTES * stream * h if c.hidden_dropout > 0 else 0,
         }
 
-    def layer_bytes(self, recompute: str | None = None) -> int:
-        """One layer's kept bytes under `recompute` (None, "selective" or "full")."""
+    def routed_rows(self) -> int:
+        """The (token, expert) rows an MoE layer's experts run on one TP rank: every token's top-k (dropless),
+        each expert's capacity with --moe-pad-expert-input-to-capacity, at most both with a capacity."""
+        c = self.config
+        rows = self.tokens * c.moe_router_topk
+        if c.moe_expert_capacity_factor is None:
+            return rows
+        capacity = expert_capacity(self.tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
+        padded = c.num_experts * min(capacity, self.tokens)  # an expert takes each token once at most
+        return padded if c.moe_pad_expert_input_to_capacity else min(rows, padded)
+
+    def moe_terms(self) -> dict[str, int]:
+        """An MoE layer's MLP (model/moe.py) on one TP rank, which routes all `tokens` (all-gathered under SP).
+        Exact for softmax, pre-softmax or sigmoid routing, with the aux_loss, the z-loss or neither, dropless or
+        padded to a capacity (tests/plan); dropping to a capacity, at most. Groups and seq_aux_loss differ by a
+        few `[tokens]` or `[tokens, E]` tensors, small beside the routed rows."""
+        c, e, tp, tokens, local = self.config, self.e, self.tp, self.tokens, self.stream_tokens
+        h, experts, topk, rows = c.hidden_size, c.num_experts, c.moe_router_topk, self.routed_rows()
+        ffn, acts = c.expert_ffn_hidden_size // tp, 3 if c.swiglu else 2
+        fp32_model = e == FP32_BYTES
+        training = {  # the balancing losses exist in training forwards only, as every term here
+            # z-loss: the logits, their log-sum-exp
+            "z-loss": FP32_BYTES * tokens * (experts + 1) if c.moe_z_loss_coeff else 0,
+            # aux_loss: its scores (sigmoid: and the per-token sum normalising them), top-k choice and counts
+            "aux loss": (FP32_BYTES * tokens * (experts + (c.moe_router_score_function == "sigmoid"))
+                         + ID_BYTES * tokens * topk + FP32_BYTES * experts
+                         if c.moe_router_load_balancing_type != "none" and c.moe_aux_loss_coeff else 0),
+        }
+        shared = c.moe_shared_expert_intermediate_size
+        gate = c.moe_shared_expert_gate
+        return {
+            # the router's fp32 input (the layer's input at TP 1 in fp32, else a copy) and, in a 16-bit model,
+            # an fp32 copy of its weight each forward
+            "router input": FP32_BYTES * tokens * h + (0 if fp32_model else FP32_BYTES * experts * h),
+            # top-k ids and the scores (below); the probs `[tokens, E]` and the map dispatch selects by
+            "routing": ID_BYTES * tokens * topk + self._score_bytes() + (FP32_BYTES + MASK_BYTES) * tokens * experts,
+            # a capacity by probs: each expert's top tokens (ids; by position no grad flows through the choice)
+            "capacity": (ID_BYTES * experts * min(expert_capacity(tokens, experts, topk, c.moe_expert_capacity_factor),
+                                                  tokens)
+                         if c.moe_expert_capacity_factor is not None and c.moe_token_drop_policy == "probs" else 0),
+            **training,
+            # per row: its token id and prob; the gathered rows, fc1's output and the activation (as the dense
+            # MLP's), fc2's input (the activation times the prob), and the experts' outputs the combine keeps
+            "routed rows": (ID_BYTES + FP32_BYTES) * rows + e * rows * (2 * h + ffn * (acts + 1)),
+            "grouped GEMM offsets": 2 * OFFSET_BYTES * experts if c.moe_grouped_gemm else 0,
+            # the shared experts: a dense MLP (its input is the router's at TP 1 in fp32); the gate keeps its
+            # sigmoid and the shared output it scales, its input being this rank's layer input
+            "shared experts": (e * tokens * (h * (not (fp32_model and tp == 1)) + shared // tp * acts)
+                               + (e * local * (h + 1) + (e * local * h if tp > 1 else 0) if gate else 0)
+                               if shared else 0),
+        }
+
+    def _score_bytes(self) -> int:
+        """The routing scores an MoE layer keeps (fp32): the softmax of the top-k logits (pre-softmax: of all E);
+        sigmoid: all E sigmoids, and for k > 1 the k chosen and their sum, which normalises them."""
+        c, tokens, experts, topk = self.config, self.tokens, self.config.num_experts, self.config.moe_router_topk
+        if c.moe_router_score_function == "sigmoid":
+            return FP32_BYTES * tokens * (experts + (topk + 1 if topk > 1 else 0))
+        return FP32_BYTES * tokens * (experts if c.moe_router_pre_softmax else topk)
+
+    def layer_bytes(self, recompute: str | None = None, layer_id: int = 0) -> int:
+        """Global layer `layer_id`'s kept bytes under `recompute` (None, "selective" or "full")."""
         if recompute == "full":
             return self.e * self.stream_tokens * self.config.hidden_size  # the checkpointed layer's input
-        terms = self.layer_terms()
+        terms = self.layer_terms(layer_id)
         if recompute == "selective":
             terms.pop("attention lse")  # the core attention is recomputed from q, k, v
         return sum(terms.values())
 
-    def layers_bytes(self, num_layers: int) -> int:
-        """A chunk of `num_layers` layers' kept bytes under the config's --recompute-*: each checkpointed unit
-        keeps its input, every other layer what `layer_bytes` says."""
+    def layers_bytes(self, layers: list[int]) -> int:
+        """A chunk's kept bytes, of the global `layers` in order, under the config's --recompute-*: each
+        checkpointed unit keeps its input, every other layer what `layer_bytes` says."""
         c = self.config
         if c.recompute_granularity != "full":
-            return num_layers * self.layer_bytes(c.recompute_granularity)
-        return sum(self.layer_bytes("full") if checkpointed else len(positions) * self.layer_bytes()
-                   for positions, checkpointed in self._segments(num_layers))
+            return sum(self.layer_bytes(c.recompute_granularity, layer) for layer in layers)
+        return sum(self.layer_bytes("full") if checkpointed else self._unit_bytes(layers, positions)
+                   for positions, checkpointed in self._segments(len(layers)))
+
+    def recomputed_unit_bytes(self, layers: list[int]) -> int:
+        """The most bytes a backward of the chunk of global `layers` rebuilds at once: full recomputation's
+        largest checkpointed unit, its layers as `layer_bytes()` keeps them (0 without)."""
+        if self.config.recompute_granularity != "full":
+            return 0
+        return max((self._unit_bytes(layers, positions) for positions, checkpointed in self._segments(len(layers))
+                    if checkpointed), default=0)
+
+    def _unit_bytes(self, layers: list[int], positions: range) -> int:
+        return sum(self.layer_bytes(None, layers[position]) for position in positions)
 
     def largest_recomputed_unit(self, num_layers: int) -> int:
         """The most layers a backward of a chunk of `num_layers` layers rebuilds at once (full recomputation's
@@ -142,10 +219,10 @@ class ActivationModel:
         return 2 * 4 * self.tokens * self.config.rotary_dim
 
 
-def chunk_activation_bytes(model: ActivationModel, num_layers: int, first: bool, last: bool) -> int:
-    """Bytes one model chunk keeps per micro-batch: its layers (as the config's recomputation keeps them) and
-    rope tables, plus the embedding / output it holds."""
-    return (model.layers_bytes(num_layers) + model.rotary_table_bytes()
+def chunk_activation_bytes(model: ActivationModel, layers: list[int], first: bool, last: bool) -> int:
+    """Bytes one model chunk of the global `layers` keeps per micro-batch: its layers (as the config's
+    recomputation keeps them) and rope tables, plus the embedding / output it holds."""
+    return (model.layers_bytes(layers) + model.rotary_table_bytes()
             + (model.embedding_bytes() if first else 0) + (model.output_bytes() if last else 0))
 
 

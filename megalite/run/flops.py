@@ -13,18 +13,37 @@ from megalite.config import ModelConfig
 def forward_flops_per_token(config: ModelConfig, seq_length: int) -> tuple[float, float, float]:
     """Forward FLOPs per token: (layer matmuls, causal attention, output layer), summed over layers.
     A multiply-add is 2 FLOPs; only matmuls count (no norms, activations, softmax, rotary or embedding
-    lookup), as in Megatron's and PaLM's counts; the output layer covers the padded vocabulary."""
+    lookup), as in Megatron's and PaLM's counts; the output layer covers the padded vocabulary. An MoE
+    layer counts what a token goes through: the router, its top-k experts and the shared experts."""
     hidden, heads, groups, head_dim = (config.hidden_size, config.num_attention_heads,
                                        config.query_groups, config.head_dim)
-    ffn = config.ffn_hidden_size
     qkv = 2 * hidden * (heads + 2 * groups) * head_dim
     attention_output = 2 * heads * head_dim * hidden
-    mlp = 2 * hidden * ffn * (2 if config.swiglu else 1) + 2 * ffn * hidden
     # Each query meets s keys for QK^T and s values for AV; causality halves that on average.
     attention = 2 * 2 * seq_length * heads * head_dim / 2
     logits = 2 * hidden * config.vocab_size
-    return (config.num_layers * float(qkv + attention_output + mlp),
+    mlps = sum(_moe_flops_per_token(config) if config.is_moe_layer(layer) else _mlp_flops_per_token(config, None)
+               for layer in range(config.num_layers))
+    return (config.num_layers * float(qkv + attention_output) + float(mlps),
             config.num_layers * float(attention), float(logits))
+
+
+def _mlp_flops_per_token(config: ModelConfig, ffn: int | None) -> int:
+    """An MLP's forward FLOPs per token: fc1 (gate and up with SwiGLU) and fc2; `ffn` default: the dense one's."""
+    ffn = config.ffn_hidden_size if ffn is None else ffn
+    return 2 * config.hidden_size * ffn * (2 if config.swiglu else 1) + 2 * ffn * config.hidden_size
+
+
+def _moe_flops_per_token(config: ModelConfig) -> int:
+    """An MoE layer's forward FLOPs per token: the router's logits, top-k routed experts, the shared experts
+    and their gate. Capacity drops and padding are not counted (model FLOPs, as Megatron's)."""
+    flops = 2 * config.hidden_size * config.num_experts  # the router
+    flops += config.moe_router_topk * _mlp_flops_per_token(config, config.expert_ffn_hidden_size)
+    if config.moe_shared_expert_intermediate_size:
+        flops += _mlp_flops_per_token(config, config.moe_shared_expert_intermediate_size)
+    if config.moe_shared_expert_gate:
+        flops += 2 * config.hidden_size
+    return flops
 
 
 def flops_per_iteration(config: ModelConfig, global_batch_size: int, seq_length: int,

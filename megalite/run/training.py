@@ -294,8 +294,9 @@ class Trainer:
                 what = f"the lm loss is {loss}" if not math.isfinite(loss) else "the gradient norm is not finite"
                 raise UserError(divergence_message(what, done.iteration, self.checkpointer.last_checkpoint))
             self.state.losses.append(loss)
-            # MoE routing since the last line: this rank's MoE layers and tokens.
-            moe = take_moe_statistics(self.model) if self.logger.logs_at(done.iteration) else None
+            # MoE routing since the last line, over the whole job (a collective: every rank logs_at alike).
+            moe = (take_moe_statistics(self.model, self.run.model, self.parallel)
+                   if self.logger.logs_at(done.iteration) else None)
             self.logger.log_iteration(done.iteration, done.consumed_samples, done.seconds, done.lr, loss, scale,
                                       grad_norm, skipped=not updated, global_batch_size=done.global_batch_size,
                                       moe=moe)

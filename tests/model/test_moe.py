@@ -119,7 +119,7 @@ def test_balancing_losses_reach_the_router_gradient_scaled_and_outside_the_loss(
     expected = torch.autograd.grad(coeff * scale * hand, router.weight)[0]
     torch.testing.assert_close(router.weight.grad, expected)
     name = "load_balancing_loss" if kind == "aux_loss" else "z_loss"
-    assert take_moe_statistics(router)[name] == pytest.approx(coeff * hand.item(), rel=1e-6)
+    assert take_moe_statistics(router, router.config)[name] == pytest.approx(coeff * hand.item(), rel=1e-6)
 
 
 def test_expert_bias_moves_towards_the_mean_load():

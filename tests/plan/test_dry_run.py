@@ -132,10 +132,20 @@ def test_llama2_7b_on_64_ranks_plans_in_seconds(capsys):
     assert 1.0 < report.model_flops / (6 * 6.738e9 * 1024 * s) < 1.1  # 6 N per token, plus attention
 
 
+# 4 experts of 24, top-2, a gated shared expert, both balancing losses, the grouped GEMM; layer 0 dense.
+MOE = {"num_experts": 4, "moe_ffn_hidden_size": 24, "moe_layer_freq": "[0,1]", "moe_aux_loss_coeff": 1e-2,
+       "moe_z_loss_coeff": 1e-3, "moe_shared_expert_intermediate_size": 16, "moe_shared_expert_gate": True,
+       "moe_grouped_gemm": True}
+
+
 @pytest.mark.parametrize("preset, recompute, extra", [
     ("tiny", None, {}), ("tiny", "selective", {}), ("gpt2-124m", None, {}),
     ("tiny", None, {"fused_output_cross_entropy": True}),
     ("tiny", None, {"qk_layernorm": True, "add_qkv_bias": True}),
+    ("tiny", None, MOE),  # layer 1 an MoE layer
+    ("tiny", "selective", {**MOE, "moe_grouped_gemm": False, "moe_shared_expert_gate": False,  # the loop
+                           "moe_router_score_function": "sigmoid", "moe_expert_capacity_factor": 1.5,
+                           "moe_pad_expert_input_to_capacity": True}),
     ("tiny", "full", {"recompute_method": "uniform", "recompute_num_layers": 2}),  # both layers one unit
     ("tiny", "full", {"recompute_method": "block", "recompute_num_layers": 1})])  # layer 0 recomputed, 1 not
 @pytest.mark.skipif(not triton_available() or torch.cuda.is_available(), reason="needs Triton's CPU interpreter")
@@ -160,7 +170,7 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
     if recompute == "full" and extra["recompute_method"] == "uniform":
         # checkpointed layers keep the rope tables alive by reference, not as saved tensors (a plain layer saves them)
         measured += estimate.rotary_table_bytes()
-    assert measured == chunk_activation_bytes(estimate, 2, True, True)
+    assert measured == chunk_activation_bytes(estimate, [0, 1], True, True)
 
 
 def test_world_size_flag_needs_dry_run_and_a_multiple_of_tp_x_pp():
@@ -241,7 +251,7 @@ def test_the_plan_follows_the_recompute_method_per_chunk(capsys):
     assert block.hardware_flops - none.hardware_flops == pytest.approx((every.hardware_flops - none.hardware_flops) / 3)
     assert uniform.hardware_flops == every.hardware_flops
     activations = ActivationModel(parse_args(uniform_flags).model, 4, element_size=4)
-    assert chunk_activation_bytes(activations, 3, False, False) == (activations.layer_bytes("full")
+    assert chunk_activation_bytes(activations, [0, 1, 2], False, False) == (activations.layer_bytes("full")
                                                                      + activations.rotary_table_bytes())
     assert uniform.classes[0].working_bytes > every.classes[0].working_bytes == block.classes[0].working_bytes
     dry_run(parse_args(uniform_flags))

@@ -70,6 +70,27 @@ def test_recompute_counts_only_as_hardware_flops():
     assert flops_per_iteration(selective, 1, 16, include_recompute=True) == model + 16 * 2 * 2048
 
 
+def test_moe_flops_count_the_active_experts_by_hand():
+    # 3 layers, layer 1 dense (--moe-layer-freq); 8 experts of 32, top-2, a shared expert of 48 with its gate.
+    config = llama_config(num_layers=3, num_experts=8, moe_ffn_hidden_size=32, moe_router_topk=2,
+                          moe_layer_freq="[1,0,1]", moe_shared_expert_intermediate_size=48,
+                          moe_shared_expert_gate=True)
+    attention_part = 16384 + 8192 + 2048  # qkv, proj, causal attention as in the GQA hand count
+    dense_mlp = 36864
+    router = 2 * 64 * 8                   # 1024: the gate's logits for all 8 experts
+    routed = 2 * (2 * 64 * 32 * 2 + 2 * 32 * 64)  # 24576: two experts of 32, SwiGLU
+    shared = 2 * 64 * 48 * 2 + 2 * 48 * 64        # 18432
+    gate = 2 * 64                         # 128: sigmoid(x w)
+    logits = 2 * 64 * 256
+    forward_per_token = 3 * attention_part + dense_mlp + 2 * (router + routed + shared + gate) + logits
+    assert forward_per_token == 237824
+    assert flops_per_iteration(config, global_batch_size=2, seq_length=16) == 3 * 2 * 16 * 237824
+    # As with dense models, 6 x the active matmul parameters + attention (norm weights aside).
+    active = num_parameters(config, active=True) - 256 * 64
+    assert active == (3 * (16384 + 8192) + dense_mlp + 2 * (router + routed + shared + gate) + logits) // 2 + 7 * 64
+    assert num_parameters(config) - num_parameters(config, active=True) == 2 * 6 * 3 * 64 * 32  # 6 idle experts
+
+
 def test_big_model_is_six_n_plus_attention():
     config = model_config_from_preset("llama2-7b")
     seq, tokens = 4096, 4096 * 8

@@ -13,6 +13,7 @@ from megalite.checkpoint import load_checkpoint
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
+from megalite.run.tracking import scalars_of
 from megalite.run.training import Trainer, pretrain
 from tests.helpers.model import token_losses
 from tests.helpers.runs import MOCK, SMALL
@@ -228,11 +229,16 @@ def is_host_data_read(frame) -> bool:
     return name == "checked_token_ids" or (name == "<genexpr>" and frame.f_back.f_code.co_name == "global_token_count")
 
 
-@pytest.mark.parametrize("precision", [[], ["--fp16", "--initial-loss-scale", "4096"]], ids=["default", "fp16"])
+MOE_GROUPED = ["--num-experts", "4", "--moe-grouped-gemm", "--moe-aux-loss-coeff", "1e-2", "--moe-z-loss-coeff", "1e-3"]
+
+
+@pytest.mark.parametrize("precision", [[], ["--fp16", "--initial-loss-scale", "4096"], MOE_GROUPED],
+                         ids=["default", "fp16", "moe"])
 def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, precision):
-    """The default run (fp32, no loss scaler, the NaN check on, clipping at 1) on one process, and fp16 with its
-    loss scaler: with --log-interval 4, iterations 1-3 and 5-7 read no tensor value back; iteration 4 reads the
-    four iterations' results at once."""
+    """The default run (fp32, no loss scaler, the NaN check on, clipping at 1) on one process, fp16 with its
+    loss scaler, and an MoE model (grouped GEMM; the loop reads each forward's token counts): with
+    --log-interval 4, iterations 1-3 and 5-7 read no tensor value back; iteration 4 reads the four iterations'
+    results at once (and the MoE routing statistics, once)."""
     monkeypatch.setattr("megalite.run.logger.peak_flops", lambda device, dtype: (None, "not what is tested"))
     reads, running = {}, [0]  # iteration -> ["how in file:line function"]; the iteration running
     real_step = Trainer.train_step
@@ -258,7 +264,7 @@ def test_a_step_reads_nothing_from_the_device_outside_log_steps(monkeypatch, pre
     train(*MOCK, "--train-iters", "8", "--log-interval", "4", "--eval-interval", "0", *precision)
     between_log_lines = (1, 2, 3, 5, 6, 7)
     assert {i: reads.get(i, []) for i in between_log_lines} == dict.fromkeys(between_log_lines, [])
-    assert len(reads[4]) == 1, reads[4]
+    assert len(reads[4]) == (2 if precision is MOE_GROUPED else 1), reads[4]
 
 
 def test_a_tiny_moe_model_trains_and_logs_its_routing(tmp_path):
@@ -271,9 +277,23 @@ def test_a_tiny_moe_model_trains_and_logs_its_routing(tmp_path):
     assert "load_balancing_loss: 1.0" in line and "tokens per expert (of the mean): min" in line
     record = [record for record in map(json.loads, open(tmp_path / "metrics.jsonl")) if "split" not in record][-1]
     assert record["tokens_per_expert_min"] <= 1 <= record["tokens_per_expert_max"]
+    # The tracking sink (wandb, TensorBoard) gets them as train/ scalars with every training record.
+    assert {f"train/{name}" for name in ("load_balancing_loss", "z_loss", "tokens_per_expert_min",
+                                         "tokens_per_expert_max")} <= set(scalars_of(record))
     # The Trainer moved the expert bias after each step, and the checkpoint holds it.
     bias = trainer.model[0].layers["0"].mlp.router.expert_bias
     assert bias.abs().min() > 0
     restored = build_model(trainer.run.model, seed=1)
     load_checkpoint(str(tmp_path), restored, model_config=trainer.run.model, load_rng=False)
     assert torch.equal(restored.layers["0"].mlp.router.expert_bias, bias)
+
+
+def test_moe_grouped_gemm_and_the_expert_loop_train_to_bitwise_equal_losses():
+    """10 iterations of the Trainer (Adam, shared expert, aux and z losses, a dense layer) with each path
+    (tests/model/test_moe.py compares them in bf16 too)."""
+    flags = [*MOCK, "--num-experts", "4", "--moe-ffn-hidden-size", "32", "--moe-aux-loss-coeff", "1e-2",
+             "--moe-z-loss-coeff", "1e-3", "--moe-shared-expert-intermediate-size", "16", "--moe-layer-freq", "[1,0]",
+             "--train-iters", "10", "--eval-interval", "0", "--eval-iters", "0"]
+    loop = train(*flags)[1].losses
+    grouped = train(*flags, "--moe-grouped-gemm")[1].losses
+    assert loop == grouped and len(set(loop)) == 10
