@@ -47,6 +47,7 @@ def test_moe_presets_have_published_active_parameter_counts(name):
     moe_layers = sum(config.is_moe_layer(i) for i in range(config.num_layers))
     expert = 3 * config.hidden_size * config.expert_ffn_hidden_size  # SwiGLU: gate, up, down
     assert num_parameters(config) - moe_layers * (config.num_experts - config.moe_router_topk) * expert == ACTIVE[name]
+    assert num_parameters(config, active=True) == ACTIVE[name]  # what FLOPs and the dry run count
 
 
 @pytest.mark.parametrize("name", sorted(MODEL_PRESETS))
