@@ -150,6 +150,10 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
                         f"GiB (e.g. 80); fix it or drop the flag")
     notes = accepted_flags(args)
     run = run_config_from_args(args, world_size, default_run=not argv)
+    if args.megatron_no_position_embedding and run.model.position_embedding_type != "rope":
+        raise UserError("--no-position-embedding drops Megatron's learned position table, which megalite keeps with "
+                        f"--position-embedding-type {run.model.position_embedding_type}; pass "
+                        "--position-embedding-type rope (or drop --no-position-embedding)")
     if args.sequence_parallel and not run.parallel.sequence_parallel:  # ParallelConfig turned it off
         notes.append("--sequence-parallel (off at --tensor-model-parallel-size 1)")
     if notes and os.environ.get("RANK", "0") == "0":

@@ -227,6 +227,13 @@ def test_megatron_moe_scripts_stop_with_one_sentence_on_what_is_missing(flag_set
     assert "\n" not in str(err.value) and all(word in str(err.value) for word in words), str(err.value)
 
 
+def test_no_position_embedding_is_refused_where_the_model_keeps_a_learned_table():
+    base = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", "--no-position-embedding"]
+    assert parse_args([*base, "--position-embedding-type", "rope"]).model.position_embedding_type == "rope"
+    with pytest.raises(UserError, match="--no-position-embedding drops Megatron's learned position table"):
+        parse_args([*base, "--position-embedding-type", "learned_absolute"])
+
+
 def test_too_small_vocab_size_for_the_tokenizer_is_refused(paths):
     run = parse_args(["--data-path", paths["data"], "--tokenizer-type", "HuggingFaceTokenizer",
                       "--tokenizer-model", paths["hf"], "--vocab-size", "100"])
