@@ -23,7 +23,7 @@ from megalite.run.generation import generate
 from megalite.convert import model_fields_from_hf, sentencepiece_to_tokenizers
 from megalite.model.gpt import build_model
 from megalite.run.data import build_datasets
-from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, train
+from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, save_random_hf, train
 from tools.convert_checkpoint import main as convert
 from tools.generate import load_model
 
@@ -142,11 +142,6 @@ def test_other_model_kinds_export_exactly(tmp_path, flags):
 # -- from-hf --------------------------------------------------------------------------------------
 
 
-def save_hf(model, folder, **kwargs) -> str:
-    model.save_pretrained(folder, **kwargs)
-    return str(folder)
-
-
 @pytest.fixture(scope="module")
 def hf_llama(tmp_path_factory):
     """A random LLaMA (GQA, untied, bf16) saved by transformers in several shards."""
@@ -154,13 +149,7 @@ def hf_llama(tmp_path_factory):
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                                       rope_theta=50000.0, rms_norm_eps=1e-6, initializer_range=0.1,
                                       tie_word_embeddings=False)
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():  # norms away from 1, so that their mapping matters
-        for name, param in model.named_parameters():
-            if "norm" in name:
-                param.add_(0.1 * torch.randn_like(param))
-    return save_hf(model, tmp_path_factory.mktemp("llama"), max_shard_size="60KB")
+    return save_random_hf(config, 0, tmp_path_factory.mktemp("llama"), torch.bfloat16, max_shard_size="60KB")
 
 
 @pytest.fixture(scope="module")
@@ -169,13 +158,7 @@ def hf_llama_tied_with_biases(tmp_path_factory):
     config = transformers.LlamaConfig(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, max_position_embeddings=32, attention_bias=True,
                                       mlp_bias=True, tie_word_embeddings=True, initializer_range=0.1)
-    torch.manual_seed(2)
-    model = transformers.LlamaForCausalLM(config)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-    return save_hf(model, tmp_path_factory.mktemp("llama-tied"))
+    return save_random_hf(config, 2, tmp_path_factory.mktemp("llama-tied"))
 
 
 @pytest.fixture(scope="module")
@@ -183,13 +166,7 @@ def hf_gpt2(tmp_path_factory):
     """A random tied GPT-2 (fp32) in one file."""
     config = transformers.GPT2Config(vocab_size=90, n_positions=48, n_embd=32, n_layer=2, n_head=4,
                                      initializer_range=0.1, bos_token_id=None, eos_token_id=None)
-    torch.manual_seed(1)
-    model = transformers.GPT2LMHeadModel(config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-    return save_hf(model, tmp_path_factory.mktemp("gpt2"))
+    return save_random_hf(config, 1, tmp_path_factory.mktemp("gpt2"))
 
 
 @pytest.fixture(scope="module")
@@ -198,13 +175,7 @@ def hf_qwen2(tmp_path_factory):
     config = transformers.Qwen2Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                       tie_word_embeddings=True, initializer_range=0.1)
-    torch.manual_seed(3)
-    model = transformers.Qwen2ForCausalLM(config)
-    with torch.no_grad():  # biases away from 0 and norms away from 1, so that their mapping matters
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-    return save_hf(model, tmp_path_factory.mktemp("qwen2"))
+    return save_random_hf(config, 3, tmp_path_factory.mktemp("qwen2"))
 
 
 @pytest.fixture(scope="module")
@@ -213,13 +184,7 @@ def hf_qwen3(tmp_path_factory):
     config = transformers.Qwen3Config(vocab_size=80, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                       max_position_embeddings=32, tie_word_embeddings=False, initializer_range=0.1)
-    torch.manual_seed(4)
-    model = transformers.Qwen3ForCausalLM(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for param in model.parameters():
-            if param.dim() == 1:
-                param.add_(0.1 * torch.randn_like(param))
-    return save_hf(model, tmp_path_factory.mktemp("qwen3"))
+    return save_random_hf(config, 4, tmp_path_factory.mktemp("qwen3"), torch.bfloat16)
 
 
 @pytest.mark.parametrize("which", ["hf_llama", "hf_llama_tied_with_biases", "hf_gpt2", "hf_qwen2", "hf_qwen3"])

@@ -18,7 +18,7 @@ from megalite.data.tokenizer import build_tokenizer
 from megalite.errors import UserError
 from megalite.model.gpt import build_model
 from megalite.run.data import build_datasets
-from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, train
+from tests.helpers.convert import LLAMA_CONFIG, hf_tensors, load_hf, save_random_hf, train
 from tools.convert_checkpoint import main as convert
 from tools.generate import load_model
 
@@ -45,17 +45,8 @@ HF_MODELS = {
 def hf_moe(tmp_path_factory):
     """name -> a folder with a random fp32 HF MoE model saved by `save_pretrained` (norms away from 1, biases
     away from 0, so that their mapping matters)."""
-    folders = {}
-    for seed, (name, make_config) in enumerate(HF_MODELS.items()):
-        torch.manual_seed(seed)
-        model = transformers.AutoModelForCausalLM.from_config(make_config())
-        with torch.no_grad():
-            for param in model.parameters():
-                if param.dim() == 1:
-                    param.add_(0.1 * torch.randn_like(param))
-        folders[name] = str(tmp_path_factory.mktemp(name))
-        model.save_pretrained(folders[name])
-    return folders
+    return {name: save_random_hf(make_config(), seed, tmp_path_factory.mktemp(name))
+            for seed, (name, make_config) in enumerate(HF_MODELS.items())}
 
 
 def logit_difference(run_folder, hf_folder) -> float:

@@ -25,6 +25,22 @@ def train(folder, flags: list[str], processes: int = 1) -> None:
         run_processes(processes, flags, str(folder / "metrics.jsonl"))
 
 
+def save_random_hf(config, seed: int, folder, dtype: torch.dtype | None = None, **save_kwargs) -> str:
+    """A random HF causal LM of `config` (seeded; in `dtype`; its 1-D parameters, norms and biases, moved off their
+    initial values so that their mapping matters), saved by `save_pretrained` into `folder`; the folder."""
+    import transformers  # only conversion tests need it
+
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model = model if dtype is None else model.to(dtype)
+    with torch.no_grad():
+        for param in model.parameters():
+            if param.dim() == 1:
+                param.add_(0.1 * torch.randn_like(param))
+    model.save_pretrained(folder, **save_kwargs)
+    return str(folder)
+
+
 def load_hf(folder):
     """An HF model from a local folder, in fp32 and eval mode."""
     import transformers  # only conversion tests need it
