@@ -73,7 +73,6 @@ COMPAT_FLAGS = [
                takes_value=True, allowed=("allgather", "alltoall"),
                refused="--moe-token-dispatcher-type {value} is not built (every rank holds all experts, so tokens "
                        "go to them in place); drop the flag (or pass allgather or alltoall)"),
-    CompatFlag("--moe-permute-fusion", _FUSION),
     CompatFlag("--expert-model-parallel-size", "megalite has no expert parallelism yet (every rank holds all "
                                                "experts); 1 is accepted",
                takes_value=True, allowed=("1",),

@@ -269,9 +269,11 @@ def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
                                                                           "built"]),
     (["--num-experts", "4", "--moe-router-fusion"], 1, ["--moe-router-fusion is a Megatron MoE option megalite "
                                                          "does not build"]),
+    (["--num-experts", "4", "--moe-permute-fusion"], 1, ["--moe-permute-fusion is a Megatron MoE option megalite "
+                                                          "does not build"]),
     (["--expert-model-parallel-size", "2"], 1, ["--expert-model-parallel-size 2", "every rank holds all experts"]),
 ], ids=["no-experts", "topk", "topk1-softmax", "bias-softmax", "groups-divide", "groups-pair", "freq-length",
-        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "flex", "unknown-moe", "ep"])
+        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "flex", "unknown-moe", "permute-fusion", "ep"])
 def test_moe_flags_refuse_bad_combinations_in_one_sentence(flags, world_size, words):
     with pytest.raises(UserError) as err:
         parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", *flags], world_size)
@@ -289,7 +291,7 @@ def test_moe_flags_parse_with_megatron_s_names_and_defaults():
                       "--moe-expert-capacity-factor", "1.5", "--moe-token-drop-policy", "position",
                       "--moe-router-load-balancing-type", "seq_aux_loss", "--moe-aux-loss-coeff", "1e-2",
                       "--moe-z-loss-coeff", "1e-3", "--expert-model-parallel-size", "1",
-                      "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall", "--moe-permute-fusion"])
+                      "--moe-router-dtype", "fp32", "--moe-token-dispatcher-type", "alltoall"])
     model = run.model
     assert [model.is_moe_layer(i) for i in range(4)] == [False, True, True, True]
     assert (model.num_experts, model.moe_router_topk, model.moe_router_bias_update_rate) == (8, 2, 1e-3)
