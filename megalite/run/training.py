@@ -39,7 +39,7 @@ from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps,
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.loss import LanguageModelLoss
-from megalite.model.moe import set_aux_loss_scale, take_moe_statistics, update_expert_bias
+from megalite.model.moe import moe_routers, set_aux_loss_scale, take_moe_statistics, update_expert_bias
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -107,8 +107,9 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     scale_loss = optimizer.scale_loss if optimizer is not None else None
     # The MoE balancing losses' gradients, scaled as the language-model loss's: Megatron's mean over the
     # micro-batches of the whole global batch (all DP ranks, whose grads are summed), times the loss scale.
-    loss_scale = scale_loss(torch.ones((), device=device)) if scale_loss is not None else 1.0
-    set_aux_loss_scale(model, loss_scale / (len(micro_batches) * parallel.dp_size))
+    if moe_routers(model):
+        loss_scale = scale_loss(torch.ones((), device=device)) if scale_loss is not None else 1.0
+        set_aux_loss_scale(model, loss_scale / (len(micro_batches) * parallel.dp_size))
     runner = ScheduleRunner(chunks, micro_batches, total_tokens,
                             lambda chunk, mb, hidden: chunk(mb["tokens"], mb["position_ids"], hidden_states=hidden),
                             lambda chunk, hidden, mb: loss_fn(chunk, hidden, mb["labels"], mb["loss_mask"]),
@@ -271,7 +272,8 @@ class Trainer:
         # skips a step with a non-finite loss too; `_account` stops the run when it reads the results.
         skip = ~torch.isfinite(loss) if self._stops_on_nan() else None
         updated, grad_norm = self.optimizer.step(lr, self.schedule.decoupled_lr_at(*position), skip)
-        update_expert_bias(self.model, self.parallel.dp_group if self.parallel.dp_size > 1 else None)
+        if self.run.model.moe_router_enable_expert_bias:
+            update_expert_bias(self.model, self.parallel.dp_group if self.parallel.dp_size > 1 else None)
         empty_unused_memory(self.run.train.empty_unused_memory_level, 2)
         scaler = self.optimizer.loss_scaler
         scale = scaler.scale if scaler is not None else torch.ones_like(loss)
