@@ -2,6 +2,11 @@
 builders as an argument (no global singleton). The grid is Megatron's rank order, `numpy.arange(world)
 .reshape(pp, dp, tp)`, every group the ranks that share the other coordinates (docs/parallelism.md).
 
+The routed experts of MoE layers have a second grid over the same world, Megatron's "MoE parallel folding":
+`numpy.arange(world).reshape(pp, edp, ep, etp)` (order tp-ep-dp-pp), expert-tensor-parallel x expert-parallel
+x expert-data-parallel x the same pipeline stages. EP is carved out of the dense DP x TP ranks: a rank owns
+experts [ep_rank * E/EP, (ep_rank + 1) * E/EP), and their grads are summed over its expert-DP group.
+
 Under torch.distributed every group is a real ProcessGroup, even of one rank; only a world of one
 without it has None groups. torch reads `group=None` as the WHOLE world, so a None standing for a
 trivial group would turn a forgotten size check into a world-wide collective.
@@ -21,7 +26,7 @@ from megalite.config import ParallelConfig
 from megalite.errors import UserError
 
 # Every rank creates every group in this order (torch requires the same new_group calls everywhere).
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding")
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "ep", "expert_dp", "tp_ep", "expert_mp")
 
 
 def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
@@ -29,18 +34,31 @@ def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
     return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
 
 
-def group_ranks(world_size: int, tp: int, pp: int) -> dict[str, list[list[int]]]:
+def expert_rank_grid(world_size: int, pp: int, ep: int, etp: int) -> numpy.ndarray:
+    """The global ranks as the experts see them, an int array of shape [pp, edp, ep, etp]."""
+    return numpy.arange(world_size).reshape(pp, world_size // (pp * ep * etp), ep, etp)
+
+
+def group_ranks(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict[str, list[list[int]]]:
     """The rank lists of every group of each kind: "tp" shares (pp, dp), "dp" (pp, tp), "pp" (dp, tp), "mp"
-    (a model replica) dp; "embedding" is each pipeline's first and last stage, which hold tied embeddings."""
+    (a model replica) dp; "embedding" is each pipeline's first and last stage, which hold tied embeddings.
+    Expert groups (`etp` None: tp): "ep" shares (pp, edp, etp), "expert_dp" (pp, ep, etp), "tp_ep" (pp, edp),
+    "expert_mp" (the ranks holding distinct expert shards, ETP x EP x PP) edp."""
     grid = rank_grid(world_size, tp, pp)
     _, dp, _ = grid.shape
     pipelines = grid.transpose(1, 2, 0).reshape(-1, pp).tolist()
+    etp = tp if etp is None else etp
+    experts = expert_rank_grid(world_size, pp, ep, etp)
     return {
         "tp": grid.reshape(-1, tp).tolist(),
         "dp": grid.transpose(0, 2, 1).reshape(-1, dp).tolist(),
         "pp": pipelines,
         "mp": grid.transpose(1, 0, 2).reshape(-1, pp * tp).tolist(),
         "embedding": [[ranks[0], ranks[-1]] if pp > 1 else [ranks[0]] for ranks in pipelines],
+        "ep": experts.transpose(0, 1, 3, 2).reshape(-1, ep).tolist(),
+        "expert_dp": experts.transpose(0, 2, 3, 1).reshape(-1, experts.shape[1]).tolist(),
+        "tp_ep": experts.reshape(-1, ep * etp).tolist(),
+        "expert_mp": experts.transpose(1, 0, 2, 3).reshape(-1, pp * ep * etp).tolist(),
     }
 
 
@@ -50,6 +68,12 @@ def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int,
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
     return rank // (dp * tp), rank // tp % dp, rank % tp
+
+
+def expert_coordinates(rank: int, world_size: int, pp: int, ep: int, etp: int) -> tuple[int, int, int]:
+    """(edp_rank, ep_rank, etp_rank) of global `rank` in `expert_rank_grid` (its pp_rank is the dense one's)."""
+    edp = expert_rank_grid(world_size, pp, ep, etp).shape[1]
+    return rank // (etp * ep) % edp, rank // etp % ep, rank % etp
 
 
 @dataclass
@@ -73,6 +97,17 @@ class ParallelState:
     embedding_group: ProcessGroup | None = None
     # This rank's pipeline's embedding ranks, whether or not it is one.
     embedding_ranks: list[int] = field(default_factory=lambda: [0])
+    # The routed experts' grid (expert_rank_grid): EP ranks hold different experts; each expert is split over
+    # expert_tp_size ranks (1, or the TP group); expert-DP ranks hold the same expert shards.
+    ep_size: int = 1
+    ep_rank: int = 0
+    ep_group: ProcessGroup | None = None
+    expert_tp_size: int = 1
+    expert_dp_size: int = 1
+    expert_dp_rank: int = 0
+    expert_dp_group: ProcessGroup | None = None
+    tp_ep_group: ProcessGroup | None = None  # ETP x EP: the ranks among which one layer's experts are spread
+    expert_mp_group: ProcessGroup | None = None  # ETP x EP x PP: the ranks holding distinct expert shards
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     sequence_parallel: bool = False
     owns_process_group: bool = field(default=False, repr=False)  # set by initialize; destroy reads it
@@ -86,27 +121,38 @@ class ParallelState:
     def in_embedding_group(self) -> bool:
         return self.rank in self.embedding_ranks
 
+    @property
+    def expert_tp_rank(self) -> int:
+        """This rank's place in its expert's split: the TP rank when experts split over TP, else 0."""
+        return self.tp_rank if self.expert_tp_size > 1 else 0
+
     def stage_rank(self, pp_rank: int) -> int:
         """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same dp and tp rank)."""
         return pp_rank * self.dp_size * self.tp_size + self.dp_rank * self.tp_size + self.tp_rank
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = False,
-                         device: torch.device | None = None, timeout: timedelta | None = None) -> ParallelState:
-    """This rank's ParallelState for sizes `tp` and `pp` in the torch.distributed world (a world of one
-    without it); every rank calls it, creating every group. `device` None: CUDA under nccl (or without
+def build_parallel_state(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None = None,
+                         sequence_parallel: bool = False, device: torch.device | None = None,
+                         timeout: timedelta | None = None) -> ParallelState:
+    """This rank's ParallelState for sizes `tp`, `pp`, `ep` and `etp` (None: tp) in the torch.distributed world
+    (a world of one without it); every rank calls it, creating every group (one ProcessGroup per distinct rank
+    list: at EP 1 the expert groups are the dense ones). `device` None: CUDA under nccl (or without
     torch.distributed when CUDA is there), else the CPU. `timeout` None: the backend's default."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
-    groups = group_ranks(world_size, tp, pp)
+    etp = tp if etp is None else etp
+    groups = group_ranks(world_size, tp, pp, ep, etp)
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
     own = dict.fromkeys(GROUP_KINDS)
     if distributed:
+        made: dict[tuple[int, ...], ProcessGroup] = {}
         for kind in GROUP_KINDS:
             for ranks in groups[kind]:
-                group = dist.new_group(ranks, timeout=timeout)
+                if tuple(ranks) not in made:
+                    made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
                 if rank in ranks:
-                    own[kind] = group
+                    own[kind] = made[tuple(ranks)]
     backend = dist.get_backend() if distributed else None
     if device is None:
         cuda = backend == "nccl" or (backend is None and torch.cuda.is_available())
@@ -119,6 +165,9 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, sequence_parallel: bool = 
         dp_size=world_size // (tp * pp), dp_rank=dp_rank, dp_group=own["dp"],
         mp_group=own["mp"], embedding_group=own["embedding"],
         embedding_ranks=groups["embedding"][dp_rank * tp + tp_rank],  # pipelines are listed in (dp, tp) order
+        ep_size=ep, ep_rank=ep_rank, ep_group=own["ep"], expert_tp_size=etp,
+        expert_dp_size=world_size // (pp * ep * etp), expert_dp_rank=edp_rank, expert_dp_group=own["expert_dp"],
+        tp_ep_group=own["tp_ep"], expert_mp_group=own["expert_mp"],
         device=device, sequence_parallel=sequence_parallel)
 
 
@@ -155,8 +204,9 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
                             f"--nproc_per_node N pretrain_gpt.py ...`, or unset WORLD_SIZE for one process")
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                                 **_restart_scoped_rendezvous(world_size, timeout))
-    state = build_parallel_state(tp, pp, sequence_parallel=parallel_config.sequence_parallel,
-                                 device=device, timeout=timeout)
+    state = build_parallel_state(tp, pp, ep=parallel_config.expert_model_parallel_size,
+                                 etp=parallel_config.expert_tensor_size,
+                                 sequence_parallel=parallel_config.sequence_parallel, device=device, timeout=timeout)
     state.owns_process_group = owns
     return state
 

@@ -7,8 +7,8 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
-from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, group_ranks, initialize,
-                                     rank_grid)
+from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, expert_coordinates,
+                                     expert_rank_grid, group_ranks, initialize, rank_grid)
 from tests.helpers.distributed import run_world
 
 LAYOUTS = [(8, 2, 2), (8, 4, 1), (8, 1, 8), (4, 1, 1), (1, 1, 1)]  # (world, tp, pp)
@@ -22,6 +22,25 @@ def test_megatron_layout_for_world_8_tp_2_pp_2():
     assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert groups["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert rank_grid(8, 2, 2).tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+
+
+def test_expert_groups_fold_over_data_and_tensor_parallel_ranks():
+    """Megatron's example: 8 ranks, dense TP 2 x DP 4, experts ETP 1 x EP 4 x EDP 2."""
+    groups = group_ranks(8, tp=2, pp=1, ep=4, etp=1)
+    assert groups["ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["expert_dp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert groups["tp_ep"] == groups["ep"] and groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    # Experts split over TP (ETP = TP 2) and PP 2: EP 2 runs across the data-parallel ranks of one TP rank.
+    groups = group_ranks(8, tp=2, pp=2, ep=2, etp=2)
+    assert groups["ep"] == [[0, 2], [1, 3], [4, 6], [5, 7]] == groups["dp"]
+    assert groups["expert_dp"] == [[r] for r in range(8)] and groups["tp_ep"] == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert groups["expert_mp"] == [list(range(8))]
+    # At EP 1 the expert groups are the dense ones.
+    dense = group_ranks(8, tp=2, pp=2)
+    assert (dense["expert_dp"], dense["tp_ep"], dense["expert_mp"]) == (dense["dp"], dense["tp"], dense["mp"])
+    for rank in range(8):
+        edp_rank, ep_rank, etp_rank = expert_coordinates(rank, 8, 1, 4, 1)
+        assert expert_rank_grid(8, 1, 4, 1)[0, edp_rank, ep_rank, etp_rank] == rank
 
 
 def test_other_layouts():
@@ -146,7 +165,9 @@ def _groups_seen(state) -> dict:
 
 
 def _state_summary(state) -> dict:
-    return dict(coords=(state.pp_rank, state.dp_rank, state.tp_rank),
+    return dict(experts=(state.ep_size, state.ep_rank, state.expert_tp_size, state.expert_tp_rank,
+                         state.expert_dp_size, state.expert_dp_rank),
+                coords=(state.pp_rank, state.dp_rank, state.tp_rank),
                 sizes=(state.pp_size, state.dp_size, state.tp_size), groups=_groups_seen(state),
                 logging=state.is_logging_rank, embedding_ranks=state.embedding_ranks,
                 next=state.stage_rank((state.pp_rank + 1) % state.pp_size),
@@ -155,20 +176,22 @@ def _state_summary(state) -> dict:
 
 
 def _two_topologies(rank, world_size):
-    """Two states in one process: tp 2 x pp 2 built directly, then pp 4 through initialize."""
+    """Three states in one process: tp 2 x pp 2 built directly, then pp 4 through initialize, then tp 2 with
+    experts over ep 4 (etp 1) built directly."""
     grid = _state_summary(build_parallel_state(tp=2, pp=2))
+    experts = _state_summary(build_parallel_state(tp=2, ep=4, etp=1))
     state = initialize(ParallelConfig(pipeline_model_parallel_size=4, distributed_backend="gloo",
                                       world_size=world_size))
     pipeline = _state_summary(state)
     parallel_state.destroy(state)  # run_world owns the process group: this must leave it alone
     assert dist.is_initialized()
-    return grid, pipeline
+    return grid, pipeline, experts
 
 
 def test_groups_in_a_gloo_world_of_4():
     results = run_world(4, _two_topologies)
-    for layout, (tp, pp) in enumerate([(2, 2), (1, 4)]):
-        expected = group_ranks(4, tp, pp)
+    for layout, (tp, pp, ep, etp) in enumerate([(2, 2, 1, 2), (1, 4, 1, 1), (2, 1, 4, 1)]):
+        expected = group_ranks(4, tp, pp, ep, etp)
         for rank, summary in enumerate(r[layout] for r in results):
             assert summary["coords"] == coordinates(rank, 4, tp, pp)
             assert summary["sizes"] == (pp, 4 // (tp * pp), tp)
@@ -179,8 +202,11 @@ def test_groups_in_a_gloo_world_of_4():
                     continue
                 assert summary["groups"][kind] == (mine[0], mine[0]), (layout, rank, kind)
             assert summary["logging"] == (rank == 3)
+            edp_rank, ep_rank, etp_rank = expert_coordinates(rank, 4, pp, ep, etp)
+            assert summary["experts"] == (ep, ep_rank, etp, etp_rank, 4 // (pp * ep * etp), edp_rank)
             stride = 4 // pp
             assert summary["next"] == (rank + stride) % 4 and summary["prev"] == (rank - stride) % 4
             assert summary["device"] == "cpu" and summary["backend"] == "gloo"
     assert [r[1]["embedding_ranks"] for r in results] == [[0, 3]] * 4
+    assert results[0][2]["groups"]["ep"] == ([0, 1, 2, 3], [0, 1, 2, 3])  # EP 4 folded over TP 2 x DP 2
     assert [r[1]["groups"]["embedding"] is None for r in results] == [False, True, True, False]

@@ -134,7 +134,7 @@ def file_problem(path: str, metadata: dict) -> str | None:
 # Fields that change no weight and no arithmetic: a resumed run may change them.
 _FREE_FIELDS = {"recompute_granularity", "recompute_method", "recompute_num_layers", "hidden_dropout",
                 "attention_dropout", "z_loss_weight", "fused_output_cross_entropy", "moe_grouped_gemm",
-                "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"}
+                "moe_token_dispatcher_type", "moe_aux_loss_coeff", "moe_z_loss_coeff", "moe_router_bias_update_rate"}
 # A field a checkpoint's config predates had its default then.
 _DEFAULTS = {field.name: field.default for field in dataclasses.fields(ModelConfig)
              if field.default is not dataclasses.MISSING}

@@ -69,15 +69,6 @@ COMPAT_FLAGS = [
                takes_value=True, allowed=("fp32",),
                refused="--moe-router-dtype {value} is not built: megalite's router computes in fp32; drop the "
                        "flag (or pass fp32)"),
-    CompatFlag("--moe-token-dispatcher-type", "every rank holds all experts, so tokens go to them in place",
-               takes_value=True, allowed=("allgather", "alltoall"),
-               refused="--moe-token-dispatcher-type {value} is not built (every rank holds all experts, so tokens "
-                       "go to them in place); drop the flag (or pass allgather or alltoall)"),
-    CompatFlag("--expert-model-parallel-size", "megalite has no expert parallelism yet (every rank holds all "
-                                               "experts); 1 is accepted",
-               takes_value=True, allowed=("1",),
-               refused="--expert-model-parallel-size {value} asks for expert parallelism, which megalite does not "
-                       "have yet (every rank holds all experts); drop it (or pass 1)"),
 ]
 
 # Flag families megalite refuses whatever their spelling: prefix -> the one sentence.

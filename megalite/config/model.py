@@ -115,6 +115,10 @@ class ModelConfig:
                                                 group=MOE)
     moe_grouped_gemm: bool = option(False, "all experts' matmuls as one torch._grouped_mm (else a loop over "
                                            "experts, the reference; the same bits)", group=MOE)
+    moe_token_dispatcher_type: str = option("allgather", "how tokens reach experts on other expert-parallel ranks: "
+                                                         "all-gathered (allgather) or sent with uneven "
+                                                         "all-to-alls (alltoall)", choices=("allgather", "alltoall"),
+                                            group=MOE)
     moe_shared_expert_intermediate_size: int | None = option(None, "hidden size of the shared experts (their "
                                                                    "total), which see every token",
                                                              default_text="none", group=MOE)

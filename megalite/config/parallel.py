@@ -1,4 +1,5 @@
-"""ParallelConfig: how the world is cut, TP x PP x DP = world size (DP is what remains)."""
+"""ParallelConfig: how the world is cut, TP x PP x DP = world size (DP is what remains); the routed experts cut
+the same world as ETP x EP x EDP x PP (EDP is what remains, parallel_state.expert_rank_grid)."""
 
 from dataclasses import dataclass
 from enum import Enum
@@ -40,6 +41,12 @@ class ParallelConfig:
         None, "layers on the first pipeline stage (the rest split evenly)")
     decoder_last_pipeline_num_layers: int | None = option(
         None, "layers on the last pipeline stage (the rest split evenly)")
+    expert_model_parallel_size: int = option(1, "expert-parallel ranks (EP): each holds 1/EP of every MoE layer's "
+                                                "routed experts, EP carved out of the data-parallel x tensor-"
+                                                "parallel ranks")
+    expert_tensor_parallel_size: int | None = option(
+        None, "ranks each routed expert is split over (ETP): 1, or the tensor-parallel size (1 suits fine-grained "
+              "experts)", default_text="--tensor-model-parallel-size")
     sequence_parallel: bool = option(False, "split norms, dropout and activations along the sequence over TP")
     use_distributed_optimizer: bool = option(False, "shard the optimizer state over data-parallel ranks (ZeRO-1, "
                                                     "the same as --data-parallel-sharding-strategy optim)")
@@ -77,6 +84,18 @@ class ParallelConfig:
     def data_parallel_size(self) -> int:
         return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
 
+    @property
+    def expert_tensor_size(self) -> int:
+        """ETP: --expert-tensor-parallel-size, by default --tensor-model-parallel-size."""
+        given = self.expert_tensor_parallel_size
+        return self.tensor_model_parallel_size if given is None else given
+
+    @property
+    def expert_data_parallel_size(self) -> int:
+        """EDP, the ranks holding the same expert shards: world / (ETP x EP x PP)."""
+        return self.world_size // (self.expert_tensor_size * self.expert_model_parallel_size
+                                   * self.pipeline_model_parallel_size)
+
     def describe(self) -> str:
         """The layout in words, e.g. "8 ranks = TP 2 x PP 2 x DP 2, 2 virtual stages per pipeline rank,
         sequence parallel, distributed optimizer" (what is off is left out)."""
@@ -85,6 +104,9 @@ class ParallelConfig:
                  f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}",
                  f"{vp} virtual stages per pipeline rank" if vp > 1 else None,
                  "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding.stage]]
+        if self.expert_model_parallel_size > 1:
+            parts.insert(1, f"experts ETP {self.expert_tensor_size} x EP {self.expert_model_parallel_size} x "
+                            f"EDP {self.expert_data_parallel_size}")
         return ", ".join(part for part in parts if part)
 
     def validate(self) -> "ParallelConfig":
@@ -101,6 +123,7 @@ class ParallelConfig:
         if self.world_size % (tp * pp):
             raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
                             f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
+        self._validate_experts()
         if not self.distributed_timeout_minutes > 0:
             raise UserError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.num_layers_per_virtual_pipeline_stage is not None \
@@ -108,6 +131,20 @@ class ParallelConfig:
             raise UserError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
                             "both given; pick one")
         return self
+
+    def _validate_experts(self) -> None:
+        """The expert grid's rules: ETP is 1 or TP, and ETP x EP divides the DP x TP ranks it is carved from."""
+        tp, ep, etp = self.tensor_model_parallel_size, self.expert_model_parallel_size, self.expert_tensor_size
+        if ep < 1:
+            raise UserError(f"--expert-model-parallel-size must be at least 1, got {ep}")
+        if etp not in (1, tp):
+            raise UserError(f"--expert-tensor-parallel-size {etp} must be 1 or the --tensor-model-parallel-size "
+                            f"{tp}; pass one of them")
+        ranks = self.data_parallel_size * tp
+        if ranks % (ep * etp):
+            raise UserError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
+                            f"does not divide the {ranks} data-parallel x tensor-parallel ranks per pipeline stage; "
+                            f"pick sizes whose product divides {ranks}, or launch more processes")
 
     def virtual_stages(self, num_layers: int) -> int:
         """V, the model chunks per pipeline rank for `num_layers` layers (derived only here); UserError

@@ -175,6 +175,14 @@ class RunConfig:
         if model.num_experts is not None and tp > 1 and not parallel.sequence_parallel:
             raise UserError(f"--num-experts with --tensor-model-parallel-size {tp} needs --sequence-parallel (the "
                             f"MoE layer all-gathers the tokens over TP, as Megatron's); add it")
+        ep = parallel.expert_model_parallel_size
+        if ep > 1 and model.num_experts is None:
+            raise UserError(f"--expert-model-parallel-size {ep} spreads the experts of MoE layers, but the model has "
+                            f"none; add --num-experts or drop the flag")
+        if ep > 1 and model.num_experts % ep:
+            raise UserError(f"--expert-model-parallel-size {ep} does not divide --num-experts {model.num_experts}; "
+                            f"each expert-parallel rank holds an equal share, so pick a divisor of "
+                            f"{model.num_experts}")
         if parallel.sequence_parallel and model.seq_length % tp:
             raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
                             f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")

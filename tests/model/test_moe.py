@@ -265,15 +265,21 @@ def test_layers_follow_moe_layer_freq_and_parameters_are_counted():
     (["--num-experts", "4", "--moe-router-load-balancing-type", "sinkhorn"], 1, ["sinkhorn"]),
     (["--num-experts", "4", "--tensor-model-parallel-size", "2"], 2, ["--num-experts with --tensor-model-parallel"
                                                                        "-size 2 needs --sequence-parallel"]),
-    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type flex is not "
-                                                                          "built"]),
+    (["--num-experts", "4", "--moe-token-dispatcher-type", "flex"], 1, ["--moe-token-dispatcher-type", "flex",
+                                                                         "allgather"]),
     (["--num-experts", "4", "--moe-router-fusion"], 1, ["--moe-router-fusion is a Megatron MoE option megalite "
                                                          "does not build"]),
     (["--num-experts", "4", "--moe-permute-fusion"], 1, ["--moe-permute-fusion is a Megatron MoE option megalite "
                                                           "does not build"]),
-    (["--expert-model-parallel-size", "2"], 1, ["--expert-model-parallel-size 2", "every rank holds all experts"]),
+    (["--expert-model-parallel-size", "2"], 2, ["--expert-model-parallel-size 2", "add --num-experts"]),
+    (["--num-experts", "6", "--expert-model-parallel-size", "4"], 4, ["--expert-model-parallel-size 4 does not "
+                                                                        "divide --num-experts 6"]),
+    (["--num-experts", "4", "--expert-model-parallel-size", "4"], 2, ["= 4 does not divide the 2 data-parallel"]),
+    (["--num-experts", "4", "--tensor-model-parallel-size", "4", "--sequence-parallel",
+      "--expert-tensor-parallel-size", "2"], 4, ["--expert-tensor-parallel-size 2 must be 1 or the --tensor-model"]),
 ], ids=["no-experts", "topk", "topk1-softmax", "bias-softmax", "groups-divide", "groups-pair", "freq-length",
-        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "flex", "unknown-moe", "permute-fusion", "ep"])
+        "freq-eval", "pad-capacity", "gate-shared", "sinkhorn", "tp", "flex", "unknown-moe", "permute-fusion",
+        "ep-without-experts", "ep-divides-experts", "ep-fits-ranks", "etp-is-1-or-tp"])
 def test_moe_flags_refuse_bad_combinations_in_one_sentence(flags, world_size, words):
     with pytest.raises(UserError) as err:
         parse_args(["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "99", *flags], world_size)
