@@ -85,7 +85,7 @@ def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shard
     if param_shards is not None:
         names, shards = {id(param): name for name, param in params.items()}, param_shards
         pieces = {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
-                                                      tp_size) for _, param, (start, end), _ in shards.buffer.owned()}
+                                                      tp_size) for _, param, (start, end), _ in shards.owned()}
         if buffers:
             pieces.update({name: [Piece.full(tensor)] for name, tensor in model.state_dict().items()
                            if name not in params})

@@ -15,12 +15,20 @@ each micro-batch's reduction is added.
 all-gathers into them in place. Whole, the buckets' values are views of one tensor `param_data`;
 sharded (ZeRO-3), each bucket's `param` has memory only while gathered, and `param_shards` holds this
 rank's shard of every bucket, laid out like the grads' `shards`.
+
+A model has one buffer per `GradDomain`: the dense parameters, reduced over DP, and the routed experts'
+(`expert_parallel`), reduced over expert-DP (Megatron's expert_parallel_buffers).
 """
 
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+
+def is_expert(param: nn.Parameter) -> bool:
+    """Whether `param` belongs to the routed experts, whose grads are summed over expert-DP instead of DP."""
+    return getattr(param, "expert_parallel", False)
 
 
 @dataclass
@@ -37,6 +45,19 @@ class Bucket:
         """Buffer range `[start, end)` of shard `rank` of `count` equal shards."""
         size = (self.end - self.start) // count
         return self.start + rank * size, self.start + (rank + 1) * size
+
+
+@dataclass(eq=False)
+class GradDomain:
+    """Parameters whose grads are summed over one group: the dense ones over DP, the experts' over expert-DP.
+    `buffer` holds them; `size` ranks form `group` (None in a world of one), this one is `rank` of them; the
+    distributed optimizer cuts each bucket into `size` shards and owns shard `rank`."""
+
+    buffer: "GradBuffer"
+    group: object
+    size: int
+    rank: int
+    expert: bool = False
 
 
 class GradBuffer:

@@ -14,6 +14,7 @@ from typing import NamedTuple
 import torch
 
 from megalite.data_parallel.ddp import ParallelModel
+from megalite.data_parallel.grad_buffer import is_expert
 from megalite.errors import UserError
 
 STATE_KINDS = ("main_param", "exp_avg", "exp_avg_sq")
@@ -85,13 +86,20 @@ class MixedPrecisionOptimizer:
             raise ValueError(f"{type(self).__name__} needs a ParallelModel with shard={self.distributed}")
         self.clip_grad, self.weight_decay, self.loss_scaler = clip_grad, weight_decay, loss_scaler
         self.model, parallel = model, model.parallel
-        self.tp_rank, self.pp_rank = parallel.tp_rank, parallel.pp_rank
+        self.tp_rank, self.pp_rank, self.expert_tp_rank = parallel.tp_rank, parallel.pp_rank, parallel.expert_tp_rank
         # found_inf and the grad norm are combined over every rank whose grads differ: TP x PP
         # (data-parallel replicas hold the same reduced grads), and DP too for the distributed optimizer.
         self.model_parallel_group = parallel.mp_group if parallel.tp_size * parallel.pp_size > 1 else None
+        # The experts' distinct grads lie on ETP x EP x PP (expert-DP replicas hold the same): a norm of their own
+        # where that differs from TP x PP, on every rank (a stage without experts adds zero).
+        self.experts_apart = not self.distributed and (parallel.ep_size > 1
+                                                       or parallel.expert_tp_size != parallel.tp_size)
+        expert_ranks = parallel.expert_tp_size * parallel.ep_size * parallel.pp_size
+        self.expert_model_parallel_group = parallel.expert_mp_group if expert_ranks > 1 else None
         self.world = parallel.world_size > 1
         self.name_of = {id(param): name for name, param in model.model.named_parameters() if param.requires_grad}
-        self.grad_buffer = model.buffer
+        self.grad_buffers = model.buffers  # the dense parameters', then the experts' (if any)
+        self.grad_buffer = model.buffer  # the dense one
         self._build_main_params()
         # One AdamW group per (weight decay, decoupled LR) pair: decay on matrices, the decoupled rate on
         # the embeddings and output layer.
@@ -105,7 +113,7 @@ class MixedPrecisionOptimizer:
 
     def _build_main_params(self) -> None:
         """Aligned lists in grad-buffer order: model params, names, fp32 main params, their grads."""
-        self.model_params = self.grad_buffer.params
+        self.model_params = [param for buffer in self.grad_buffers for param in buffer.params]
         self.names = [self.name_of[id(param)] for param in self.model_params]
         self.main_params = [_main_param(param) for param in self.model_params]
         self.main_grads = [param.main_grad for param in self.model_params]
@@ -154,28 +162,45 @@ class MixedPrecisionOptimizer:
     def _counted(self, param) -> bool:
         """Whether this rank counts `param`'s grad in the global norm, so each counts once overall:
         TP-replicated params on TP rank 0 only, a tied embedding's last-stage copy not at all (DP
-        replicas count once as the norm is combined over TP x PP; shards over every rank)."""
+        replicas count once as the norm is combined over TP x PP; shards over every rank). An expert's
+        on every rank but, if replicated over the expert's TP split, expert TP rank 0 (expert-DP replicas
+        count once as its norm is combined over ETP x EP x PP)."""
+        if is_expert(param):
+            return self.expert_tp_rank == 0 or getattr(param, "tensor_model_parallel", False)
         return ((self.tp_rank == 0 or getattr(param, "tensor_model_parallel", False))
                 and (self.pp_rank == 0 or not getattr(param, "shared_embedding", False)))
 
     def _grad_norm(self) -> torch.Tensor:
         """The global L2 norm of the grads, a 0-dim fp32 tensor."""
-        grads = [grad for grad, param in zip(self.main_grads, self.model_params) if self._counted(param)]
-        norms = torch._foreach_norm(grads, 2.0) if grads else []
-        device = self.grad_buffer.step_grads().device
-        squared_norm = torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
+        grads, expert_grads = [], []
+        for grad, param in zip(self.main_grads, self.model_params):
+            if self._counted(param):
+                (expert_grads if self.experts_apart and is_expert(param) else grads).append(grad)
+        squared_norm = self._squared_norm(grads)
         if self.distributed and self.world:
             torch.distributed.all_reduce(squared_norm)
         elif self.model_parallel_group is not None:
             torch.distributed.all_reduce(squared_norm, group=self.model_parallel_group)
+        if self.experts_apart:
+            expert_squared_norm = self._squared_norm(expert_grads)
+            if self.expert_model_parallel_group is not None:
+                torch.distributed.all_reduce(expert_squared_norm, group=self.expert_model_parallel_group)
+            squared_norm = squared_norm + expert_squared_norm
         return squared_norm.sqrt()
+
+    def _squared_norm(self, grads: list[torch.Tensor]) -> torch.Tensor:
+        """The sum of `grads`' squared L2 norms, a 0-dim fp32 tensor."""
+        norms = torch._foreach_norm(grads, 2.0) if grads else []
+        device = self.grad_buffer.step_grads().device
+        return torch.stack(norms).square().sum() if norms else torch.zeros((), device=device)
 
     def _clip_grads(self, grad_norm: torch.Tensor) -> None:
         """Scale every grad by clip_grad / grad_norm when that is below 1, the factor computed in float64 as
         Python would (a factor clamped to 1 leaves every grad as it was)."""
         if self.clip_grad > 0:
             clip_coefficient = (self.clip_grad / (grad_norm.double() + 1e-6)).clamp(max=1.0)
-            self.grad_buffer.step_grads().mul_(clip_coefficient.float())
+            for buffer in self.grad_buffers:
+                buffer.step_grads().mul_(clip_coefficient.float())
 
     def _adam_step(self, lr: float, decoupled_lr: float | None, skipped: torch.Tensor) -> None:
         for group in self.adam.param_groups:
@@ -262,24 +287,25 @@ class MixedPrecisionOptimizer:
 
 
 class DistributedOptimizer(MixedPrecisionOptimizer):
-    """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every bucket of the model's
-    parameter-and-grad buffer (one contiguous range of a param's flat values each), where its grads arrive by
-    reduce-scatter; after AdamW it writes the shard into the parameters and the model all-gathers them in place
-    (`ParallelModel.start_param_sync`). ZeRO-2 reads the grads from the buffer's shards; ZeRO-3 updates the
-    stored parameter shards, which the next forward gathers (param_shards.py)."""
+    """ZeRO-1/2/3: DP rank d keeps main params and moments for shard d of every bucket of the model's dense
+    parameter-and-grad buffer, and expert-DP rank e shard e of the experts' buffer's (one contiguous range of a
+    param's flat values each), where its grads arrive by reduce-scatter; after AdamW it writes the shard into
+    the parameters and the model all-gathers them in place (`ParallelModel.start_param_sync`). ZeRO-2 reads
+    the grads from the buffers' shards; ZeRO-3 updates the stored parameter shards, which the next forward
+    gathers (param_shards.py)."""
 
     distributed = True
 
     def _build_main_params(self) -> None:
         """The base class's lists, 1-D, for the params in this rank's shards; `ranges`: their (start, end)."""
         self.model_params, self.names, self.main_params, self.main_grads, self.ranges = [], [], [], [], []
-        buffer = self.grad_buffer
-        for bucket, param, local, in_shard in buffer.owned():
-            self.model_params.append(param)
-            self.names.append(self.name_of[id(param)])
-            self.main_params.append(_main_param(self.model.param_values(param, *local)))
-            self.main_grads.append(buffer.shard_view(bucket)[slice(*in_shard)])
-            self.ranges.append(local)
+        for buffer in self.grad_buffers:
+            for bucket, param, local, in_shard in buffer.owned():
+                self.model_params.append(param)
+                self.names.append(self.name_of[id(param)])
+                self.main_params.append(_main_param(self.model.param_values(param, *local)))
+                self.main_grads.append(buffer.shard_view(bucket)[slice(*in_shard)])
+                self.ranges.append(local)
 
     def _model_values(self) -> list[torch.Tensor]:
         return [self.model.param_values(param, *local) for param, local in zip(self.model_params, self.ranges)]

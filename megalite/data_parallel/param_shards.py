@@ -4,7 +4,9 @@ A unit is a group of parameters gathered together, declared by the model as a li
 (`GPTModel.sharding_units`): each transformer layer, the embedding, and the head. Each unit is one
 grad-buffer bucket, whose parameter values (`Bucket.param`, the model's dtype) have memory only
 while the unit is gathered; DP rank d keeps shard d of every unit in the buffer's `param_shards`,
-which the optimizer updates and the checkpoint saves.
+which the optimizer updates and the checkpoint saves. A declared unit's routed experts
+(`expert_parallel`) are a unit of their own, in the experts' buffer, sharded and gathered over
+expert-DP: the same modules' hooks gather and release both (the dense part first).
 
 Hooks applied to the built model from outside it (the model stays plain):
 - before a unit's first module runs: wait for its all-gather (start it if no prefetch
@@ -26,19 +28,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from megalite.data_parallel.grad_buffer import Bucket, GradBuffer, allocate, free
-from megalite.parallel_state import ParallelState
+from megalite.data_parallel.grad_buffer import Bucket, GradDomain, allocate, free
 from megalite.tensor_parallel.comm import all_gather_single
 from megalite.tensor_parallel.random import recomputing
 
 
 @dataclass(eq=False)
 class Unit:
-    """One gathered group: its bucket (whose `param` holds all its values, model dtype, while gathered) and
-    `shard` (this rank's stored part)."""
+    """One gathered group: its bucket (whose `param` holds all its values, model dtype, while gathered),
+    `shard` (this rank's stored part) and `domain` (its buffer and the group it is gathered over)."""
 
     bucket: Bucket
     shard: torch.Tensor
+    domain: GradDomain
     forward_next: "Unit | None" = None  # the unit whose forward starts after this one's
     backward_next: "Unit | None" = None  # the unit whose backward comes after this one's
     work: object = None  # a pending asynchronous all-gather
@@ -59,35 +61,41 @@ def unit_params(modules: list[nn.Module]) -> list[nn.Parameter]:
 
 
 class ParamShards:
-    """ZeRO-3's gathering of `chunks`' parameters over `parallel`'s DP group, per the units each chunk declares.
-    buffer: the grad buffer, one bucket per unit in `unit_modules` order, holding the parameters sharded
-    (`GradBuffer.hold_params(sharded=True)`)."""
+    """ZeRO-3's gathering of `chunks`' parameters, per the units each chunk declares, each over its domain's
+    group. domains: the dense and the experts' grad buffers, each one bucket per unit (that holds any of its
+    parameters) in `unit_modules` order, holding the parameters sharded (`GradBuffer.hold_params(sharded=True)`)."""
 
-    def __init__(self, chunks: list[nn.Module], buffer: GradBuffer, parallel: ParallelState):
-        self.parallel = parallel
-        self.buffer = buffer
+    def __init__(self, chunks: list[nn.Module], domains: list[GradDomain]):
+        self.domains = domains
         self.units: list[Unit] = []
         self.unit_of: dict[int, Unit] = {}
         for chunk in chunks:
             self._hook_chunk(chunk)
 
+    def _unit(self, modules: list[nn.Module], bucket: Bucket, domain: GradDomain) -> Unit:
+        """The unit of `bucket`'s parameters, gathered before any of `modules` runs, released after the last."""
+        unit = Unit(bucket, domain.buffer.param_shard(bucket), domain)
+        self.units.append(unit)
+        self.unit_of.update((id(param), unit) for param in bucket.params)
+        for module in modules:
+            module.register_forward_pre_hook(lambda *_: self._before_forward(unit))
+        modules[-1].register_forward_hook(lambda _module, _args, output: self._after_forward(unit, output))
+        return unit
+
     def _hook_chunk(self, chunk: nn.Module) -> None:
-        declared = unit_modules(chunk)
-        units = []
-        for modules in declared:
-            bucket = self.buffer.bucket_of[next(p for p in unit_params(modules) if p.requires_grad)]
-            unit = Unit(bucket, self.buffer.param_shard(bucket))
-            units.append(unit)
-            self.units.append(unit)
-            self.unit_of.update((id(param), unit) for param in bucket.params)
-            for module in modules:
-                module.register_forward_pre_hook(lambda *_, unit=unit: self._before_forward(unit))
-            modules[-1].register_forward_hook(lambda _module, _args, output, unit=unit: self._after_forward(unit, output))
+        declared, units = [], []
+        for modules in unit_modules(chunk):
+            params = [param for param in unit_params(modules) if param.requires_grad]
+            for domain in self.domains:
+                bucket = next((domain.buffer.bucket_of[p] for p in params if p in domain.buffer.bucket_of), None)
+                if bucket is not None:
+                    declared.append(modules)
+                    units.append(self._unit(modules, bucket, domain))
         for unit, following in zip(units, units[1:]):
             unit.forward_next = following
         chunk.register_forward_hook(lambda *_: self._after_chunk_forward(units))
         # The backward runs the units in the reverse order of their last modules' forwards (a module's place in
-        # `chunk.modules()` is its place in the forward).
+        # `chunk.modules()` is its place in the forward; a sort keeps a layer's dense unit before its experts').
         position = {id(module): i for i, module in enumerate(chunk.modules())}
         backward = [unit for _, unit in sorted(zip(declared, units), key=lambda pair: -position[id(pair[0][-1])])]
         for unit, following in zip(backward, backward[1:]):
@@ -96,15 +104,15 @@ class ParamShards:
     # -- gathering ---------------------------------------------------------------------------
 
     def prefetch(self, unit: Unit) -> None:
-        """Start gathering `unit`'s parameters (at DP 1: gather them)."""
+        """Start gathering `unit`'s parameters (over a group of one: gather them)."""
         if unit.gathered or unit.work is not None:
             return
         allocate(unit.bucket.param)
-        if self.parallel.dp_size == 1:
+        if unit.domain.size == 1:
             unit.bucket.param.copy_(unit.shard)
             unit.gathered = True
             return
-        unit.work = all_gather_single(unit.bucket.param, unit.shard, group=self.parallel.dp_group, async_op=True)
+        unit.work = all_gather_single(unit.bucket.param, unit.shard, group=unit.domain.group, async_op=True)
 
     def gather(self, unit: Unit) -> None:
         """Make `unit`'s parameters whole (waiting for a prefetch in flight)."""
@@ -175,6 +183,12 @@ class ParamShards:
     def owned_values(self, param: nn.Parameter, start: int, end: int) -> torch.Tensor:
         """This rank's stored values of `param`'s local flat elements `[start, end)` (inside its shard)."""
         unit = self.unit_of[id(param)]
-        shard_start = unit.bucket.shard(self.buffer.shard_rank, self.buffer.shard_count)[0]
-        offset = self.buffer.offsets[param][0] + start - shard_start
+        buffer = unit.domain.buffer
+        shard_start = unit.bucket.shard(buffer.shard_rank, buffer.shard_count)[0]
+        offset = buffer.offsets[param][0] + start - shard_start
         return unit.shard[offset:offset + end - start]
+
+    def owned(self):
+        """`GradBuffer.owned()` of every domain's buffer: (bucket, param, local, in_shard) of this rank's shards."""
+        for domain in self.domains:
+            yield from domain.buffer.owned()
