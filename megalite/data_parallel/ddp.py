@@ -34,8 +34,8 @@ class ParallelModel:
     sharding: what DP ranks shard (ParallelConfig.sharding); all but NO_SHARD reduce-scatter into dp_size
     shards (expert_dp_size for the experts) for the distributed optimizer. overlap_grad_reduce: start each
     bucket's collective from the backward hooks (always, when the grads are sharded). overlap_param_gather:
-    the step only starts the parameters' all-gathers (ZeRO-1/2), and each forward waits for its own. Per iteration: `zero_grad()`,
-    `start_iteration(...)`, the backwards, `finish_grad_sync()`, the optimizer's step.
+    the step only starts the parameters' all-gathers (ZeRO-1/2), and each forward waits for its own. Per
+    iteration: `zero_grad()`, `start_iteration(...)`, the backwards, `finish_grad_sync()`, the optimizer's step.
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
