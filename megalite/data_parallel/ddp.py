@@ -52,15 +52,15 @@ class ParallelModel:
         self.buffer = self.domains[0].buffer
         self.overlap = (overlap_grad_reduce and any(domain.size > 1 for domain in self.domains)) or self.sharded_grads
         self.param_shards = ParamShards(self.chunks, self.domains) if sharding.params else None
+        # Every bucket of every domain, by one index (the dense ones first): index -> (its domain, the bucket).
+        self._buckets = [(domain, bucket) for domain in self.domains for bucket in domain.buffer.buckets]
+        self._bucket_of = {param: bucket for buffer in self.buffers for param, bucket in buffer.bucket_of.items()}
         self._gathers = None  # overlap_param_gather: id(bucket) -> its parameters' all-gather in flight
         if overlap_param_gather and self.gathers_params:
             self._wait_for_params_in_forward()
         # The tied embedding's copies sit in differently laid out buffers on the two stages, so
         # their sum (step 1) runs on whole local grads: its buckets wait for finish_grad_sync.
         self._tied = [p for p in self.buffer.params if parallel.pp_size > 1 and getattr(p, "shared_embedding", False)]
-        # Every bucket of every domain, by one index (the dense ones first): index -> (its domain, the bucket).
-        self._buckets = [(domain, bucket) for domain in self.domains for bucket in domain.buffer.buckets]
-        self._bucket_of = {param: bucket for buffer in self.buffers for param, bucket in buffer.bucket_of.items()}
         self._deferred = {i for i, (_, bucket) in enumerate(self._buckets)
                           if any(getattr(p, "shared_embedding", False) for p in bucket.params) and self._tied}
         self._pending: dict[int, int] = {}  # bucket index -> grads still expected this round
