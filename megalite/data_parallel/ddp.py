@@ -281,15 +281,17 @@ class _Reduction:
         self.work = self.source = self.output = self.target = self.release = None
 
 
-def buffer_groups(chunks: list[nn.Module], sharding: Sharding, expert: bool = False) -> list[list[nn.Parameter]]:
-    """The trainable dense (or, `expert`, the routed experts') parameters a grad buffer lays out range after
-    range: each model chunk's, or under ZeRO-3 each unit's (param_shards.py), since a unit is gathered and
-    reduced as one bucket (a unit's experts are a unit of their own, gathered over expert-DP)."""
+def buffer_groups(chunks: list[nn.Module], sharding: Sharding, expert: bool | None = None) -> list[list[nn.Parameter]]:
+    """The trainable parameters a grad buffer lays out range after range: each model chunk's, or under ZeRO-3
+    each unit's (param_shards.py), since a unit is gathered and reduced as one bucket. `expert` False: only the
+    dense ones, True: only the routed experts' (a unit's experts are a unit of their own, gathered over
+    expert-DP), None: all."""
     if sharding.params:
         groups = [unit_params(modules) for chunk in chunks for modules in unit_modules(chunk)]
     else:
         groups = [list(chunk.parameters()) for chunk in chunks]
-    return [[param for param in params if param.requires_grad and is_expert(param) == expert] for params in groups]
+    return [[param for param in params if param.requires_grad and expert in (None, is_expert(param))]
+            for params in groups]
 
 
 def global_token_count(micro_batches, parallel: ParallelState, device) -> float:
