@@ -45,10 +45,10 @@ class ParallelModel:
         self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
         self.shard, self.sharded_grads = sharding.optimizer_state, sharding.grads
         self.chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        self.domains = [self._domain(expert, bucket_size, *group) for expert, *group in (
-            (False, parallel.dp_group, parallel.dp_size, parallel.dp_rank),
-            (True, parallel.expert_dp_group, parallel.expert_dp_size, parallel.expert_dp_rank))
-            if not expert or any(buffer_groups(self.chunks, sharding, expert))]
+        self.domains = [self._domain(False, bucket_size, parallel.dp_group, parallel.dp_size, parallel.dp_rank)]
+        if any(buffer_groups(self.chunks, sharding, expert=True)):  # a stage without experts has no such buffer
+            self.domains.append(self._domain(True, bucket_size, parallel.expert_dp_group, parallel.expert_dp_size,
+                                             parallel.expert_dp_rank))
         self.buffer = self.domains[0].buffer
         self.overlap = (overlap_grad_reduce and any(domain.size > 1 for domain in self.domains)) or self.sharded_grads
         self.param_shards = ParamShards(self.chunks, self.domains) if sharding.params else None
@@ -84,7 +84,7 @@ class ParallelModel:
                             shard_count=size if self.shard else 1, shard_rank=rank if self.shard else 0,
                             sharded=self.sharded_grads)
         buffer.hold_params(sharded=sharding.params)
-        return GradDomain(buffer, group, size, rank, expert)
+        return GradDomain(buffer, group, size, rank)
 
     @property
     def buffers(self) -> list[GradBuffer]:

@@ -57,7 +57,6 @@ class GradDomain:
     group: object
     size: int
     rank: int
-    expert: bool = False
 
 
 class GradBuffer:
