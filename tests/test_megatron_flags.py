@@ -17,6 +17,7 @@ from megalite.arguments import parse_args
 from megalite.config import MODEL_PRESETS, ModelConfig
 from megalite.data.indexed_dataset import IndexedDatasetBuilder
 from megalite.errors import UserError
+from megalite.plan.dry_run import dry_run, plan
 
 GPT3_175B = """
 --num-layers 96 --hidden-size 12288 --num-attention-heads 96 --seq-length 2048 --max-position-embeddings 2048
@@ -215,6 +216,24 @@ def test_megatron_moe_scripts_pass_the_parser_and_the_dry_run(name, flag_set, wo
                   "query_groups", "head_dim", "qk_layernorm", "moe_aux_loss_coeff"):
         assert getattr(model, field) == getattr(ModelConfig.of(**preset), field), field
     assert model.moe_router_load_balancing_type == "aux_loss" and not model.moe_router_pre_softmax
+
+
+def test_mixtral_8x7b_dry_run_holds_an_eighth_of_the_experts_per_rank_at_ep_8(paths, capsys):
+    """The script's layout (world 32 = PP 4 x DP 8, TP 1, EP 8 folded over DP, expert-DP 1): each rank holds
+    1 of the 8 experts of its stage's MoE layers, with their whole grads and optimizer state (nothing to share
+    them with at expert-DP 1); the dense rest as at EP 1, its optimizer state sharded over DP 8."""
+    argv = _argv(MIXTRAL_8X7B, paths) + ["--dry-run", "--world-size", "32"]
+    ep8 = dry_run(parse_args(argv, 32))
+    print(capsys.readouterr().out)  # the per-rank table (pytest -s shows it)
+    all_experts = plan(parse_args(argv + ["--expert-model-parallel-size", "1"], 32))
+    for rank in range(32):
+        mine, whole = ep8.rank_class(rank), all_experts.rank_class(rank)
+        assert mine.expert_params > 0 and mine.expert_params * 8 == whole.expert_params, rank
+        assert mine.params - mine.expert_params == whole.params - whole.expert_params, rank
+        assert mine.grad_bytes >= 4 * mine.params  # fp32 grads of every parameter, experts included
+        # fp32 main params and Adam's moments of its own experts, whole, plus 1/8 of the dense ones'
+        dense = mine.params - mine.expert_params
+        assert 12 * (mine.expert_params + dense // 8) <= mine.optimizer_bytes < 12 * (mine.expert_params + dense // 7)
 
 
 @pytest.mark.parametrize("flag_set, extra, world_size, words", [

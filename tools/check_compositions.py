@@ -107,19 +107,13 @@ def _rampup(values: dict) -> list[str]:
     return ["--rampup-batch-size", str(batch // 2), str(batch // 2), str(batch)]
 
 
-# The llama model with MoE layers 1 and 3 (under PP 2 each stage holds a dense and an MoE layer; under PP 2 x
-# VP 2 pipeline rank 0 holds layers 0 and 2, no MoE layer): 4 experts, top-2, a gated shared expert, the aux
-# and z losses, the grouped GEMM.
-MOE = ("--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1,0,1]",
-       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2",
-       "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm")
 DP2 = {"dp": ("2",)}
 SEVERAL_BUCKETS = ("small", "per-parameter")
 FEATURES = (
     # --ffn-hidden-size: the gpt2-124m preset's is 4 x 768, not 4 x COMMON's hidden size.
     Feature("model", SETTING, (Value("llama", tuple(MODELS["llama"])),  # untied output layer, RMSNorm, rope
                                Value("gpt", (*MODELS["gpt"], "--ffn-hidden-size", "256")),  # tied, LayerNorm
-                               Value("moe", (*MODELS["llama"], *MOE)))),
+                               Value("moe", tuple(MODELS["moe"])))),
     # A CPU with AVX512-FP16 overflows every fp16 step at the default 2^32: start where fp16 trains.
     Feature("precision", SETTING, (Value("fp32"), Value("bf16", ("--bf16",), rtol=LOW_PRECISION_RTOL),
                                    Value("fp16", ("--fp16", "--initial-loss-scale", "4096"),

@@ -1,10 +1,12 @@
 """Train the same model under several parallel layouts and compare each loss curve with one process.
 
 Layouts: TP, TP+SP, PP (1F1B and interleaved), DP (plain and with the distributed
-optimizer, with and without --overlap-grad-reduce) and their mixes, up to 8 processes.
+optimizer, with and without --overlap-grad-reduce) and their mixes, up to 8 processes; for the MoE
+models also EP (each dispatcher, folded over DP and TP, with PP and every sharding strategy).
 
-    python tools/check_layouts.py                      # every layout below, both model families
+    python tools/check_layouts.py                      # every layout below, every model
     python tools/check_layouts.py --layouts tp2 pp2-vp2 --models llama
+    python tools/check_layouts.py --models moe --layouts ep2-alltoall ep4-allgather
 
 Each layout runs `pretrain_gpt.py --mock-data` for --train-iters iterations (fp32,
 dropout 0) as ranks on CPU (gloo, one thread per rank, forked by tools/fork_ranks.py
@@ -37,6 +39,17 @@ MODELS = {
     # LayerNorm, GELU, biases, learned positions, tied output
     "gpt": ["--model", "gpt2-124m", "--max-position-embeddings", "64"],
 }
+# The llama model with MoE layers 1 and 3 (under PP 2 each stage holds a dense and an MoE layer; under PP 2 x
+# VP 2 pipeline rank 0 holds layers 0 and 2, no MoE layer): 4 experts, top-2, a gated shared expert, the aux
+# and z losses, the grouped GEMM.
+MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-layer-freq", "[0,1,0,1]",
+       "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2",
+       "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm"]
+MODELS["moe"] = [*MODELS["llama"], *MOE]
+# Aux-loss-free balancing (sigmoid scores, the expert bias) and experts that drop tokens past a capacity.
+MODELS["moe-bias"] = [*MODELS["moe"], "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
+                      "--moe-router-bias-update-rate", "1e-2"]
+MODELS["moe-capacity"] = [*MODELS["moe"], "--moe-expert-capacity-factor", "1.0"]
 TP2, PP2 = ["--tensor-model-parallel-size", "2"], ["--pipeline-model-parallel-size", "2"]
 V2 = ["--num-virtual-stages-per-pipeline-rank", "2"]
 DISTOPT = "--use-distributed-optimizer"
@@ -69,6 +82,26 @@ LAYOUTS = {  # name -> (processes, flags, tolerance): pipelining alone changes n
     "tp2-pp2-vp2-dp2-sp-zero2": (8, [*TP2, *PP2, *V2, "--sequence-parallel", *ZERO2], 1e-5),
     "tp2-pp2-vp2-dp2-sp-zero3": (8, [*TP2, *PP2, *V2, "--sequence-parallel", *ZERO3], 1e-5),
 }
+ETP1 = ["--expert-tensor-parallel-size", "1"]
+EXPERT_LAYOUTS = {  # EP N folded over the DP x TP ranks: name -> (processes, flags), each with both dispatchers
+    "ep2": (2, []),
+    "ep4": (4, []),
+    "ep2-tp2-sp-etp1": (2, [*TP2, "--sequence-parallel", *ETP1]),
+    "ep2-tp2-sp-etp2": (4, [*TP2, "--sequence-parallel"]),
+    "ep2-pp2-vp2": (4, [*PP2, *V2]),  # pipeline rank 0 holds no MoE layer
+    **{f"ep2-dp4-{name}": (4, flags) for name, flags in (("no-shard", OVERLAP), ("distopt", [DISTOPT, *OVERLAP]),
+                                                          ("zero2", ZERO2), ("zero3", ZERO3))},
+    "ep4-tp2-pp2-vp2-etp1-distopt": (8, [*TP2, *PP2, *V2, "--sequence-parallel", *ETP1, DISTOPT]),
+}
+for _name, (_processes, _flags) in EXPERT_LAYOUTS.items():
+    for _dispatcher in ("allgather", "alltoall"):
+        LAYOUTS[f"{_name}-{_dispatcher}"] = (_processes, [*_flags, "--expert-model-parallel-size", _name[2],
+                                                           "--moe-token-dispatcher-type", _dispatcher], 1e-5)
+
+
+def fits(model: str, layout: str) -> bool:
+    """Whether `layout` applies to `model`: expert parallelism needs an MoE model."""
+    return model.startswith("moe") or not layout.startswith("ep")
 
 
 def run(processes: int, flags: list[str], metrics: str) -> str:
@@ -108,13 +141,13 @@ def main(argv=None) -> int:
     failed = []
     with tempfile.TemporaryDirectory() as folder:
         for model in args.models:
-            for layout in args.layouts:
+            for layout in [layout for layout in args.layouts if fits(model, layout)]:
                 difference = largest_difference(model, layout, args.train_iters, folder)
                 rtol = args.rtol if args.rtol is not None else LAYOUTS[layout][2]
                 verdict = "ok" if difference <= rtol else "ABOVE"
                 if difference > rtol:
                     failed.append(f"{model} {layout}")
-                print(f"{model:<6} {layout:<34} largest relative loss difference vs 1 process: {difference:.2e} "
+                print(f"{model:<12} {layout:<40} largest relative loss difference vs 1 process: {difference:.2e} "
                       f"(rtol {rtol:g}: {verdict})", flush=True)
     print(f"{'all layouts within tolerance' if not failed else 'ABOVE tolerance: ' + ', '.join(failed)}")
     return 0 if not failed else 1

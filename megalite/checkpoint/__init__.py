@@ -7,5 +7,5 @@ from megalite.checkpoint.folder import (LATEST_FILE, STAGING_SUFFIX, checkpoint_
                                         read_latest_iteration, resolve_checkpoint)
 from megalite.checkpoint.format import FORMAT_VERSION, CheckpointReader, read_metadata
 from megalite.checkpoint.loading import load_checkpoint
-from megalite.checkpoint.pieces import Piece, flat_range_pieces, tensor_parallel_pieces
+from megalite.checkpoint.pieces import Piece, flat_range_pieces, param_pieces, tensor_parallel_pieces
 from megalite.checkpoint.saving import CheckpointSaveError, begin_save, finalize_save, save_checkpoint, write_rank_files

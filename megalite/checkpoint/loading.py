@@ -25,10 +25,9 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
     path = resolve_checkpoint(load, iteration)
     metadata = read_metadata(path)
     check_model_config(metadata["model_config"], model_config, path, finetune)
-    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
     vocab = (metadata["model_config"]["vocab_size"], model_config.vocab_size)
     with CheckpointReader(path, metadata) as reader:
-        _fill(reader, "model", model_pieces(model, tp_rank, tp_size, param_shards), vocab)
+        _fill(reader, "model", model_pieces(model, parallel, param_shards), vocab)
         if optimizer is not None:
             if metadata.get("optimizer") is None:
                 raise UserError(f"checkpoint {path} holds no optimizer state (it was saved without one); "
@@ -37,7 +36,7 @@ def load_checkpoint(load: str, model: torch.nn.Module, optimizer=None, *, model_
             # shards; ZeRO: the flat ranges of its shard), so only those parts are read.
             own = optimizer.state_dict()
             fresh = {name: _empty_like(value) for name, value in own["tensors"].items()}
-            _fill(reader, "optimizer", optimizer_pieces(fresh, model, tp_rank, tp_size, own.get("flat_ranges")), vocab)
+            _fill(reader, "optimizer", optimizer_pieces(fresh, model, parallel, own.get("flat_ranges")), vocab)
             optimizer.load_state_dict({"tensors": fresh, "meta": metadata["optimizer"]["meta"]})
     if load_rng:
         if rank >= metadata["ranks"]:

@@ -6,6 +6,8 @@ from dataclasses import dataclass
 
 import torch
 
+from megalite.parallel_state import ParallelState
+
 
 @dataclass
 class Piece:
@@ -56,6 +58,28 @@ def flat_range_pieces(values: torch.Tensor, param, start: int, tp_rank: int, tp_
             for piece in tensor_parallel_pieces(region, param, tp_rank, tp_size, offsets)]
 
 
+def expert_parallel_pieces(pieces: list[Piece], ep_rank: int, ep_size: int) -> list[Piece]:
+    """`pieces` of an expert parameter's local experts (dim 0, `E/ep_size` of them, model/moe.py) placed among
+    all `E`: EP rank `ep_rank` holds the global experts `[ep_rank * E/ep_size, (ep_rank + 1) * E/ep_size)`."""
+    if ep_size == 1:
+        return pieces
+    return [Piece(piece.tensor, (piece.global_shape[0] * ep_size, *piece.global_shape[1:]),
+                  (ep_rank * piece.global_shape[0] + piece.offsets[0], *piece.offsets[1:])) for piece in pieces]
+
+
+def param_pieces(tensor: torch.Tensor, param, parallel: ParallelState, flat_start: int | None = None) -> list[Piece]:
+    """Where this rank's `tensor` of `param` (its local value, or a state of the same shape; with `flat_start`,
+    its local flat elements from there on) sits in the global tensor: the one rule every checkpointed tensor
+    follows. An expert parameter (`expert_parallel`) splits over the expert-TP ranks, then over EP on dim 0;
+    any other over TP. `param` None: a buffer, whole on every rank."""
+    expert = getattr(param, "expert_parallel", False)
+    tp_rank, tp_size = (parallel.expert_tp_rank, parallel.expert_tp_size) if expert else \
+        (parallel.tp_rank, parallel.tp_size)
+    pieces = tensor_parallel_pieces(tensor, param, tp_rank, tp_size) if flat_start is None else \
+        flat_range_pieces(tensor, param, flat_start, tp_rank, tp_size)
+    return expert_parallel_pieces(pieces, parallel.ep_rank, parallel.ep_size) if expert else pieces
+
+
 def _flat_boxes(values: torch.Tensor, shape: tuple[int, ...], start: int) -> list[tuple[torch.Tensor, tuple]]:
     """(view of `values`, its offsets) boxes covering the flat elements `[start, start + len)` of a C-ordered
     tensor of `shape`."""
@@ -76,7 +100,7 @@ def _flat_boxes(values: torch.Tensor, shape: tuple[int, ...], start: int) -> lis
     return boxes
 
 
-def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shards=None,
+def model_pieces(model: torch.nn.Module, parallel: ParallelState, param_shards=None,
                  buffers: bool = True) -> dict[str, list[Piece]]:
     """Every tensor of `model.state_dict()` (global names) as pieces of views of the live tensors; under
     ZeRO-3 (`param_shards`, data_parallel/param_shards.py) the flat ranges of this rank's shards, and the
@@ -84,29 +108,24 @@ def model_pieces(model: torch.nn.Module, tp_rank: int, tp_size: int, param_shard
     params = dict(model.named_parameters())
     if param_shards is not None:
         names, shards = {id(param): name for name, param in params.items()}, param_shards
-        pieces = {names[id(param)]: flat_range_pieces(shards.owned_values(param, start, end), param, start, tp_rank,
-                                                      tp_size) for _, param, (start, end), _ in shards.owned()}
+        pieces = {names[id(param)]: param_pieces(shards.owned_values(param, start, end), param, parallel, start)
+                  for _, param, (start, end), _ in shards.owned()}
         if buffers:
             pieces.update({name: [Piece.full(tensor)] for name, tensor in model.state_dict().items()
                            if name not in params})
         return pieces
-    return {name: tensor_parallel_pieces(tensor, params.get(name), tp_rank, tp_size)
-            for name, tensor in model.state_dict().items()}
+    return {name: param_pieces(tensor, params.get(name), parallel) for name, tensor in model.state_dict().items()}
 
 
-def optimizer_pieces(tensors: dict, model: torch.nn.Module, tp_rank: int, tp_size: int,
+def optimizer_pieces(tensors: dict, model: torch.nn.Module, parallel: ParallelState,
                      flat_ranges: dict[str, int] | None) -> dict[str, list[Piece]]:
     """The tensors of an optimizer's `state_dict()`, named `<param name>.<kind>`, as pieces: a `Piece`
     as it is, a flat range from `flat_ranges[param name]` on, or a local tensor placed like its param."""
     params, flat_ranges, pieces = dict(model.named_parameters()), flat_ranges or {}, {}
     for name, value in tensors.items():
         param_name = name.rsplit(".", 1)[0]
-        if isinstance(value, Piece):
-            pieces[name] = [value]
-        elif param_name in flat_ranges:
-            pieces[name] = flat_range_pieces(value, params[param_name], flat_ranges[param_name], tp_rank, tp_size)
-        else:
-            pieces[name] = tensor_parallel_pieces(value, params.get(param_name), tp_rank, tp_size)
+        pieces[name] = [value] if isinstance(value, Piece) else \
+            param_pieces(value, params.get(param_name), parallel, flat_ranges.get(param_name))
     return pieces
 
 

@@ -58,20 +58,18 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
             raise CheckpointSaveError(_save_failure(save, iteration, what, error, failed, rank)) from error
 
     step("create its folder", lambda: create_staging(save, staging) if rank == 0 else None)
-    tp_rank, tp_size = parallel.tp_rank, parallel.tp_size
-    # Data-parallel replicas hold the same model (and, without the distributed optimizer, the
-    # same optimizer state): only DP rank 0 writes those; each DP rank writes its ZeRO shards.
-    replica = parallel.dp_rank > 0
     optim_pieces = optim_meta = None
     # What this rank holds: every one of these tensors must be covered by some rank's pieces.
     holds = {"model": list(model.state_dict()), "optimizer": []}
     if optimizer is not None:
         optim_state = optimizer.state_dict()
         optim_meta, holds["optimizer"] = optim_state["meta"], list(optim_state["tensors"])
-        optim_pieces = {} if replica and not getattr(optimizer, "distributed", False) else \
-            optimizer_pieces(optim_state["tensors"], model, tp_rank, tp_size, optim_state.get("flat_ranges"))
-    model_part = {} if replica and param_shards is None else model_pieces(model, tp_rank, tp_size, param_shards,
-                                                                          buffers=not replica)
+        optim_pieces = optimizer_pieces(optim_state["tensors"], model, parallel, optim_state.get("flat_ranges"))
+        if not getattr(optimizer, "distributed", False):  # each rank writes its own shards of a distributed one
+            optim_pieces = _unreplicated(optim_pieces, model, parallel)
+    model_part = model_pieces(model, parallel, param_shards, buffers=parallel.dp_rank == 0)
+    if param_shards is None:  # ZeRO-3's model pieces are this rank's own shards
+        model_part = _unreplicated(model_part, model, parallel)
     report = {"holds": holds}
     step("write its files", lambda: report.update(write_rank_files(staging, rank, model_part, optim_pieces)))
     reports = gather(report)  # one gather of small metadata: file names, sizes, piece places
@@ -82,6 +80,19 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
               "extra": extra or {}}
     step("publish it", lambda: finalize_save(save, iteration, header, reports) if rank == 0 else None)
     return final
+
+
+def _unreplicated(pieces: dict[str, list[Piece]], model: torch.nn.Module,
+                  parallel: ParallelState) -> dict[str, list[Piece]]:
+    """The `pieces` (named `<param name>[.<kind>]`) this rank writes of tensors that replicas hold alike: an
+    expert parameter's by expert-DP rank 0 (with EP folded over DP, other DP ranks hold other experts), any
+    other's and the buffers by DP rank 0."""
+    params = dict(model.named_parameters())
+
+    def writes(name: str) -> bool:
+        param = params.get(name, params.get(name.rsplit(".", 1)[0]))
+        return (parallel.expert_dp_rank if getattr(param, "expert_parallel", False) else parallel.dp_rank) == 0
+    return {name: name_pieces for name, name_pieces in pieces.items() if writes(name)}
 
 
 def gathered_at_rank_0(parallel):

@@ -228,6 +228,12 @@ class Router(nn.Module):
         return switch_aux_loss(scores, routing_map, config.moe_router_topk)
 
 
+def local_experts(num_experts: int, parallel: ParallelState) -> range:
+    """The global indices of the experts this rank holds: its expert-parallel rank's E/EP consecutive ones."""
+    per_rank = num_experts // parallel.ep_size  # RunConfig.validate: EP divides the experts
+    return range(parallel.ep_rank * per_rank, (parallel.ep_rank + 1) * per_rank)
+
+
 class ExpertLinear(nn.Module):
     """`num_experts` linear layers stacked: weight `[E, out, in]`, bias `[E, out]`; rows `[n, in]` grouped by
     expert (`counts` `[E]` rows each) -> `[n, out]` without the bias, by a loop over experts (the reference) or
@@ -239,25 +245,30 @@ class ExpertLinear(nn.Module):
                  parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.init_std, self.grouped, self.output_chunks = init_std, grouped, output_chunks
-        self.partition_dim, self.tp_rank, self.tp_size = partition_dim, parallel.tp_rank, parallel.tp_size
+        self.partition_dim, self.tp_rank, self.tp_size = partition_dim, parallel.expert_tp_rank, parallel.expert_tp_size
+        self.experts = local_experts(num_experts, parallel)
         self.full_shape = (num_experts, output_size, input_size)
-        local = list(self.full_shape)
+        local = [len(self.experts), output_size, input_size]
         local[partition_dim] = divide(local[partition_dim], self.tp_size, "expert size")
-        self.weight = mark_parameter(nn.Parameter(torch.empty(local)), True, partition_dim,
+        with_tp = parallel.expert_tp_size == parallel.tp_size  # split over TP with the dense layers
+        self.weight = mark_parameter(nn.Parameter(torch.empty(local)), with_tp, partition_dim,
                                      partition_chunks=output_chunks)
         self.bias = None
         if bias:  # fc1's splits with its rows; fc2's is whole, applied by the MoE layer after the TP sum
             if partition_dim == 1:
-                self.bias = mark_parameter(nn.Parameter(torch.empty(local[:2])), True, 1,
+                self.bias = mark_parameter(nn.Parameter(torch.empty(local[:2])), with_tp, 1,
                                            partition_chunks=output_chunks)
             else:
-                self.bias = mark_parameter(nn.Parameter(torch.empty(num_experts, output_size)), False,
-                                           sequence_parallel=True)
+                self.bias = mark_parameter(nn.Parameter(torch.empty(local[0], output_size)), False,
+                                           sequence_parallel=with_tp)
+        for param in self.parameters():  # their grads are summed over expert-DP, not DP
+            param.expert_parallel = True
 
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
             full = init_full_tensor(self.full_shape, self.init_std, seed, f"{prefix}.weight")
-            self.weight.copy_(shard_full_tensor(full, self.partition_dim, self.tp_rank, self.tp_size,
+            mine = full[self.experts.start:self.experts.stop]
+            self.weight.copy_(shard_full_tensor(mine, self.partition_dim, self.tp_rank, self.tp_size,
                                                 self.output_chunks))
             if self.bias is not None:
                 self.bias.zero_()

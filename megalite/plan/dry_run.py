@@ -16,23 +16,42 @@ from megalite.kernels import check_kernels
 from megalite.run.flops import DTYPE_NAMES, flops_per_iteration
 from megalite.plan.memory import (ActivationModel, chunk_activation_bytes, element_bytes, peak_activation_bytes,
                                   state_bytes)
-from megalite.parallel_state import ParallelState, coordinates, group_ranks, rank_grid
+from megalite.parallel_state import ParallelState, coordinates, expert_coordinates, group_ranks
 from megalite.pipeline_parallel.schedules import max_in_flight, operation_order
 from megalite.pipeline_parallel.stages import build_model_chunks, chunk_layers
 
 GIB = 2 ** 30
 
 
-def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False) -> ParallelState:
-    """Rank `rank`'s ParallelState on the meta device, without torch.distributed."""
+def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False,
+                        ep: int = 1, etp: int | None = None) -> ParallelState:
+    """Rank `rank`'s ParallelState on the meta device, without torch.distributed; `etp` None: tp."""
+    etp = tp if etp is None else etp
     pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
     embedding = group_ranks(world_size, tp, pp)["embedding"][dp_rank * tp + tp_rank]  # pipelines in (dp, tp) order
     group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
                          pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
                          dp_rank=dp_rank, dp_group=group, mp_group=group,
                          embedding_group=group if rank in embedding else None, embedding_ranks=embedding,
+                         ep_size=ep, ep_rank=ep_rank, ep_group=group, expert_tp_size=etp,
+                         expert_dp_size=world_size // (pp * ep * etp), expert_dp_rank=edp_rank,
+                         expert_dp_group=group, tp_ep_group=group, expert_mp_group=group,
                          device=torch.device("meta"), sequence_parallel=sequence_parallel)
+
+
+def grad_buffers(chunks: list[torch.nn.Module], sharding, dense_shards: int, expert_shards: int,
+                 bucket_size: int | None) -> list[GradBuffer]:
+    """The grad buffers as the data-parallel model lays them out: the dense parameters' (cut into
+    `dense_shards`, DP under a sharded optimizer state) and, where the chunks hold routed experts
+    (`expert_parallel`), theirs (cut into `expert_shards`, expert-DP)."""
+    buffers = []
+    for expert, shards in ((False, dense_shards), (True, expert_shards)):
+        params = buffer_groups(chunks, sharding, expert)
+        if not expert or any(params):
+            buffers.append(GradBuffer(params, shard_count=shards, bucket_size=bucket_size))
+    return buffers
 
 
 def dry_run_vocabulary(run: RunConfig) -> tuple[int, str]:
@@ -70,6 +89,7 @@ class RankClass:
     activation_bytes: int  # estimate (megalite/plan/memory.py)
     in_flight: int  # the most micro-batch chunks held at once by the schedule
     working_bytes: int = 0  # ZeRO-2/3: gathered units and full grads that exist only during an iteration
+    expert_params: int = 0  # of `params`, the routed experts' (this rank's E/EP experts of each MoE layer)
 
     @property
     def total_bytes(self) -> int:
@@ -101,25 +121,28 @@ def plan(run: RunConfig) -> DryRunReport:
     layout, train, model, num_microbatches = run.parallel, run.train, run.model, run.num_microbatches
     tp, pp, dp, world = (layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                          layout.data_parallel_size, layout.world_size)
+    ep, etp, edp = layout.expert_model_parallel_size, layout.expert_tensor_size, layout.expert_data_parallel_size
     vp, dtype = layout.virtual_pipeline_model_parallel_size, train.params_dtype
     first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
-    activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype))
+    activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype),
+                                  ep, etp)
     sharding = layout.sharding
-    shards = dp if sharding.optimizer_state else 1
     # The bf16 copies of buckets in flight (ddp.py): every bucket's when reductions overlap the backward, else one.
     overlapped = layout.overlap_grad_reduce and not sharding.grads
     bf16_reduce = ("all" if overlapped else "one") if layout.grad_reduce_in_bf16 and dp > 1 else None
-    grid = rank_grid(world, tp, pp)  # [pp, dp, tp] -> global rank
     by_figures: dict[tuple, RankClass] = {}
     recomputed_layers = 0  # the layers full recomputation rebuilds in a backward, over every pipeline rank
     for pp_rank in range(pp):
-        state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel)
+        # Every rank of a stage holds as many parameters (EP ranks: as many experts): one build stands for all.
+        state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel, ep, etp)
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
-        # The grad buffer as MixedPrecisionOptimizer lays it out: building the optimizer itself would import
+        # The grad buffers as MixedPrecisionOptimizer lays them out: building the optimizer itself would import
         # torch's compiler, seconds for nothing (tests/plan/test_dry_run.py checks the two agree).
-        buffer = GradBuffer(buffer_groups(list(chunks), sharding), shard_count=shards,
-                            bucket_size=None if sharding.params else layout.ddp_bucket_size)
+        buffers = grad_buffers(list(chunks), sharding, dp if sharding.optimizer_state else 1,
+                               edp if sharding.optimizer_state else 1,
+                               None if sharding.params else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
+        expert_params = sum(param.numel() for param in chunks.parameters() if getattr(param, "expert_parallel", False))
         layers = chunk_layers(model.num_layers, pp, pp_rank, vp, first, last)
         recomputed_layers += sum(len(positions) for ids in layers for positions, checkpointed
                                  in recompute_segments(len(ids), model.recompute_method, model.recompute_num_layers)
@@ -131,15 +154,20 @@ def plan(run: RunConfig) -> DryRunReport:
         recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
         rebuilt = max(activations.recomputed_unit_bytes(list(ids)) for ids in layers)
         activation = peak_activation_bytes(ops, chunk_bytes, rebuilt)
-        for dp_rank in range(dp):
-            shard = dp_rank if sharding.optimizer_state else 0
-            figures = state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
+        for rank in range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp):
+            # A rank's optimizer shard: its DP rank's of the dense buffer, its expert-DP rank's of the experts'.
+            _, dp_rank, _ = coordinates(rank, world, tp, pp)
+            edp_rank, _, _ = expert_coordinates(rank, world, pp, ep, etp)
+            shards = (dp_rank, edp_rank) if sharding.optimizer_state else (0, 0)
+            figures = [state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
+                       for buffer, shard in zip(buffers, shards)]
+            figures = {key: sum(part[key] for part in figures) for key in figures[0]}
             param_bytes = figures["params"] if sharding.params else params * element_bytes(dtype)
             candidate = RankClass([], pp_rank, layers, params, param_bytes, figures["grads"], figures["optimizer"],
-                                  activation, max_in_flight(ops), figures["working"])
-            # The rest is the pipeline rank's: DP ranks differ only in their optimizer shard.
+                                  activation, max_in_flight(ops), figures["working"], expert_params)
+            # The rest is the pipeline rank's: ranks differ only in their optimizer shards.
             cls = by_figures.setdefault((pp_rank, figures["grads"], figures["optimizer"]), candidate)
-            cls.ranks += grid[pp_rank, dp_rank].tolist()  # its TP ranks
+            cls.ranks.append(rank)
     classes = sorted(by_figures.values(), key=lambda cls: cls.ranks[0])
     for cls in classes:
         cls.ranks.sort()

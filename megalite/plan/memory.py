@@ -54,8 +54,9 @@ class ActivationModel:
     element_size: bytes of an activation (the params' dtype)."""
 
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                 element_size: int = 2):
+                 element_size: int = 2, ep: int = 1, etp: int | None = None):
         self.config, self.tp, self.e = config, tp, element_size
+        self.ep, self.etp = ep, tp if etp is None else etp  # the routed experts' EP and ETP
         self.tokens = config.seq_length * micro_batch_size  # s*b: what TP-region tensors hold per rank
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
         self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
@@ -90,16 +91,38 @@ class ActivationModel:
             "dropout masks": 2 * MASK_BYTES * stream * h if c.hidden_dropout > 0 else 0,
         }
 
+    def dispatched_tokens(self) -> int:
+        """The tokens this rank's MoE layer dispatches to the experts: all `tokens` (all-gathered over TP under
+        SP) when the experts split over TP (ETP = TP), its own sequence chunk's when they are whole (ETP 1)."""
+        return self.tokens * self.etp // self.tp
+
     def routed_rows(self) -> int:
-        """The (token, expert) rows an MoE layer's experts run on one TP rank: every token's top-k (dropless),
-        each expert's capacity with --moe-pad-expert-input-to-capacity, at most both with a capacity."""
+        """The (token, expert) rows this rank's E/EP experts run in an MoE layer (docs/memory.md): at most
+        every row its tp_ep group dispatches that can reach them, EP x `dispatched_tokens` tokens x min(topk,
+        E/EP) (dropless: the worst case, all routed to this rank's experts); with a capacity at most that many
+        per expert from each EP rank (exactly that with --moe-pad-expert-input-to-capacity). At EP 1: every
+        token's top-k, or the experts' capacities."""
         c = self.config
-        rows = self.tokens * c.moe_router_topk
+        local, dispatched = c.num_experts // self.ep, self.dispatched_tokens()
+        rows = self.ep * dispatched * min(c.moe_router_topk, local)
         if c.moe_expert_capacity_factor is None:
             return rows
         capacity = expert_capacity(self.tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
-        padded = c.num_experts * min(capacity, self.tokens)  # an expert takes each token once at most
+        padded = local * self.ep * min(capacity, dispatched)  # an expert takes each token once at most
         return padded if c.moe_pad_expert_input_to_capacity else min(rows, padded)
+
+    def dispatch_bytes(self) -> int:
+        """The EP dispatcher's buffers in an MoE layer (0 at EP 1, where no tokens move): allgather keeps the
+        tp_ep group's tokens `[EP x dispatched, h]` with their probs and routing map `[EP x dispatched, E]`;
+        alltoall this rank's rows in expert order `[dispatched x topk, h]` (the rows it receives are the routed
+        rows)."""
+        if self.ep == 1:
+            return 0
+        c, dispatched = self.config, self.dispatched_tokens()
+        if c.moe_token_dispatcher_type == "allgather":
+            gathered = self.ep * dispatched
+            return gathered * (self.e * c.hidden_size + (FP32_BYTES + MASK_BYTES) * c.num_experts)
+        return self.e * dispatched * c.moe_router_topk * c.hidden_size
 
     def moe_terms(self) -> dict[str, int]:
         """An MoE layer's MLP (model/moe.py) on one TP rank, which routes all `tokens` (all-gathered under SP).
@@ -108,7 +131,7 @@ class ActivationModel:
         few `[tokens]` or `[tokens, E]` tensors, small beside the routed rows."""
         c, e, tp, tokens, local = self.config, self.e, self.tp, self.tokens, self.stream_tokens
         h, experts, topk, rows = c.hidden_size, c.num_experts, c.moe_router_topk, self.routed_rows()
-        ffn, acts = c.expert_ffn_hidden_size // tp, 3 if c.swiglu else 2
+        ffn, acts = c.expert_ffn_hidden_size // self.etp, 3 if c.swiglu else 2
         fp32_model = e == FP32_BYTES
         training = {  # the balancing losses exist in training forwards only, as every term here
             # z-loss: the logits, their log-sum-exp
@@ -134,7 +157,8 @@ class ActivationModel:
             # per row: its token id and prob; the gathered rows, fc1's output and the activation (as the dense
             # MLP's), fc2's input (the activation times the prob), and the experts' outputs the combine keeps
             "routed rows": (ID_BYTES + FP32_BYTES) * rows + e * rows * (2 * h + ffn * (acts + 1)),
-            "grouped GEMM offsets": 2 * OFFSET_BYTES * experts if c.moe_grouped_gemm else 0,
+            "dispatch": self.dispatch_bytes(),
+            "grouped GEMM offsets": 2 * OFFSET_BYTES * (experts // self.ep) if c.moe_grouped_gemm else 0,
             # the shared experts: a dense MLP (its input is the router's at TP 1 in fp32); the gate keeps its
             # sigmoid and the shared output it scales, its input being this rank's layer input
             "shared experts": (e * tokens * (h * (not (fp32_model and tp == 1)) + shared // tp * acts)

@@ -1,11 +1,12 @@
-"""Piece geometry: TP shards, distributed-optimizer ranges and optimizer shards as pieces of global tensors,
-read back by any layout."""
+"""Piece geometry: TP shards, expert-parallel experts, distributed-optimizer ranges and optimizer shards as
+pieces of global tensors, read back by any layout."""
 
 import pytest
 import torch
 
-from megalite.checkpoint import (CheckpointReader, flat_range_pieces, load_checkpoint, read_metadata,
+from megalite.checkpoint import (CheckpointReader, flat_range_pieces, load_checkpoint, param_pieces, read_metadata,
                                  tensor_parallel_pieces)
+from megalite.parallel_state import ParallelState
 from megalite.tensor_parallel.layers import mark_parameter, shard_full_tensor
 from tests.helpers.checkpoint import ShardedOptimizer, WholeOptimizer, run_ranks, save, save_pieces, small_config
 
@@ -64,3 +65,37 @@ def test_flat_range_pieces_place_every_distributed_optimizer_range_in_the_global
                 assert piece.global_shape == shape
                 region = full[tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))]
                 assert torch.equal(region, piece.tensor), (start, end, piece.offsets)
+
+
+@pytest.mark.parametrize("ep_size", [2, 4])
+@pytest.mark.parametrize("tp_size, expert_tp_size", [(1, 1), (2, 2), (2, 1)])
+@pytest.mark.parametrize("partition_dim, chunks", [(1, 2), (2, 1)])  # fc1's [gate; up] rows, fc2's columns
+def test_expert_pieces_place_each_rank_s_local_experts_by_global_index(ep_size, tp_size, expert_tp_size,
+                                                                       partition_dim, chunks):
+    """An expert weight `[E/EP, out, in]` (its experts on dim 0, split over expert-TP as TP splits a dense one;
+    whole on every TP rank at ETP 1) and any flat range of it are boxes of the global `[E, out, in]`: the
+    experts of EP rank r start at r * E/EP. Together the ranks cover every element."""
+    full = torch.arange(4 * 8 * 6.0).view(4, 8, 6)
+    covered = torch.zeros(full.shape, dtype=torch.int)
+    for ep_rank in range(ep_size):
+        for tp_rank in range(tp_size):
+            parallel = ParallelState(tp_size=tp_size, tp_rank=tp_rank, ep_size=ep_size, ep_rank=ep_rank,
+                                     expert_tp_size=expert_tp_size)
+            local = shard_full_tensor(full.chunk(ep_size)[ep_rank], partition_dim, parallel.expert_tp_rank,
+                                      expert_tp_size, chunks)
+            param = mark_parameter(torch.nn.Parameter(local.clone()), expert_tp_size > 1, partition_dim,
+                                   partition_chunks=chunks)
+            param.expert_parallel = True
+            flat = local.reshape(-1)
+            ranges = [(0, flat.numel()), (1, flat.numel() - 3), (local[0].numel() + 2, flat.numel()), (5, 6)]
+            for start, end in [(None, None), *ranges]:
+                values = local if start is None else flat[start:end]
+                pieces = param_pieces(values, param, parallel, start)
+                assert sum(piece.tensor.numel() for piece in pieces) == values.numel()
+                for piece in pieces:
+                    assert piece.global_shape == tuple(full.shape)
+                    region = tuple(slice(o, o + n) for o, n in zip(piece.offsets, piece.tensor.shape))
+                    assert torch.equal(full[region], piece.tensor), (ep_rank, tp_rank, start, piece.offsets)
+                    if start is None:
+                        covered[region] += 1
+    assert torch.equal(covered, torch.full(full.shape, tp_size // expert_tp_size, dtype=torch.int))
