@@ -38,8 +38,8 @@ CASES = {
                       moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss"), torch.float64, FP64),
     "grouped_gemm": (dict(moe_grouped_gemm=True, add_bias_linear=True, moe_z_loss_coeff=0.01), torch.float32, FP32),
 }
-# (TP, EP, ETP) per world size
-LAYOUTS = {2: [(1, 2, 1)], 4: [(1, 4, 1), (2, 2, 1), (2, 2, 2)]}
+# (TP, EP, ETP) per world size; TP 2 at EP 1 with whole experts (ETP 1) too
+LAYOUTS = {2: [(1, 2, 1), (2, 1, 1)], 4: [(1, 4, 1), (2, 2, 1), (2, 2, 2)]}
 
 
 def close(actual, expected, tolerance, what):
