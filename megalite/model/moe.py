@@ -248,9 +248,9 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.init_std, self.grouped, self.output_chunks = init_std, grouped, output_chunks
         self.partition_dim, self.tp_rank, self.tp_size = partition_dim, parallel.expert_tp_rank, parallel.expert_tp_size
-        self.experts = local_experts(num_experts, parallel)
+        self.expert_ids = local_experts(num_experts, parallel)
         self.full_shape = (num_experts, output_size, input_size)
-        local = [len(self.experts), output_size, input_size]
+        local = [len(self.expert_ids), output_size, input_size]
         local[partition_dim] = divide(local[partition_dim], self.tp_size, "expert size")
         with_tp = parallel.expert_tp_size == parallel.tp_size  # split over TP with the dense layers
         self.weight = mark_parameter(nn.Parameter(torch.empty(local)), with_tp, partition_dim,
@@ -269,7 +269,7 @@ class ExpertLinear(nn.Module):
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
             full = init_full_tensor(self.full_shape, self.init_std, seed, f"{prefix}.weight")
-            mine = full[self.experts.start:self.experts.stop]
+            mine = full[self.expert_ids.start:self.expert_ids.stop]
             self.weight.copy_(shard_full_tensor(mine, self.partition_dim, self.tp_rank, self.tp_size,
                                                 self.output_chunks))
             if self.bias is not None:
@@ -324,6 +324,14 @@ class Experts(nn.Module):
         return output
 
 
+def expert_order(probs: torch.Tensor, routing_map: torch.Tensor):
+    """The dispatch order of rows routed by probs and routing map `[n, E]`: (the row ids `[m]` in (expert,
+    token) order, each expert's rows contiguous; their probs `[m]`; the rows per expert `[E]`)."""
+    by_expert = routing_map.t()  # [E, n]
+    token_ids = torch.arange(len(routing_map), device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
+    return token_ids, probs.t().masked_select(by_expert), by_expert.sum(dim=1)
+
+
 class MoELayer(nn.Module):
     """Route -> dispatch -> experts -> combine, plus `shared_experts` (a dense MLP every token goes through,
     gated by sigmoid(x w) with --moe-shared-expert-gate): `[s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under SP).
@@ -347,6 +355,7 @@ class MoELayer(nn.Module):
         # None at EP 1, so the collectives return at once (as tensor_parallel_group's).
         self.ep_group = parallel.ep_group if parallel.ep_size > 1 else None
         self.rows_per_tp_rank = parallel.expert_tp_size < parallel.tp_size
+        self.local_experts = local_experts(config.num_experts, parallel)
         self.router = Router(config, parallel.tp_size)
         self.experts = Experts(config, output_std, kernels, parallel)
         self.shared_experts = shared_experts
@@ -397,7 +406,7 @@ class MoELayer(nn.Module):
             return self.run_local_experts(tokens, probs, routing_map)
         if self.config.moe_token_dispatcher_type == "alltoall":
             return self.alltoall(tokens, probs, routing_map)
-        group, mine = self.ep_group, self.experts.linear_fc1.experts
+        group, mine = self.ep_group, self.local_experts
         tokens = gather_from_sequence_parallel_region(tokens, group)  # [EP n, h]
         probs = gather_from_sequence_parallel_region(probs, group)
         routing_map = gather_from_sequence_parallel_region(routing_map, group)
@@ -407,25 +416,22 @@ class MoELayer(nn.Module):
     def run_local_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """Rows `[n, h]` with probs and routing map `[n, E/EP]` over this rank's experts -> `[n, h]`: dispatch
         into (expert, token) order, the experts, and the combine (each row's outputs summed in token order)."""
-        by_expert = routing_map.t()  # [E/EP, n]
-        token_ids = torch.arange(len(tokens), device=tokens.device).expand_as(by_expert).masked_select(by_expert)
-        counts = by_expert.sum(dim=1)
-        expert_out = self.experts(tokens[token_ids], counts, probs.t().masked_select(by_expert))
+        token_ids, row_probs, counts = expert_order(probs, routing_map)
+        expert_out = self.experts(tokens[token_ids], counts, row_probs)
         return torch.zeros_like(tokens).index_add(0, token_ids, expert_out)
 
     def alltoall(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
         """`dispatch` by the uneven all-to-all: rows `[n, h]`, probs and routing map `[n, E]` -> `[n, h]`."""
         group, ep, me = self.ep_group, self.parallel.ep_size, self.parallel.ep_rank
-        local = len(self.experts.linear_fc1.experts)
-        by_expert = routing_map.t()  # [E, n]; the (expert, token) order puts each EP rank's rows together
-        token_ids = torch.arange(len(tokens), device=tokens.device).expand_as(by_expert).masked_select(by_expert)
-        counts = by_expert.sum(dim=1)  # [E]
+        local = len(self.local_experts)
+        # The (expert, token) order puts the rows for each EP rank's experts together.
+        token_ids, row_probs, counts = expert_order(probs, routing_map)
         # table[source][destination][local expert]: rows each rank sends each expert (the one host sync)
         table = gather_from_sequence_parallel_region(counts.view(1, -1), group).view(ep, ep, local).tolist()
         send = [sum(table[me][destination]) for destination in range(ep)]
         receive = [sum(table[source][me]) for source in range(ep)]
         rows = all_to_all(tokens[token_ids], group, receive, send)
-        row_probs = all_to_all(probs.t().masked_select(by_expert), group, receive, send)
+        row_probs = all_to_all(row_probs, group, receive, send)
         # Received in (source, local expert) order; the experts take (local expert, source) order.
         blocks = torch.arange(sum(receive), device=tokens.device).split(
             [table[source][me][expert] for source in range(ep) for expert in range(local)])
