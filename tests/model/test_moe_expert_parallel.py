@@ -53,9 +53,11 @@ def randn(*shape, seed: int, dtype=torch.float64) -> torch.Tensor:
 
 
 def moe_config(case: str, dispatcher: str) -> ModelConfig:
+    # A wide init: logits far enough apart that tokens spread over the experts (some get none) and the
+    # expert bias moves some of them.
     return ModelConfig.of(num_layers=1, hidden_size=HIDDEN, num_attention_heads=2, seq_length=SEQ, vocab_size=64,
-                          swiglu=True, ffn_hidden_size=32, num_experts=EXPERTS, moe_ffn_hidden_size=8, init_method_std=0.3,
-                          moe_token_dispatcher_type=dispatcher, **CASES[case][0]).validate()
+                          swiglu=True, ffn_hidden_size=32, num_experts=EXPERTS, moe_ffn_hidden_size=8,
+                          init_method_std=0.3, moe_token_dispatcher_type=dispatcher, **CASES[case][0]).validate()
 
 
 def build_layer(config: ModelConfig, dtype, parallel=ONE_PROCESS):
