@@ -25,7 +25,7 @@ from torch import nn
 from megalite.config import ModelConfig
 from megalite.kernels.swiglu import swiglu
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.comm import (divide, gather_from_sequence_parallel_region,
+from megalite.tensor_parallel.comm import (all_to_all, divide, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.layers import init_full_tensor, mark_parameter, shard_full_tensor, tensor_parallel_group
 
@@ -235,10 +235,12 @@ def local_experts(num_experts: int, parallel: ParallelState) -> range:
 
 
 class ExpertLinear(nn.Module):
-    """`num_experts` linear layers stacked: weight `[E, out, in]`, bias `[E, out]`; rows `[n, in]` grouped by
-    expert (`counts` `[E]` rows each) -> `[n, out]` without the bias, by a loop over experts (the reference) or
-    one `torch._grouped_mm` (the same bits in fp32, bf16 and fp16). Under TP each expert splits as the dense
-    MLP's layers do, along `partition_dim`: fc1's rows (1, in `output_chunks` blocks) or fc2's columns (2)."""
+    """This rank's experts (`local_experts`) of `num_experts` linear layers stacked: weight `[E/EP, out, in]`,
+    bias `[E/EP, out]`; rows `[n, in]` grouped by local expert (`counts` `[E/EP]` rows each) -> `[n, out]`
+    without the bias, by a loop over experts (the reference) or one `torch._grouped_mm` (the same bits in fp32,
+    bf16 and fp16). Under expert TP (ETP = TP) each expert splits as the dense MLP's layers do, along
+    `partition_dim`: fc1's rows (1, in `output_chunks` blocks) or fc2's columns (2); under ETP = 1 < TP the
+    experts are whole, neither TP-split nor TP-replicated (each rank of the TP x EP group holds others)."""
 
     def __init__(self, num_experts: int, input_size: int, output_size: int, *, bias: bool, init_std: float,
                  partition_dim: int, output_chunks: int = 1, grouped: bool = False,
@@ -246,15 +248,15 @@ class ExpertLinear(nn.Module):
         super().__init__()
         self.init_std, self.grouped, self.output_chunks = init_std, grouped, output_chunks
         self.partition_dim, self.tp_rank, self.tp_size = partition_dim, parallel.expert_tp_rank, parallel.expert_tp_size
-        self.experts = local_experts(num_experts, parallel)
+        self.expert_ids = local_experts(num_experts, parallel)
         self.full_shape = (num_experts, output_size, input_size)
-        local = [len(self.experts), output_size, input_size]
+        local = [len(self.expert_ids), output_size, input_size]
         local[partition_dim] = divide(local[partition_dim], self.tp_size, "expert size")
         with_tp = parallel.expert_tp_size == parallel.tp_size  # split over TP with the dense layers
         self.weight = mark_parameter(nn.Parameter(torch.empty(local)), with_tp, partition_dim,
                                      partition_chunks=output_chunks)
         self.bias = None
-        if bias:  # fc1's splits with its rows; fc2's is whole, applied by the MoE layer after the TP sum
+        if bias:  # fc1's splits with its rows; fc2's is whole (see Experts for where it is added)
             if partition_dim == 1:
                 self.bias = mark_parameter(nn.Parameter(torch.empty(local[:2])), with_tp, 1,
                                            partition_chunks=output_chunks)
@@ -267,7 +269,7 @@ class ExpertLinear(nn.Module):
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
             full = init_full_tensor(self.full_shape, self.init_std, seed, f"{prefix}.weight")
-            mine = full[self.experts.start:self.experts.stop]
+            mine = full[self.expert_ids.start:self.expert_ids.stop]
             self.weight.copy_(shard_full_tensor(mine, self.partition_dim, self.tp_rank, self.tp_size,
                                                 self.output_chunks))
             if self.bias is not None:
@@ -283,17 +285,21 @@ class ExpertLinear(nn.Module):
 
 
 class Experts(nn.Module):
-    """The routed experts, each an MLP like the dense one (fc1 `[gate; up]` with SwiGLU, else GELU), on tokens
-    grouped by expert `[n, h]`; under TP each rank's part of every expert, whose outputs are partial sums. A
-    token's routing prob multiplies its intermediate activation before fc2 (Megatron). fc2's bias is the MoE
-    layer's to add (prob x bias, so an expert's output is prob x MLP(x), Hugging Face's form). `output_std`:
-    fc2's init std (the residual projections')."""
+    """This rank's routed experts, each an MLP like the dense one (fc1 `[gate; up]` with SwiGLU, else GELU), on
+    tokens grouped by local expert `[n, h]`; under expert TP each rank's part of every expert, whose outputs
+    are partial sums. A token's routing prob multiplies its intermediate activation before fc2 (Megatron), and
+    fc2's bias enters as prob x bias, so an expert's output is prob x MLP(x) (Hugging Face's form). Where one
+    rank holds every expert (EP 1, ETP = TP) the MoE layer adds fc2's bias after the combine; otherwise
+    (`bias_in_experts`) the expert's rank adds it here, 1/ETP of it on each rank of the expert's split.
+    `output_std`: fc2's init std (the residual projections')."""
 
     def __init__(self, config: ModelConfig, output_std: float, kernels: str = "auto",
                  parallel: ParallelState = ONE_PROCESS):
         super().__init__()
         self.swiglu, self.kernels = config.swiglu, kernels
         self.gelu_approximate = "tanh" if config.openai_gelu else "none"
+        self.bias_in_experts = parallel.ep_size > 1 or parallel.expert_tp_size != parallel.tp_size
+        self.expert_tp_size = parallel.expert_tp_size
         ffn, experts = config.expert_ffn_hidden_size, config.num_experts
         chunks = 2 if config.swiglu else 1
         self.linear_fc1 = ExpertLinear(experts, config.hidden_size, ffn * chunks, bias=config.add_bias_linear,
@@ -304,13 +310,26 @@ class Experts(nn.Module):
                                        parallel=parallel)
 
     def forward(self, tokens: torch.Tensor, counts: torch.Tensor, probs: torch.Tensor) -> torch.Tensor:
-        """tokens `[n, h]` grouped by expert, `counts` `[E]`, probs `[n]` fp32 -> `[n, h]`, without fc2's bias."""
-        fc1 = self.linear_fc1
+        """tokens `[n, h]` grouped by local expert, `counts` `[E/EP]`, probs `[n]` fp32 -> `[n, h]` (with fc2's
+        bias where `bias_in_experts`)."""
+        fc1, fc2 = self.linear_fc1, self.linear_fc2
         x = fc1(tokens, counts)
         if fc1.bias is not None:
             x = x + fc1.bias.repeat_interleave(counts, dim=0, output_size=len(tokens))
         x = swiglu(x, self.kernels) if self.swiglu else F.gelu(x, approximate=self.gelu_approximate)
-        return self.linear_fc2((x * probs.unsqueeze(-1)).to(tokens.dtype), counts)
+        output = fc2((x * probs.unsqueeze(-1)).to(tokens.dtype), counts)
+        if fc2.bias is not None and self.bias_in_experts:
+            bias = fc2.bias.float().repeat_interleave(counts, dim=0, output_size=len(tokens))
+            output = output + (probs.unsqueeze(-1) / self.expert_tp_size * bias).to(output.dtype)
+        return output
+
+
+def expert_order(probs: torch.Tensor, routing_map: torch.Tensor):
+    """The dispatch order of rows routed by probs and routing map `[n, E]`: (the row ids `[m]` in (expert,
+    token) order, each expert's rows contiguous; their probs `[m]`; the rows per expert `[E]`)."""
+    by_expert = routing_map.t()  # [E, n]
+    token_ids = torch.arange(len(routing_map), device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
+    return token_ids, probs.t().masked_select(by_expert), by_expert.sum(dim=1)
 
 
 class MoELayer(nn.Module):
@@ -318,16 +337,25 @@ class MoELayer(nn.Module):
     gated by sigmoid(x w) with --moe-shared-expert-gate): `[s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under SP).
     `output_std`: the init std of the experts' fc2 (the residual projections').
 
-    Under TP (with SP, Megatron's allgather dispatcher): the tokens are all-gathered over TP, every rank routes
-    all of them alike (the single-process routing, capacity and losses), each runs its part of every expert,
-    and the partial outputs are reduce-scattered back to each rank's tokens. The router's gradient is then a
-    partial sum per rank, summed over TP as the SP-replicated parameters' are."""
+    Under TP (with SP) the tokens are all-gathered over TP and every rank routes all of them alike (the
+    single-process routing, capacity and losses); the router's gradient is then a partial sum per rank, summed
+    over TP as the SP-replicated parameters' are. With the experts split over TP (ETP = TP, Megatron's
+    allgather dispatcher at EP 1) each rank runs its part of every expert on all tokens, and the partial
+    outputs are reduce-scattered back to each rank's tokens. With whole experts (ETP = 1 < TP) each rank
+    dispatches only its own sequence chunk's rows, whose outputs come back whole.
+
+    Under expert parallelism (EP > 1) a rank holds E/EP experts (`local_experts`), and the rows it dispatches
+    reach the experts' ranks by --moe-token-dispatcher-type (see `dispatch`)."""
 
     def __init__(self, config: ModelConfig, output_std: float, parallel: ParallelState = ONE_PROCESS,
                  kernels: str = "auto", shared_experts: nn.Module | None = None):
         super().__init__()
         assert parallel.tp_size == 1 or parallel.sequence_parallel, "MoE under TP needs SP (RunConfig.validate)"
         self.config, self.parallel, self.tp_group = config, parallel, tensor_parallel_group(parallel)
+        # None at EP 1, so the collectives return at once (as tensor_parallel_group's).
+        self.ep_group = parallel.ep_group if parallel.ep_size > 1 else None
+        self.rows_per_tp_rank = parallel.expert_tp_size < parallel.tp_size
+        self.local_experts = local_experts(config.num_experts, parallel)
         self.router = Router(config, parallel.tp_size)
         self.experts = Experts(config, output_std, kernels, parallel)
         self.shared_experts = shared_experts
@@ -349,16 +377,14 @@ class MoELayer(nn.Module):
         s, b, h = everyone.shape
         tokens = everyone.reshape(s * b, h)
         probs, routing_map = self.router(tokens, s)  # [t, E], alike on every TP rank
-        # Dispatch: token ids in (expert, token) order, each expert's rows contiguous.
-        by_expert = routing_map.t()  # [E, t]
-        token_ids = torch.arange(s * b, device=hidden.device).expand_as(by_expert).masked_select(by_expert)
-        counts = by_expert.sum(dim=1)
-        expert_out = self.experts(tokens[token_ids], counts, probs.t().masked_select(by_expert))
-        # Combine: each token's expert outputs summed in token order (partial sums over TP, then summed).
-        output = torch.zeros_like(tokens).index_add(0, token_ids, expert_out).view(s, b, h)
-        output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group).view(-1, h)
+        if self.rows_per_tp_rank:  # this rank's SP chunk, contiguous rows of the [s, b]-ordered tokens
+            rows = slice(self.parallel.tp_rank * len(local_tokens), (self.parallel.tp_rank + 1) * len(local_tokens))
+            output = self.dispatch(tokens[rows], probs[rows], routing_map[rows])
+        else:  # partial sums over TP (or the whole, at TP 1)
+            output = self.dispatch(tokens, probs, routing_map).view(s, b, h)
+            output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group).view(-1, h)
         fc2_bias = self.experts.linear_fc2.bias
-        if fc2_bias is not None:  # sum_e prob_e x bias_e of this rank's tokens
+        if fc2_bias is not None and not self.experts.bias_in_experts:  # sum_e prob_e x bias_e of this rank's tokens
             mine = probs.view(s, b, -1).chunk(self.parallel.tp_size)[self.parallel.tp_rank].reshape(len(output), -1)
             output = output + (mine @ fc2_bias.float()).to(output.dtype)
         if self.shared_experts is not None:
@@ -367,6 +393,54 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(F.linear(local_tokens, self.shared_expert_gate)) * shared
             output = output + shared
         return output.view(hidden.shape)
+
+    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Rows `[n, h]` with their probs `[n, E]` and routing map `[n, E]` over all experts -> `[n, h]`, each row
+        the sum of its experts' outputs wherever those experts are (partial sums under expert TP).
+
+        allgather: every EP rank's rows, probs and map are all-gathered over EP (equal sizes), each rank runs
+        its experts' columns on all of them, and the outputs are reduce-scattered back to their rows' ranks.
+        alltoall: the rows go in (expert, token) order straight to their experts' ranks and back, by one
+        uneven all-to-all each way, whose sizes come from the per-expert counts all-gathered over EP."""
+        if self.ep_group is None:
+            return self.run_local_experts(tokens, probs, routing_map)
+        if self.config.moe_token_dispatcher_type == "alltoall":
+            return self.alltoall(tokens, probs, routing_map)
+        group, mine = self.ep_group, self.local_experts
+        tokens = gather_from_sequence_parallel_region(tokens, group)  # [EP n, h]
+        probs = gather_from_sequence_parallel_region(probs, group)
+        routing_map = gather_from_sequence_parallel_region(routing_map, group)
+        output = self.run_local_experts(tokens, probs[:, mine.start:mine.stop], routing_map[:, mine.start:mine.stop])
+        return reduce_scatter_to_sequence_parallel_region(output, group)
+
+    def run_local_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """Rows `[n, h]` with probs and routing map `[n, E/EP]` over this rank's experts -> `[n, h]`: dispatch
+        into (expert, token) order, the experts, and the combine (each row's outputs summed in token order)."""
+        token_ids, row_probs, counts = expert_order(probs, routing_map)
+        expert_out = self.experts(tokens[token_ids], counts, row_probs)
+        return torch.zeros_like(tokens).index_add(0, token_ids, expert_out)
+
+    def alltoall(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
+        """`dispatch` by the uneven all-to-all: rows `[n, h]`, probs and routing map `[n, E]` -> `[n, h]`."""
+        group, ep, me = self.ep_group, self.parallel.ep_size, self.parallel.ep_rank
+        local = len(self.local_experts)
+        # The (expert, token) order puts the rows for each EP rank's experts together.
+        token_ids, row_probs, counts = expert_order(probs, routing_map)
+        # table[source][destination][local expert]: rows each rank sends each expert (the one host sync)
+        table = gather_from_sequence_parallel_region(counts.view(1, -1), group).view(ep, ep, local).tolist()
+        send = [sum(table[me][destination]) for destination in range(ep)]
+        receive = [sum(table[source][me]) for source in range(ep)]
+        rows = all_to_all(tokens[token_ids], group, receive, send)
+        row_probs = all_to_all(row_probs, group, receive, send)
+        # Received in (source, local expert) order; the experts take (local expert, source) order.
+        blocks = torch.arange(sum(receive), device=tokens.device).split(
+            [table[source][me][expert] for source in range(ep) for expert in range(local)])
+        order = torch.cat([blocks[source * local + expert] for expert in range(local) for source in range(ep)])
+        expert_counts = torch.tensor([sum(table[source][me][expert] for source in range(ep))
+                                      for expert in range(local)], device=tokens.device)
+        expert_out = self.experts(rows[order], expert_counts, row_probs[order])
+        back = all_to_all(expert_out[order.argsort()], group, send, receive)
+        return torch.zeros_like(tokens).index_add(0, token_ids, back)
 
 
 def moe_routers(model: nn.Module) -> list[Router]:

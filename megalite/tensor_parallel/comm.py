@@ -1,7 +1,8 @@
-"""Autograd collectives of tensor and sequence parallelism (Megatron's f and g operators). TP acts on the last
-(hidden) dimension; SP splits the sequence of `[s, b, h]` activations into TP equal chunks, rank r holding
-chunk r. Every collective is the identity for a group of one (or None) and modifies nothing a caller passes
-in; the same code runs on gloo and NCCL."""
+"""Autograd collectives of tensor and sequence parallelism (Megatron's f and g operators), and the uneven
+all-to-all of expert parallelism. TP acts on the last (hidden) dimension; SP splits the sequence of `[s, b, h]`
+activations into TP equal chunks, rank r holding chunk r (the first-dim gather and reduce-scatter serve any
+equal row blocks, such as the expert-parallel ranks' tokens). Every collective is the identity for a group of
+one (or None) and modifies nothing a caller passes in; the same code runs on gloo and NCCL."""
 
 import torch
 import torch.distributed as dist
@@ -110,6 +111,34 @@ def gather_from_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor
 def reduce_scatter_to_sequence_parallel_region(x: torch.Tensor, group) -> torch.Tensor:
     """`[s, b, h] -> [s/tp, b, h]` summed over ranks (reduce-scatter); grads all-gathered."""
     return _collective(x, group, _reduce_scatter_first_dim, _gather_first_dim)
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows sent by `input_splits` and received by `output_splits` forward; the grads the reverse way back."""
+
+    @staticmethod
+    def forward(ctx, x, group, output_splits, input_splits):
+        ctx.group, ctx.splits = group, (output_splits, input_splits)
+        return _all_to_all_rows(x, group, output_splits, input_splits)
+
+    @staticmethod
+    def backward(ctx, grad):
+        output_splits, input_splits = ctx.splits
+        return _all_to_all_rows(grad, ctx.group, input_splits, output_splits), None, None, None
+
+
+def _all_to_all_rows(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    output = x.new_empty((sum(output_splits), *x.shape[1:]))
+    # The single-tensor form: the list form with uneven sizes fails on gloo.
+    dist.all_to_all_single(output, x.contiguous(), output_splits, input_splits, group=group)
+    return output
+
+
+def all_to_all(x: torch.Tensor, group, output_splits: list[int], input_splits: list[int]) -> torch.Tensor:
+    """`[sum(input_splits), *]` -> `[sum(output_splits), *]`: the next `input_splits[r]` rows go to rank r of
+    `group`, and `output_splits[r]` rows come from it, in rank order (sizes may differ and be zero); grads go
+    back the reverse way. `x` itself for a group of one."""
+    return x if group_size(group) == 1 else _AllToAll.apply(x, group, output_splits, input_splits)
 
 
 def allreduce_sequence_parallel_grads(params, group) -> None:

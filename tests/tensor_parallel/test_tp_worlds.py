@@ -7,7 +7,6 @@ runs every check below (CHECKS) and each check is reported as its own test.
 """
 
 import traceback
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ import torch.nn.functional as F
 
 from megalite.model.rotary import RotaryEmbedding
 from megalite.model.transformer import Attention
-from megalite.parallel_state import ONE_PROCESS
+from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel import comm
 from megalite.tensor_parallel.cross_entropy import vocab_parallel_cross_entropy
 from megalite.tensor_parallel.comm import allreduce_sequence_parallel_grads
@@ -38,9 +37,9 @@ def randn(*shape, seed: int) -> torch.Tensor:
     return torch.randn(shape, generator=torch.Generator().manual_seed(seed))
 
 
-def tp_state(rank: int, world_size: int, sequence_parallel: bool = False) -> SimpleNamespace:
-    return SimpleNamespace(tp_rank=rank, tp_size=world_size, tp_group=dist.group.WORLD,
-                           sequence_parallel=sequence_parallel, device=torch.device("cpu"))
+def tp_state(rank: int, world_size: int, sequence_parallel: bool = False) -> ParallelState:
+    return ParallelState(rank=rank, world_size=world_size, tp_rank=rank, tp_size=world_size,
+                         tp_group=dist.group.WORLD, expert_tp_size=world_size, sequence_parallel=sequence_parallel)
 
 
 def seq_chunk(tensor: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
