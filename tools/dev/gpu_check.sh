@@ -16,7 +16,10 @@ step() {
   local name=$1 cap_var="${1^^}_S" limit start rc status
   limit=${!cap_var:-$2}; shift 2
   (( limit > BUDGET_S - SECONDS )) && limit=$((BUDGET_S - SECONDS))
-  if (( limit < 5 )); then summary record "$name" skipped --note "the budget (BUDGET_S=$BUDGET_S) is spent"; return; fi
+  if (( limit < 1 )); then
+    summary record "$name" skipped --note "${limit} s left for it (BUDGET_S=$BUDGET_S, $cap_var=${!cap_var:-$2})"
+    return
+  fi
   echo "== $name (at most ${limit} s): $*"
   start=$SECONDS
   timeout --kill-after=10 "$limit" "$@" > "$OUT/$name.log" 2>&1; rc=$?
@@ -36,8 +39,8 @@ if [ "$DRY" = 1 ]; then  # toy sizes on the CPU: proves every command line and t
   PRETRAIN=("${TINY[@]}" --micro-batch-size 2 --global-batch-size 4 --train-iters 2 --log-interval 1)
   KERNELS=(--device cpu --sizes tiny --no-compile --repeats 1)
   PROFILE=("${BENCH[@]}")
-  MOE=(--model tiny-moe --num-layers 1 --vocab-size 256 --seq-length 32 --micro-batch-size 2 --global-batch-size 2 --train-iters 2
-       --log-interval 1)
+  MOE=(--model tiny-moe --num-layers 1 --vocab-size 256 --seq-length 32 --micro-batch-size 2 --global-batch-size 2
+       --train-iters 2 --log-interval 1)
   SUITE=(tests/test_scripts.py -k bash_parses -n 0)
 else
   GPU_TESTS=(-n 0)
