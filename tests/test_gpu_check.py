@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from tools.dev.gpu_summary import last_iteration, pytest_counts
+
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("gpu_tests", "bench_1b", "pretrain_eager", "pretrain_compile", "kernels", "profile_1b", "moe_loop",
          "moe_grouped", "cp_attention", "suite")  # in the script's order (its priority)
@@ -76,3 +78,20 @@ def test_a_step_past_its_time_is_cut_and_the_rest_skipped_with_the_reason(tmp_pa
     assert steps["gpu_tests"]["figures"]["passed"] == 0
     assert all(steps[name]["status"] == "skipped" and "figures" not in steps[name] for name in STEPS[1:])
     assert "KERNELS_S=0" in steps["kernels"]["note"]
+
+
+def test_figures_come_only_from_what_the_outputs_printed(tmp_path):
+    """A cut-off suite is counted from its -v lines (plain and xdist); an unknown MFU stays absent."""
+    (tmp_path / "suite.log").write_text(
+        "[gw0] [  1%] PASSED tests/a.py::test_x\n[gw1] [  2%] FAILED tests/a.py::test_y[1-2]\n"
+        "tests/c.py::test_w SKIPPED (needs a CUDA GPU)                  [ 10%]\ntests/c.py::test_v ERROR   [ 11%]\n")
+    counts = pytest_counts(tmp_path, "suite")
+    assert {word: counts[word] for word in ("passed", "failed", "error", "skipped")} == dict.fromkeys(
+        ("passed", "failed", "error", "skipped"), 1)
+    (tmp_path / "run.log").write_text(
+        " iteration        4/       8 | elapsed time per iteration (ms): 9.0 | tokens/s: 7 | MFU: 1.0% |\n"
+        " iteration        8/       8 | elapsed time per iteration (ms): 8.5 | tokens/s: 8 | TFLOP/s per device: 0.010"
+        " | MFU: unknown | lm loss: 5.5E+00 |\n")
+    assert last_iteration(tmp_path, "run") == {"iteration": "8/8", "ms_per_iteration": 8.5, "tokens_per_s": 8.0,
+                                               "tflops_per_device": 0.01, "lm_loss": 5.5}
+    assert last_iteration(tmp_path, "missing") == {}

@@ -64,7 +64,7 @@ step pretrain_eager 45 "$PYTHON" pretrain_gpt.py "${PRETRAIN[@]}" "${MOCK[@]}"
 step pretrain_compile 70 "$PYTHON" pretrain_gpt.py "${PRETRAIN[@]}" "${MOCK[@]}" --compile
 step kernels 50 "$PYTHON" tools/bench/kernels.py "${KERNELS[@]}" --json "$OUT/kernels.json"
 # one 1B step of megalite (and the minimal peer: the bench needs one), eager: where the GPU time goes
-step profile_1b 30 "$PYTHON" tools/bench/train_throughput.py "${PROFILE[@]}" --peers minimal --hf-modes eager \
+step profile_1b 30 "$PYTHON" tools/bench/train_throughput.py "${PROFILE[@]}" --peers minimal \
   --hf-iters 1 --hf-warmup-iters 1 --profile 25 --json "$OUT/profile_1b.json"
 step moe_loop 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}"
 step moe_grouped 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}" --moe-grouped-gemm

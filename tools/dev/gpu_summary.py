@@ -70,8 +70,9 @@ def pytest_counts(out: Path, name: str) -> dict:
                  for case in ElementTree.parse(xml).getroot().iter("testcase")]
         counts = {"from": "junit xml", **{word: sum(1 for _, o in cases if o == word) for word in OUTCOMES}}
         counts["failed_tests"] = [test for test, outcome in cases if outcome in ("failed", "error")][:30]
-    else:  # -v lines: "tests/x.py::name PASSED [ 5%]", or under xdist "[gw0] [ 5%] PASSED tests/x.py::name"
-        words = [a or b for a, b in re.findall(r"::\S+ ([A-Z]+) +\[|\] ([A-Z]+) \S+::", log)]
+    else:  # -v lines: "tests/x.py::name PASSED [ 5%]" (a reason may follow the word), or under xdist
+        # "[gw0] [ 5%] PASSED tests/x.py::name"
+        words = [a or b for a, b in re.findall(r"::\S+ ([A-Z]+)\b|\] ([A-Z]+) \S+::", log)]
         counts = {"from": "the -v log (no junit xml: the run was cut short)",
                   **{word: words.count(LOG_WORDS[word]) for word in OUTCOMES}}
     gpu = re.search(r"gpu-marked tests: (\d+) ran, (\d+) passed, (\d+) failed, (\d+) skipped", log)
