@@ -55,6 +55,7 @@ def versions() -> dict:
 
 
 def start(out: Path, dry: bool, budget: int) -> None:
+    """OUT/meta.json, printed too: written before any step, so that a call cut short still says where it ran."""
     meta = {**commit(), **versions(), "dry": dry, "budget_s": budget}
     (out / "meta.json").write_text(json.dumps(meta, indent=1))
     print(json.dumps(meta))
@@ -160,6 +161,7 @@ def read_json(out: Path, name: str) -> dict | None:
 
 # ---------------------------------------------------------------------------------------------------- summary
 def record(out: Path, args) -> None:
+    """One step's record appended to OUT/steps.jsonl, then the summary rebuilt."""
     entry = {"step": args.name, "status": args.status, "seconds": args.seconds, "rc": args.rc, "limit_s": args.limit,
              "command": args.command, "note": args.note}
     with open(out / "steps.jsonl", "a") as file:
@@ -177,7 +179,8 @@ def write_summary(out: Path) -> None:
         if name in FIGURES and entry["status"] != "skipped":
             try:
                 entry["figures"] = FIGURES[name](out, name)
-            except (OSError, ValueError, KeyError, ElementTree.ParseError) as error:  # a half-written output
+            except (OSError, ValueError, KeyError, TypeError, ZeroDivisionError, ElementTree.ParseError) as error:
+                # a half-written or odd output: said, not guessed around
                 entry["figures_error"] = f"{type(error).__name__}: {error}"
         steps[name] = entry
     (out / "summary.json").write_text(json.dumps({**meta, "steps": steps}, indent=1) + "\n")
