@@ -3,6 +3,7 @@
     python tools/bench/kernels.py                 # CUDA: the 1B and 8B shapes
     python tools/bench/kernels.py --sizes 8b --kernels rmsnorm cross_entropy
     python tools/bench/kernels.py --no-compile    # skip torch.compile (it takes a while per shape)
+    python tools/bench/kernels.py --json out.json # the rows also as JSON, rewritten after each row
     python tools/bench/kernels.py --device cpu --sizes tiny   # the CPU path (PyTorch only; Triton's
                                                   # interpreter too where TRITON_INTERPRET=1)
 
@@ -46,6 +47,7 @@ Peak memory on a CPU comes from the PyTorch profiler's memory timeline.
 
 import argparse
 import contextlib
+import json
 import math
 import statistics
 import sys
@@ -539,6 +541,17 @@ def _mb(value: float) -> str:
     return f"{'-':>9}" if math.isnan(value) else f"{value:9.1f}"  # NaN: not measured
 
 
+def write_json(path: str | None, record: dict) -> None:
+    """--json: the rows measured so far, rewritten after each (a run cut short keeps them); NaN (not measured)
+    becomes null, as JSON has no NaN."""
+    if path is None:
+        return
+    rows = {part: [{key: None if isinstance(value, float) and math.isnan(value) else value
+                    for key, value in row.items()} for row in record[part]] for part in ("kernels", "fused_output")}
+    with open(path, "w") as file:
+        json.dump({**record, **rows}, file, indent=1)
+
+
 def print_summary(summary: dict, columns: list) -> None:
     """GPU ms per kernel and size, one column per implementation."""
     print("\nGPU ms of forward + backward (on a CPU: wall ms), by implementation; GB/s in the table above")
@@ -569,6 +582,8 @@ def main(argv=None) -> int:
     parser.add_argument("--chunk-elements", type=int, default=None,
                         help=f"fused output + loss: logits per chunk (default {CHUNK_ELEMENTS} on GPU, 2^22 on "
                              f"CPU, where the shapes are 16x smaller)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write every row to PATH as JSON (rewritten after each row)")
     args = parser.parse_args(argv)
 
     cuda = args.device == "cuda" if args.device else torch.cuda.is_available()
@@ -606,6 +621,8 @@ def main(argv=None) -> int:
     if liger_note:
         print(liger_note)
     print(HEADER)
+    record = {"device": name, "dtype": str(dtype).removeprefix("torch."), "copy_gb_s": bandwidth, "kernels": [],
+              "fused_output": []}
     notes, summary = [], {}
     columns = [c for c, on in (("triton", with_triton), ("eager", True), ("compile", not args.no_compile),
                                ("liger", bool(liger))) if on]
@@ -623,6 +640,10 @@ def main(argv=None) -> int:
             results = measure_kernel(kernel, shape, dtype, device, implementations, repeats, notes)
             for line in kernel_rows(kernel, shape, dtype, results, bandwidth, notes):
                 print(line, flush=True)
+            record["kernels"] += [{"kernel": kernel, "size": shape.name, "impl": impl, "gpu_ms": m.gpu_ms,
+                                   "timer": m.timer, "wall_ms": m.wall_ms, "peak_mb": m.peak_mb}
+                                  for impl, m in results.items()]
+            write_json(args.json, record)
             summary[(kernel, shape.name)] = results
     print_summary(summary, columns)
     for note in notes:
@@ -651,6 +672,9 @@ def main(argv=None) -> int:
             worst = max(worst, ratio) if path == "unfused" else worst
             print(f"{shape.name:6} {shape.tokens:6} {shape.hidden:6} {shape.vocab:7} {path:15} {ms:9.2f} {timer:11} "
                   f"{wall:9.2f} {peak:9.1f} {ratio:10.3f}", flush=True)
+            record["fused_output"].append({"size": shape.name, "path": path, "gpu_ms": ms, "timer": timer,
+                                           "wall_ms": wall, "peak_mb": peak})
+        write_json(args.json, record)
     for note in notes:
         print(f"note: {note}")
     print(f"fused peak memory over the unfused path's, worst size: {worst:.3f} (target at the GPU shapes: 0.25 or less)")

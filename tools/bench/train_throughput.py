@@ -3,7 +3,7 @@
     python tools/bench/train_throughput.py [--config A|B|1B|preset] [--dtype fp32|bf16]
         [--modes best|eager|compile] [--iters 10] [--warmup-iters 2] [--rounds 5] [--threads 2]
         [--peers hf,minimal] [--hf-iters N] [--hf-warmup-iters N] [--device cpu|cuda]
-        [--model tiny] ...
+        [--model tiny] [--profile ROWS] [--json PATH] ...
 
 Configs (issue 10): A = hidden 256, 4 layers, 4 heads, FFN 688, vocab 8192, seq 256,
 micro-batch 8; B = hidden 512, 8 layers, 8 heads, FFN 1376, vocab 32000, seq 512,
@@ -55,6 +55,7 @@ faster of bf16 and fp32 (fp32 alone on a CPU without bf16 units).
 import argparse
 import copy
 import functools
+import json
 import math
 import os
 import random
@@ -124,7 +125,10 @@ def get_args(argv):
     parser.add_argument("--seed", type=int, default=1234)
     parser.add_argument("--debug", action="store_true")
     parser.add_argument("--profile", type=int, default=0, metavar="ROWS",
-                        help="after the timing, print the top ROWS ops of one iteration of each side's best mode")
+                        help="after the timing, print the top ROWS ops of one iteration of each side's best mode "
+                             "(by GPU time on CUDA, CPU time on a CPU)")
+    parser.add_argument("--json", default=None, metavar="PATH",
+                        help="also write the summary (tokens/s, ratios, MFU; --profile's rows) to PATH as JSON")
     args = parser.parse_args(argv)
     args.peers = parse_peers(args.peers)
     args.hf_modes = args.modes if args.hf_modes is None else args.hf_modes
@@ -474,17 +478,40 @@ def main(argv=None):
         print(f"peak: {peak[1]}")
     summary = report(results, warmup, params, config, args, peak)
     if args.profile:
-        for name in summary["best"].values():
-            print_profile(name, steps[name], args.profile)
+        summary["profiles"] = {name: print_profile(name, steps[name], args.profile, device)
+                               for name in summary["best"].values()}
+    if args.json:
+        write_json(args.json, summary)
     return summary
 
 
-def print_profile(name: str, step, rows: int) -> None:
-    """torch.profiler's table of one more iteration of `name`, by self time: where it goes."""
+def print_profile(name: str, step, rows: int, device: torch.device) -> dict:
+    """torch.profiler's table of one more iteration of `name`, by self GPU time on CUDA (self CPU time on a CPU):
+    where it goes. Returns {"sort_by", "table": the printed text, "top": [{"name", "calls", "self_ms"}] * rows}."""
     with torch.profiler.profile() as prof:  # CPU, and CUDA where present
         step()
-    print(f"profile of one iteration of {name}:")
-    print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=rows))
+        synchronize(device)
+    sort_by = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    averages = prof.key_averages()
+    table = averages.table(sort_by=sort_by, row_limit=rows)
+    print(f"profile of one iteration of {name}, by {sort_by}:")
+    print(table)
+    top = sorted(averages, key=lambda event: getattr(event, sort_by), reverse=True)[:rows]
+    return {"sort_by": sort_by, "table": table,
+            "top": [{"name": e.key, "calls": e.count, "self_ms": getattr(e, sort_by) / 1e3} for e in top]}
+
+
+def write_json(path: str, summary: dict) -> None:
+    """--json: the summary with NaN (not measured) as null, as JSON has no NaN."""
+    def clean(value):
+        if isinstance(value, dict):
+            return {key: clean(item) for key, item in value.items()}
+        if isinstance(value, (list, tuple)):
+            return [clean(item) for item in value]
+        return None if isinstance(value, float) and math.isnan(value) else value
+
+    with open(path, "w") as file:
+        json.dump(clean(summary), file, indent=1)
 
 
 if __name__ == "__main__":
