@@ -127,6 +127,12 @@ FEATURES = (
                                              "--num-virtual-stages-per-pipeline-rank", "2"), ranks=2,
                                    requires={"micro-batches": ("several",)}))),
     Feature("dp", ROUNDING, (Value("1"), Value("2", ranks=2, rtol=FP32_RTOL))),
+    # Expert parallelism folds over the DP x TP ranks: the experts split over TP (ETP = TP) and EP over DP with the
+    # alltoall dispatcher, or whole experts (ETP 1) over DP or TP ranks with the allgather one (EP_FITS).
+    Feature("ep", ROUNDING, (Value("1"), Value("2", ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
+                                                     "alltoall"), rtol=FP32_RTOL, requires={"model": ("moe",), **DP2}),
+                             Value("2+etp1", ("--expert-model-parallel-size", "2", "--expert-tensor-parallel-size",
+                                              "1"), rtol=FP32_RTOL, requires={"model": ("moe",)}))),
     Feature("sharding", ROUNDING, (Value("no_shard"),) + tuple(
         Value(strategy, ("--data-parallel-sharding-strategy", strategy), rtol=FP32_RTOL, requires=DP2)
         for strategy in ("optim", "optim_grads", "optim_grads_params"))),
@@ -206,6 +212,10 @@ CONSTRAINTS = [(RANKED, lambda values: ranks_of(values) <= MAX_RANKS)]
 CONSTRAINTS += [((name, other), _requirement(name, value.name, other, names))
                 for (name, _), value in VALUE.items() for other, names in value.requires.items()]
 CONSTRAINTS += [(tuple(combination), _not_all(combination)) for combination, _ in FORBIDDEN]
+# EP 2 with whole experts needs two DP or TP ranks to fold over.
+EP_FITS = (("ep", "dp", "tp"), lambda values: not (values.get("ep") == "2+etp1" and values.get("dp") == "1"
+                                                   and values.get("tp") == "1"))
+CONSTRAINTS.append(EP_FITS)
 
 
 def allowed(values: dict) -> bool:
