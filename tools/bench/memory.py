@@ -98,10 +98,10 @@ def storage_bytes(tensors) -> int:
 
 def optimizer_state_bytes(optimizer) -> int:
     """Main params with storage of their own, plus every tensor in Adam's state, each counted once."""
-    shards = optimizer.grad_buffer.param_shards  # ZeRO-3's stored parameters
     model_storages = {param.untyped_storage().data_ptr() for param in optimizer.model_params}
-    if shards is not None:
-        model_storages.add(shards.untyped_storage().data_ptr())
+    for buffer in optimizer.grad_buffers:  # ZeRO-3's stored parameters, the dense and the experts' shards
+        if buffer.param_shards is not None:
+            model_storages.add(buffer.param_shards.untyped_storage().data_ptr())
     tensors = [main for main in optimizer.main_params if main.untyped_storage().data_ptr() not in model_storages]
     tensors += [value for state in optimizer.adam.state.values() for value in state.values() if torch.is_tensor(value)]
     unique = {(tensor.data_ptr(), tensor.numel()): tensor for tensor in tensors}
@@ -110,14 +110,14 @@ def optimizer_state_bytes(optimizer) -> int:
 
 def model_state_bytes(model, parallel_model, optimizer) -> dict[str, int]:
     """{"params", "grads", "optimizer"}: the bytes allocated right now for each. model: what gives the parameters
-    (the chunks); parallel_model: their ParallelModel."""
-    buffer = parallel_model.buffer
+    (the chunks); parallel_model: their ParallelModel (its dense grad buffer and, with experts, theirs)."""
     params = storage_bytes(model.parameters())
-    if buffer.param_shards is not None:
-        params += tensor_bytes(buffer.param_shards)
-    in_flight = parallel_model.reduction_tensors()
-    held = [buffer.shards, *(bucket.grad for bucket in buffer.buckets)] if buffer.sharded else [buffer.data]
-    grads = storage_bytes([*held, *in_flight])
+    held = []
+    for buffer in parallel_model.buffers:
+        if buffer.param_shards is not None:
+            params += tensor_bytes(buffer.param_shards)
+        held += [buffer.shards, *(bucket.grad for bucket in buffer.buckets)] if buffer.sharded else [buffer.data]
+    grads = storage_bytes([*held, *parallel_model.reduction_tensors()])
     return {"params": params, "grads": grads, "optimizer": optimizer_state_bytes(optimizer)}
 
 
