@@ -7,12 +7,15 @@ import pytest
 import torch
 
 from megalite.config import ModelConfig
-from megalite.model.moe import Router, reset_global_aux_loss, set_aux_loss_scale, take_moe_statistics
+from megalite.model.gpt import build_model
+from megalite.model.moe import Router, moe_routers, reset_global_aux_loss, set_aux_loss_scale, take_moe_statistics
+from megalite.model.options import apply_options
 from megalite.model.transformer import build_mlp
 from megalite.parallel_state import build_parallel_state
 from megalite.tensor_parallel.comm import all_reduce
 from megalite.tensor_parallel.layers import initialize
 from megalite.tensor_parallel.random import checkpoint
+from megalite.run.training import forward_backward
 from tests.helpers.distributed import run_world
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -105,6 +108,31 @@ def test_a_recomputed_router_counts_once_and_reuses_its_forward_average():
     assert torch.equal(recomputed.global_tokens_per_expert, plain.global_tokens_per_expert)
     for got, want in zip(actual, expected):
         torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+class Unscaled:
+    """The one optimizer method forward_backward calls."""
+
+    @staticmethod
+    def scale_loss(loss):
+        return loss
+
+
+def test_forward_backward_counts_each_global_batch_afresh_under_recomputation():
+    model = apply_options(build_model(config(num_layers=2, hidden_dropout=0.0, attention_dropout=0.0), seed=3),
+                          recompute_granularity="full")
+    generator = torch.Generator().manual_seed(4)
+    batch = [{"tokens": ids, "labels": ids, "loss_mask": torch.ones(BATCH, SEQ),
+              "position_ids": torch.arange(SEQ).expand(BATCH, SEQ)}
+             for ids in torch.randint(0, 64, (MICRO_BATCHES, BATCH, SEQ), generator=generator)]
+    grads = []
+    for _ in range(2):  # the same global batch twice: the same counts, so the same grads
+        model.zero_grad()
+        forward_backward(model, batch, Unscaled())
+        grads.append([router.weight.grad.clone() for router in moe_routers(model)])
+        assert [router.global_forwards for router in moe_routers(model)] == [MICRO_BATCHES] * 2
+    for first, second in zip(*grads):
+        assert torch.equal(first, second)
 
 
 def _dp_world(rank: int, world_size: int) -> dict:
