@@ -102,8 +102,9 @@ class ModelConfig:
                                                group=MOE)
     moe_router_load_balancing_type: str = option("aux_loss", "load-balancing loss: aux_loss (GShard/Switch, over "
                                                              "the micro-batch), seq_aux_loss (per sequence, "
-                                                             "DeepSeek-V2), global_aux_loss (over the micro-batch on "
-                                                             "one process) or none",
+                                                             "DeepSeek-V2), global_aux_loss (its counts over the "
+                                                             "micro-batch on all data-parallel ranks, averaged over "
+                                                             "the step's micro-batches) or none",
                                                  choices=MOE_LOAD_BALANCING_TYPES, group=MOE)
     moe_aux_loss_coeff: float = option(0.0, "weight of the load-balancing loss (1e-2 is common)", group=MOE)
     moe_z_loss_coeff: float | None = option(None, "weight of the router z-loss (ST-MoE; 1e-3 is common)",

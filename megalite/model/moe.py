@@ -15,6 +15,7 @@ one tensor per kind whose rows are the experts by global index, so expert parall
 shards its own dim, and a checkpoint or a Hugging Face export unbinds it into per-expert tensors.
 """
 
+import collections
 import math
 import re
 
@@ -115,12 +116,15 @@ def aux_loss_scores(logits: torch.Tensor, score_function: str) -> torch.Tensor:
     return scores / (scores.sum(dim=-1, keepdim=True) + 1e-20)
 
 
-def switch_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int) -> torch.Tensor:
-    """GShard / Switch balancing loss over all `t` tokens: E x sum_e (mean score of e) x (share of the t x topk
-    assignments e got); 1 when balanced. scores, routing_map `[t, E]`."""
+def switch_aux_loss(scores: torch.Tensor, tokens_per_expert: torch.Tensor, topk: int,
+                    total_tokens: int | None = None) -> torch.Tensor:
+    """GShard / Switch balancing loss (Megatron's switch_load_balancing_loss_func): E / (topk x T^2) x sum_e
+    (e's summed scores) x (e's assignments), scores `[t, E]`, tokens_per_expert `[E]`, over T = `total_tokens`
+    tokens (default t); 1 when balanced. When the counts and T cover more tokens than these t (other ranks'
+    too), this is these tokens' share of that larger batch's loss."""
     t, experts = scores.shape
-    counts = routing_map.sum(dim=0).to(scores.dtype)
-    return (scores.sum(dim=0) * counts).sum() * (experts / (topk * t * t))
+    total = t if total_tokens is None else total_tokens
+    return (scores.sum(dim=0) * tokens_per_expert.to(scores.dtype)).sum() * (experts / (topk * total * total))
 
 
 def sequence_aux_loss(scores: torch.Tensor, routing_map: torch.Tensor, topk: int, seq_length: int) -> torch.Tensor:
@@ -146,12 +150,14 @@ def _in_backward() -> bool:
 class Router(nn.Module):
     """The gate `[E, h]` (its logits in fp32, Megatron's --moe-router-dtype fp32), top-k routing, capacity,
     the balancing losses and the expert bias. Holds `aux_loss_scale`, set by `set_aux_loss_scale`, and the
-    statistics `take_moe_statistics` reads. Under TP each of the `tp_size` ranks routes the same tokens and
-    injects 1/tp_size of the losses' gradient: its weight grads are summed over TP."""
+    statistics `take_moe_statistics` reads. Under TP each of the TP ranks routes the same tokens and injects
+    1/TP of the losses' gradient: its weight grads are summed over TP. global_aux_loss sums its counts over
+    the data-parallel ranks of `parallel` (`global_counts`)."""
 
-    def __init__(self, config: ModelConfig, tp_size: int = 1):
+    def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.config, self.tp_size = config, tp_size
+        self.config, self.tp_size, self.dp_size = config, parallel.tp_size, parallel.dp_size
+        self.dp_group = parallel.dp_group if parallel.dp_size > 1 else None
         experts = config.num_experts
         # Under TP every rank routes all tokens, and its weight grad is that rank's partial sum (summed over TP).
         self.weight = mark_parameter(nn.Parameter(torch.empty(experts, config.hidden_size)), False,
@@ -166,6 +172,11 @@ class Router(nn.Module):
         self.register_buffer("routed_tokens", torch.zeros(experts, dtype=torch.int64), persistent=False)
         self.loss_sums = {"load_balancing_loss": 0.0, "z_loss": 0.0}
         self.forwards = 0
+        # global_aux_loss: the counts of this step's micro-batches (summed over DP), its training forwards, and
+        # the average each used, for their recomputations in backward (reset_global_aux_loss clears them).
+        self.register_buffer("global_tokens_per_expert", torch.zeros(experts, dtype=torch.int64), persistent=False)
+        self.global_forwards = 0
+        self.global_averages = collections.deque()
 
     def init_weights(self, seed: int, prefix: str) -> None:
         with torch.no_grad():
@@ -208,24 +219,46 @@ class Router(nn.Module):
                                        config.moe_expert_capacity_factor)
             probs, routing_map = apply_capacity(probs, routing_map, capacity, config.moe_token_drop_policy,
                                                 config.moe_pad_expert_input_to_capacity)
-        if config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0 and self.training:
+        balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
+        if balancing and self.training and torch.is_grad_enabled():  # Megatron's condition: none without a graph
             aux_loss = self.balancing_loss(logits, seq_length) * config.moe_aux_loss_coeff
             probs = AuxLossInjector.apply(probs, aux_loss, self.aux_loss_scale / self.tp_size)
-            if counting:
-                self.loss_sums["load_balancing_loss"] += aux_loss.detach()
+            if counting:  # global_aux_loss: this rank's share; the DP mean of dp_size x share is their sum
+                share = self.dp_size if config.moe_router_load_balancing_type == "global_aux_loss" else 1
+                self.loss_sums["load_balancing_loss"] += aux_loss.detach() * share
         return probs, routing_map
 
     def balancing_loss(self, logits: torch.Tensor, seq_length: int) -> torch.Tensor:
         """The --moe-router-load-balancing-type loss of fp32 logits `[t, E]`, without its coefficient. As
         Megatron's, its assignment counts are a plain top-k of the loss's own scores (no bias, groups or
-        capacity). On one process the micro-batch is all tokens there are: global_aux_loss is aux_loss."""
-        config = self.config
+        capacity). aux_loss: over this micro-batch (its TP ranks' tokens are all here); global_aux_loss: these
+        tokens' scores against `global_counts`, over the micro-batch's tokens on all DP ranks."""
+        config, topk = self.config, self.config.moe_router_topk
         scores = aux_loss_scores(logits, config.moe_router_score_function)
-        top = scores.topk(config.moe_router_topk, dim=-1).indices
+        top = scores.topk(topk, dim=-1).indices
         routing_map = torch.zeros_like(scores, dtype=torch.bool).scatter(1, top, True)
         if config.moe_router_load_balancing_type == "seq_aux_loss":
-            return sequence_aux_loss(scores, routing_map, config.moe_router_topk, seq_length)
-        return switch_aux_loss(scores, routing_map, config.moe_router_topk)
+            return sequence_aux_loss(scores, routing_map, topk, seq_length)
+        if config.moe_router_load_balancing_type == "global_aux_loss":
+            return switch_aux_loss(scores, self.global_counts(routing_map), topk, len(scores) * self.dp_size)
+        return switch_aux_loss(scores, routing_map.sum(dim=0), topk)
+
+    def global_counts(self, routing_map: torch.Tensor) -> torch.Tensor:
+        """Megatron's global_aux_loss counts `[E]` fp32 for a training forward's routing map `[t, E]`: the
+        micro-batch's tokens per expert summed over the DP ranks (one all-reduce, in the forward, which every
+        DP rank of a pipeline stage runs at the same micro-batch), averaged over the step's micro-batches so
+        far. A recomputation in backward neither counts nor communicates: it takes the average its forward
+        used (backward runs a chunk's micro-batches in forward order)."""
+        if _in_backward():
+            return self.global_averages.popleft()
+        counts = routing_map.sum(dim=0)
+        if self.dp_group is not None:
+            torch.distributed.all_reduce(counts, group=self.dp_group)
+        self.global_tokens_per_expert += counts
+        self.global_forwards += 1
+        average = self.global_tokens_per_expert.float() / self.global_forwards
+        self.global_averages.append(average)
+        return average
 
 
 def local_experts(num_experts: int, parallel: ParallelState) -> range:
@@ -356,7 +389,7 @@ class MoELayer(nn.Module):
         self.ep_group = parallel.ep_group if parallel.ep_size > 1 else None
         self.rows_per_tp_rank = parallel.expert_tp_size < parallel.tp_size
         self.local_experts = local_experts(config.num_experts, parallel)
-        self.router = Router(config, parallel.tp_size)
+        self.router = Router(config, parallel)
         self.experts = Experts(config, output_std, kernels, parallel)
         self.shared_experts = shared_experts
         self.shared_expert_gate = None
@@ -453,6 +486,15 @@ def set_aux_loss_scale(model: nn.Module, scale) -> None:
     global batch), times the fp16 loss scale, as the language-model loss's (a float or a 0-dim tensor)."""
     for router in moe_routers(model):
         router.aux_loss_scale = scale
+
+
+def reset_global_aux_loss(model: nn.Module) -> None:
+    """Start a step's global_aux_loss counts afresh (Megatron resets them once per global batch, in
+    finalize_model_grads); `forward_backward` calls it before its micro-batches."""
+    for router in moe_routers(model):
+        router.global_tokens_per_expert.zero_()
+        router.global_forwards = 0
+        router.global_averages.clear()
 
 
 @torch.no_grad()

@@ -39,7 +39,8 @@ from megalite.run.resilience import (LossSpikeDetector, PeerWatch, SkippedSteps,
 from megalite.pipeline_parallel.comm import PipelineComm
 from megalite.pipeline_parallel.schedules import ScheduleRunner, schedule_steps
 from megalite.model.loss import LanguageModelLoss
-from megalite.model.moe import moe_routers, set_aux_loss_scale, take_moe_statistics, update_expert_bias
+from megalite.model.moe import (moe_routers, reset_global_aux_loss, set_aux_loss_scale, take_moe_statistics,
+                                update_expert_bias)
 from megalite.pipeline_parallel.stages import ModelChunks, build_model_chunks
 from megalite.tensor_parallel.random import model_parallel_seed
 
@@ -110,6 +111,7 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
     if moe_routers(model):
         loss_scale = scale_loss(torch.ones((), device=device)) if scale_loss is not None else 1.0
         set_aux_loss_scale(model, loss_scale / (len(micro_batches) * parallel.dp_size))
+        reset_global_aux_loss(model)  # global_aux_loss averages the counts of this global batch's micro-batches
     runner = ScheduleRunner(chunks, micro_batches, total_tokens,
                             lambda chunk, mb, hidden: chunk(mb["tokens"], mb["position_ids"], hidden_states=hidden),
                             lambda chunk, hidden, mb: loss_fn(chunk, hidden, mb["labels"], mb["loss_mask"]),

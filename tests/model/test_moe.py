@@ -90,12 +90,12 @@ def test_aux_loss_and_seq_aux_loss_by_hand():
     t, experts, k = 3, 4, 2
     # Switch: E * sum_e (mean score of e) * (e's share of the t*k assignments).
     hand = experts * sum(scores[:, e].mean() * routing_map[:, e].sum() / (t * k) for e in range(experts))
-    torch.testing.assert_close(switch_aux_loss(scores, routing_map, k), hand)
+    torch.testing.assert_close(switch_aux_loss(scores, routing_map.sum(dim=0), k), hand)
     # Per sequence (s = 3, b = 1 here: one sequence), the same value; two sequences of [s=2, b=2] averaged.
     torch.testing.assert_close(sequence_aux_loss(scores, routing_map, k, 3), hand)
     logits = torch.randn(4, 4, generator=torch.Generator().manual_seed(0))
     scores, routing_map = torch.softmax(logits, dim=-1), topk_routing(logits, 2)[1]
-    per_sequence = [switch_aux_loss(scores[b::2], routing_map[b::2], 2) for b in range(2)]  # rows are [s, b]
+    per_sequence = [switch_aux_loss(scores[b::2], routing_map[b::2].sum(dim=0), 2) for b in range(2)]  # rows are [s, b]
     torch.testing.assert_close(sequence_aux_loss(scores, routing_map, 2, 2), sum(per_sequence) / 2)
 
 
@@ -113,7 +113,7 @@ def test_balancing_losses_reach_the_router_gradient_scaled_and_outside_the_loss(
     if kind == "aux_loss":
         scores = torch.softmax(logits, dim=-1)
         top_two = torch.zeros(6, 4, dtype=torch.bool).scatter(1, scores.topk(2, dim=-1).indices, True)
-        hand = switch_aux_loss(scores, top_two, 2)
+        hand = switch_aux_loss(scores, top_two.sum(dim=0), 2)
     else:
         hand = torch.logsumexp(logits, dim=-1).square().mean()
     expected = torch.autograd.grad(coeff * scale * hand, router.weight)[0]
