@@ -25,8 +25,9 @@ from torch import nn
 
 from megalite.config import ModelConfig
 from megalite.kernels.swiglu import swiglu
+from megalite.model.token_dispatcher import TokenDispatcher
 from megalite.parallel_state import ONE_PROCESS, ParallelState
-from megalite.tensor_parallel.comm import (all_to_all, divide, gather_from_sequence_parallel_region,
+from megalite.tensor_parallel.comm import (divide, gather_from_sequence_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
 from megalite.tensor_parallel.layers import init_full_tensor, mark_parameter, shard_full_tensor, tensor_parallel_group
 
@@ -357,14 +358,6 @@ class Experts(nn.Module):
         return output
 
 
-def expert_order(probs: torch.Tensor, routing_map: torch.Tensor):
-    """The dispatch order of rows routed by probs and routing map `[n, E]`: (the row ids `[m]` in (expert,
-    token) order, each expert's rows contiguous; their probs `[m]`; the rows per expert `[E]`)."""
-    by_expert = routing_map.t()  # [E, n]
-    token_ids = torch.arange(len(routing_map), device=routing_map.device).expand_as(by_expert).masked_select(by_expert)
-    return token_ids, probs.t().masked_select(by_expert), by_expert.sum(dim=1)
-
-
 class MoELayer(nn.Module):
     """Route -> dispatch -> experts -> combine, plus `shared_experts` (a dense MLP every token goes through,
     gated by sigmoid(x w) with --moe-shared-expert-gate): `[s, b, h]` -> `[s, b, h]` (`[s/tp, b, h]` under SP).
@@ -378,19 +371,18 @@ class MoELayer(nn.Module):
     dispatches only its own sequence chunk's rows, whose outputs come back whole.
 
     Under expert parallelism (EP > 1) a rank holds E/EP experts (`local_experts`), and the rows it dispatches
-    reach the experts' ranks by --moe-token-dispatcher-type (see `dispatch`)."""
+    reach the experts' ranks by --moe-token-dispatcher-type (token_dispatcher.py)."""
 
     def __init__(self, config: ModelConfig, output_std: float, parallel: ParallelState = ONE_PROCESS,
                  kernels: str = "auto", shared_experts: nn.Module | None = None):
         super().__init__()
         assert parallel.tp_size == 1 or parallel.sequence_parallel, "MoE under TP needs SP (RunConfig.validate)"
         self.config, self.parallel, self.tp_group = config, parallel, tensor_parallel_group(parallel)
-        # None at EP 1, so the collectives return at once (as tensor_parallel_group's).
-        self.ep_group = parallel.ep_group if parallel.ep_size > 1 else None
         self.rows_per_tp_rank = parallel.expert_tp_size < parallel.tp_size
-        self.local_experts = local_experts(config.num_experts, parallel)
         self.router = Router(config, parallel)
         self.experts = Experts(config, output_std, kernels, parallel)
+        self.dispatch = TokenDispatcher(self.experts, local_experts(config.num_experts, parallel),
+                                        config.moe_token_dispatcher_type, parallel)
         self.shared_experts = shared_experts
         self.shared_expert_gate = None
         if config.moe_shared_expert_gate:
@@ -426,55 +418,6 @@ class MoELayer(nn.Module):
                 shared = torch.sigmoid(F.linear(local_tokens, self.shared_expert_gate)) * shared
             output = output + shared
         return output.view(hidden.shape)
-
-    def dispatch(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """Rows `[n, h]` with their probs `[n, E]` and routing map `[n, E]` over all experts -> `[n, h]`, each row
-        the sum of its experts' outputs wherever those experts are (partial sums under expert TP).
-
-        allgather: every EP rank's rows, probs and map are all-gathered over EP (equal sizes), each rank runs
-        its experts' columns on all of them, and the outputs are reduce-scattered back to their rows' ranks.
-        alltoall: the rows go in (expert, token) order straight to their experts' ranks and back, by one
-        uneven all-to-all each way, whose sizes come from the per-expert counts all-gathered over EP."""
-        if self.ep_group is None:
-            return self.run_local_experts(tokens, probs, routing_map)
-        if self.config.moe_token_dispatcher_type == "alltoall":
-            return self.alltoall(tokens, probs, routing_map)
-        group, mine = self.ep_group, self.local_experts
-        tokens = gather_from_sequence_parallel_region(tokens, group)  # [EP n, h]
-        probs = gather_from_sequence_parallel_region(probs, group)
-        routing_map = gather_from_sequence_parallel_region(routing_map, group)
-        output = self.run_local_experts(tokens, probs[:, mine.start:mine.stop], routing_map[:, mine.start:mine.stop])
-        return reduce_scatter_to_sequence_parallel_region(output, group)
-
-    def run_local_experts(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """Rows `[n, h]` with probs and routing map `[n, E/EP]` over this rank's experts -> `[n, h]`: dispatch
-        into (expert, token) order, the experts, and the combine (each row's outputs summed in token order)."""
-        token_ids, row_probs, counts = expert_order(probs, routing_map)
-        expert_out = self.experts(tokens[token_ids], counts, row_probs)
-        return torch.zeros_like(tokens).index_add(0, token_ids, expert_out)
-
-    def alltoall(self, tokens: torch.Tensor, probs: torch.Tensor, routing_map: torch.Tensor) -> torch.Tensor:
-        """`dispatch` by the uneven all-to-all: rows `[n, h]`, probs and routing map `[n, E]` -> `[n, h]`."""
-        group, ep, me = self.ep_group, self.parallel.ep_size, self.parallel.ep_rank
-        local = len(self.local_experts)
-        # The (expert, token) order puts the rows for each EP rank's experts together.
-        token_ids, row_probs, counts = expert_order(probs, routing_map)
-        # table[source][destination][local expert]: rows each rank sends each expert (the one host sync)
-        table = gather_from_sequence_parallel_region(counts.view(1, -1), group).view(ep, ep, local).tolist()
-        send = [sum(table[me][destination]) for destination in range(ep)]
-        receive = [sum(table[source][me]) for source in range(ep)]
-        rows = all_to_all(tokens[token_ids], group, receive, send)
-        row_probs = all_to_all(row_probs, group, receive, send)
-        # Received in (source, local expert) order; the experts take (local expert, source) order.
-        blocks = torch.arange(sum(receive), device=tokens.device).split(
-            [table[source][me][expert] for source in range(ep) for expert in range(local)])
-        order = torch.cat([blocks[source * local + expert] for expert in range(local) for source in range(ep)])
-        expert_counts = torch.tensor([sum(table[source][me][expert] for source in range(ep))
-                                      for expert in range(local)], device=tokens.device)
-        expert_out = self.experts(rows[order], expert_counts, row_probs[order])
-        back = all_to_all(expert_out[order.argsort()], group, send, receive)
-        return torch.zeros_like(tokens).index_add(0, token_ids, back)
-
 
 def moe_routers(model: nn.Module) -> list[Router]:
     """The routers of a model (a GPTModel, a pipeline rank's chunks), in layer order."""
