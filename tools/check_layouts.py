@@ -14,7 +14,7 @@ from one interpreter rather than started by torchrun) and writes a metrics file;
 single-process reference runs on the CPU too (no GPU visible), so the comparison is CPU
 against CPU on any machine;
 tools/loss_compare.py's comparison against the single-process run gives the largest
-relative difference per layout. Exits 1 when any exceeds its tolerance (1e-6 for
+relative difference of the losses and grad norms per layout. Exits 1 when any exceeds its tolerance (1e-6 for
 pipeline-only layouts, which change no arithmetic; 1e-5 with tensor parallelism).
 """
 
@@ -25,7 +25,7 @@ import sys
 import tempfile
 
 from tools.fork_ranks import cpu_world_environment
-from tools.loss_compare import compare, read_losses
+from tools.loss_compare import compare, read_grad_norms, read_losses
 
 REPO_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -119,7 +119,8 @@ def run(processes: int, flags: list[str], metrics: str) -> str:
 
 
 def largest_difference(model: str, layout: str, train_iters: int, folder: str) -> float:
-    """Relative loss difference of `layout` against one process, for `model` (runs both)."""
+    """Largest relative difference of `layout`'s losses and grad norms against one process's, for `model` (runs
+    both)."""
     flags = [*COMMON, *MODELS[model], "--train-iters", str(train_iters)]
     reference = os.path.join(folder, f"{model}-single.jsonl")
     if not os.path.exists(reference):
@@ -127,7 +128,7 @@ def largest_difference(model: str, layout: str, train_iters: int, folder: str) -
     processes, layout_flags, _ = LAYOUTS[layout]
     other = os.path.join(folder, f"{model}-{layout}.jsonl")
     run(processes, [*flags, *layout_flags], other)
-    return compare(read_losses(reference), read_losses(other))[1]
+    return max(compare(read(reference), read(other))[1] for read in (read_losses, read_grad_norms))
 
 
 def main(argv=None) -> int:
@@ -147,8 +148,8 @@ def main(argv=None) -> int:
                 verdict = "ok" if difference <= rtol else "ABOVE"
                 if difference > rtol:
                     failed.append(f"{model} {layout}")
-                print(f"{model:<12} {layout:<40} largest relative loss difference vs 1 process: {difference:.2e} "
-                      f"(rtol {rtol:g}: {verdict})", flush=True)
+                print(f"{model:<12} {layout:<40} largest relative difference (loss, grad norm) vs 1 process: "
+                      f"{difference:.2e} (rtol {rtol:g}: {verdict})", flush=True)
     print(f"{'all layouts within tolerance' if not failed else 'ABOVE tolerance: ' + ', '.join(failed)}")
     return 0 if not failed else 1
 

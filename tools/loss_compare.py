@@ -20,6 +20,13 @@ def read_losses(path: str) -> dict[tuple[str, int], float]:
             for record in read_metrics_records(path)}
 
 
+def read_grad_norms(path: str) -> dict[tuple[str, int], float]:
+    """{("grad_norm", iteration): the step's grad norm} of a metrics file's training records: a grad scaled by a
+    layout (say by EP or TP) shows here even where Adam's scale invariance hides it from the losses."""
+    return {("grad_norm", record["iteration"]): record["grad_norm"] for record in read_metrics_records(path)
+            if "split" not in record and record.get("grad_norm") is not None}
+
+
 def relative_difference(a: float, b: float) -> float:
     return abs(a - b) / max(abs(a), abs(b), 1e-12)
 
