@@ -220,10 +220,11 @@ def traffic_table(args, ranks: list[dict]) -> bool:
 
 
 def throughput_table(args, seconds: dict, world: int) -> None:
+    """Print tokens/s per layout (rank 0's `seconds` per iteration) beside the one-process run's."""
     tokens = world * args.micro_batch_size * args.seq_length
-    print(f"\ntokens/s of a {args.layers}-layer MoE GPT (hidden {args.hidden}, {args.experts} experts, top-{args.topk}), "
-          f"forward + backward of a global batch of {world} x {args.micro_batch_size} x {args.seq_length} tokens; "
-          f"gloo CPU ranks, one thread each: software overhead only")
+    print(f"\ntokens/s of a {args.layers}-layer MoE GPT (hidden {args.hidden}, {args.experts} experts, "
+          f"top-{args.topk}), forward + backward of a global batch of {world} x {args.micro_batch_size} x "
+          f"{args.seq_length} tokens; gloo CPU ranks, one thread each: software overhead only")
     print(f"{'layout':<22} {'dispatcher':<10} {'ms/iter':>8} {'tokens/s':>9} {'vs one process':>14}")
     alone = tokens / seconds["one process"]
     print(f"{'one process':<22} {'-':<10} {seconds['one process'] * 1000:>8.1f} {alone:>9.0f} {1:>14.3f}")
