@@ -105,6 +105,7 @@ class ExpertParallelTraffic:
 
 
 def model_config(args, dispatcher: str):
+    """The bench's LLaMA-shaped MoE GPT: every layer's MLP routes to --experts experts of FFN size --hidden."""
     from megalite.config import ModelConfig
 
     return ModelConfig.of(num_layers=args.layers, hidden_size=args.hidden, num_attention_heads=4,
