@@ -414,7 +414,7 @@ def comparable_routing(routing: dict, values: dict) -> dict:
     the run rounds more (bf16 / fp16 params, grads reduced in bf16), which may flip a top-k choice near a tie (a
     token moves to another expert, and the loss stays within the tolerance), the z-loss only: the token counts
     and the balancing loss, which counts them, move by a step then. Exact references compare all."""
-    if tolerance(values) <= FP32_RTOL:
+    if max(VALUE["precision", values["precision"]].rtol, tolerance(values)) <= FP32_RTOL:
         return routing
     return {key: value for key, value in routing.items() if key[0] == "z_loss"}
 
