@@ -1,0 +1,280 @@
+"""Context-parallel (CP) causal attention: each rank of the CP group holds a part of the sequence, and the
+ranks together compute one process's causal attention over the whole of it.
+
+The split is Megatron's load-balanced zig-zag: a sequence of length S is cut into 2·CP chunks of S/(2·CP) and
+CP rank r holds chunks r and 2·CP-1-r, in that order (`zigzag_positions`), so every rank does the same causal
+work. q, k and v arrive already split, in the attention core's layout: q `[S/CP, b, heads, d]`, k and v
+`[S/CP, b, groups, d]` (grouped-query attention: query head i attends with key/value head i // (heads/groups)).
+
+`--cp-comm-type` (Megatron's names) picks how the keys and values meet the queries:
+- `all_gather`: K and V gathered over CP, attention masked by global positions; dK, dV reduce-scattered back.
+- `p2p`: a ring. K/V blocks travel rank to rank, the next block's send/receive overlapping the current block's
+  attention; the partial attentions merge by their log-sum-exp (LSE). The fused kernels return an LSE that is
+  not differentiable, so autograd through the merge would give a wrong dQ: the ring is its own autograd
+  Function, whose backward recomputes each block from the merged output and LSE and sends dK/dV around the
+  ring back to their owners.
+- `a2a` (Ulysses): an all-to-all turns the sequence split into a head split, each rank attends over the whole
+  sequence for its heads, and an all-to-all turns it back.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.errors import UserError
+from megalite.tensor_parallel.comm import all_to_all, gather_from_sequence_parallel_region, group_size
+
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+# The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
+_KV_TAG, _GRAD_KV_TAG = 1, 2
+
+
+def zigzag_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
+    """The global positions `[seq_length / cp_size]` of CP rank `cp_rank`'s tokens: chunks `cp_rank` and
+    `2·cp_size-1-cp_rank` of the 2·cp_size equal chunks, in that order."""
+    if seq_length % (2 * cp_size):
+        raise UserError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size "
+                        f"({2 * cp_size}): change either flag")
+    chunk = seq_length // (2 * cp_size)
+    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
+    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def check_a2a_heads(num_heads: int, cp_size: int) -> None:
+    """UserError unless the attention heads per TP rank divide by CP, as `a2a` needs."""
+    if num_heads % cp_size:
+        raise UserError(f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({num_heads}) "
+                        f"divisible by --context-parallel-size {cp_size}: change one of them, or use "
+                        "--cp-comm-type p2p or all_gather")
+
+
+def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
+                               scale: float | None = None) -> torch.Tensor:
+    """Causal softmax(scale · q k^T) v over the global positions of the CP group's zig-zag split: q
+    `[s, b, heads, d]`, k and v `[s, b, groups, d]` (this rank's s = S/CP tokens) -> `[s, b, heads, d]`.
+    `scale` None: 1/sqrt(d). A group of one (or None) is plain causal attention."""
+    if comm_type not in CP_COMM_TYPES:
+        raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
+    size = group_size(group)
+    if comm_type == "a2a":
+        check_a2a_heads(q.shape[2], size)
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
+    if size == 1:
+        return _causal_sdpa(q, k, v, scale)
+    if comm_type == "all_gather":
+        return _all_gather_attention(q, k, v, group, scale)
+    if comm_type == "a2a":
+        return _a2a_attention(q, k, v, group, scale)
+    ring_layout = [t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v)]  # [b, n, s, d], the kernels' layout
+    return _RingAttention.apply(*ring_layout, group, scale).permute(2, 0, 1, 3)
+
+
+def _causal_sdpa(q, k, v, scale, mask=None):
+    """SDPA on `[s, b, n, d]` tensors: causal by local order, or by `mask` `[s_q, s_k]` (True: attend)."""
+    q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
+    out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                         enable_gqa=k.shape[1] != q.shape[1])
+    return out.permute(2, 0, 1, 3)
+
+
+def _all_gather_attention(q, k, v, group, scale):
+    """All of K and V on every rank (gathered in rank order), masked by global positions."""
+    size, rank, s = group_size(group), dist.get_rank(group), q.shape[0]
+    key_positions = torch.cat([zigzag_positions(s * size, size, r) for r in range(size)]).to(q.device)
+    query_positions = key_positions[rank * s:(rank + 1) * s]
+    mask = key_positions[None, :] <= query_positions[:, None]  # [s, S]
+    k, v = (gather_from_sequence_parallel_region(t, group) for t in (k, v))  # backward: reduce-scatter
+    return _causal_sdpa(q, k, v, scale, mask)
+
+
+def _a2a_attention(q, k, v, group, scale):
+    """Ulysses: heads split over CP, the whole sequence on each rank, put in global order for causal SDPA."""
+    size, s, heads, groups = group_size(group), q.shape[0], q.shape[2], k.shape[2]
+    # Key/value heads repeat only as far as needed to split over CP: query head chunk j then holds the
+    # query heads of key/value head chunk j (heads/groups is a multiple of the repeat, since CP divides heads).
+    repeat = size // math.gcd(groups, size)
+    if repeat > 1:
+        k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+    gathered = torch.cat([zigzag_positions(s * size, size, r) for r in range(size)]).to(q.device)
+    to_global = torch.argsort(gathered)
+    q, k, v = (_heads_to_sequence(t, group)[to_global] for t in (q, k, v))  # [S, b, n/CP, d]
+    return _sequence_to_heads(_causal_sdpa(q, k, v, scale)[gathered], group)
+
+
+def _heads_to_sequence(x, group):
+    """`[s, b, n, d]` (this rank's tokens, all heads) -> `[CP·s, b, n/CP, d]` (every rank's tokens, in rank
+    order, for this rank's head chunk)."""
+    size, s, b, n, d = group_size(group), *x.shape
+    by_rank = x.reshape(s, b, size, n // size, d).permute(2, 0, 1, 3, 4).reshape(size * s, b, n // size, d)
+    return all_to_all(by_rank, group, [s] * size, [s] * size)
+
+
+def _sequence_to_heads(x, group):
+    """The inverse of `_heads_to_sequence`."""
+    size, total, b, n_local, d = group_size(group), *x.shape
+    s = total // size
+    x = all_to_all(x.contiguous(), group, [s] * size, [s] * size)  # row block i: head chunk i of my tokens
+    return x.reshape(size, s, b, n_local, d).permute(1, 2, 0, 3, 4).reshape(s, b, size * n_local, d)
+
+
+# The ring ------------------------------------------------------------------------------------------------
+
+def _block_forward_cpu(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=scale)
+
+
+def _block_backward_cpu(grad_out, q, k, v, out, lse, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
+
+
+def _block_forward_matmul(q, k, v, causal, scale):
+    """(out, lse) of one block by plain matmuls, on any device and dtype: q `[b, n, s_q, d]`, k/v
+    `[b, n, s_k, d]` -> `[b, n, s_q, d]`, `[b, n, s_q]` (fp32 or wider)."""
+    scores = _scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)
+    return (torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype) @ v), lse
+
+
+def _block_backward_matmul(grad_out, q, k, v, out, lse, causal, scale):
+    """One block's (dq, dk, dv) from the MERGED output and LSE (the block's probabilities are exp(scores -
+    lse)): dS = P * (dO V^T - rowsum(dO * O))."""
+    probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
+    delta = (grad_out.to(probs.dtype) * out.to(probs.dtype)).sum(-1, keepdim=True)
+    grad_scores = probs * ((grad_out @ v.transpose(-1, -2)).to(probs.dtype) - delta)
+    grad_scores, probs = grad_scores.to(q.dtype), probs.to(q.dtype)
+    return (grad_scores @ k) * scale, (grad_scores.transpose(-1, -2) @ q) * scale, probs.transpose(-1, -2) @ grad_out
+
+
+def _scores(q, k, causal, scale):
+    scores = (q @ k.transpose(-1, -2)).to(torch.promote_types(q.dtype, torch.float32)) * scale
+    if causal:  # only square (diagonal) blocks are causal
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu_(1), float("-inf"))
+    return scores
+
+
+def _block_ops(device: torch.device):
+    """(forward, backward) of one attention block, the one device dispatch: CPU's fused flash kernel (it returns
+    the LSE); plain matmuls elsewhere (a fused GPU kernel that returns the LSE can take their place here)."""
+    if device.type == "cpu":
+        return _block_forward_cpu, _block_backward_cpu
+    return _block_forward_matmul, _block_backward_matmul
+
+
+def _block(step: int, source: int, rank: int, half: int) -> tuple[slice, slice, bool]:
+    """(query rows, key rows, causal) of the ring's block at `step`, where this rank holds `source`'s K/V.
+    Rank r's rows are chunks (r, 2CP-1-r): its own K/V is the causal diagonal; an earlier rank's first
+    chunk is wholly before both of r's chunks and its second wholly after; a later rank's two chunks are
+    both before r's second chunk and after its first."""
+    everything = slice(None)
+    if step == 0:
+        return everything, everything, True
+    if source < rank:
+        return everything, slice(None, half), False
+    return slice(half, None), everything, False
+
+
+def _repeat_heads(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """k or v `[b, groups, s, d]` -> `[b, heads, s, d]`, each head repeated for its query heads."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
+def _sum_heads(grad: torch.Tensor, groups: int) -> torch.Tensor:
+    """The grad of `_repeat_heads`: `[b, heads, s, d]` -> `[b, groups, s, d]`."""
+    return grad if grad.shape[1] == groups else grad.unflatten(1, (groups, -1)).sum(2)
+
+
+def _send_to_next(tensor: torch.Tensor, group, tag: int):
+    """Start sending `tensor` to the next rank of the ring and receiving the previous rank's into a new
+    tensor; (that tensor, the requests to wait on)."""
+    size, rank = group_size(group), dist.get_rank(group)
+    received = torch.empty_like(tensor)
+    operations = [dist.P2POp(dist.isend, tensor, dist.get_global_rank(group, (rank + 1) % size), group, tag),
+                  dist.P2POp(dist.irecv, received, dist.get_global_rank(group, (rank - 1) % size), group, tag)]
+    return received, dist.batch_isend_irecv(operations)
+
+
+def _wait(requests) -> None:
+    for request in requests:
+        request.wait()
+
+
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float):
+    """The ring's (out `[b, heads, s, d]`, lse `[b, heads, s]`) for q `[b, heads, s, d]`, k/v `[b, groups, s, d]`
+    (contiguous). Differentiable in q only through the block kernels' outputs, NOT their LSE: `_RingAttention`
+    is the differentiable form."""
+    size, rank, half, heads = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1]
+    forward = _block_ops(q.device)[0]
+    key_values = torch.stack([k, v])
+    out = lse = None
+    for step in range(size):
+        if step + 1 < size:  # the next block travels while this one is computed
+            next_key_values, requests = _send_to_next(key_values, group, _KV_TAG)
+        rows, keys, causal = _block(step, (rank - step) % size, rank, half)
+        block_k, block_v = (_repeat_heads(t[:, :, keys], heads) for t in key_values)
+        block_out, block_lse = forward(q[:, :, rows], block_k, block_v, causal, scale)
+        if step == 0:  # the diagonal block covers every row
+            out, lse = block_out.to(block_lse.dtype), block_lse
+        else:
+            out, lse = _merge(out, lse, rows, block_out, block_lse)
+        if step + 1 < size:
+            _wait(requests)
+            key_values = next_key_values
+    return out.to(q.dtype), lse
+
+
+def _merge(out, lse, rows, block_out, block_lse):
+    """(out, lse) with a block's partial attention over other keys merged into `rows`, weighted by exp(LSE)."""
+    merged_lse = torch.logaddexp(lse[:, :, rows], block_lse)
+    merged = (out[:, :, rows] * torch.exp(lse[:, :, rows] - merged_lse).unsqueeze(-1)
+              + block_out * torch.exp(block_lse - merged_lse).unsqueeze(-1))
+    out, lse = out.clone(), lse.clone()  # not in place: the caller may differentiate through the merge
+    out[:, :, rows], lse[:, :, rows] = merged, merged_lse
+    return out, lse
+
+
+def _ring_backward(grad_out, q, k, v, out, lse, group, scale):
+    """(dq, dk, dv) of the ring: K/V travel the ring again, each rank adds its queries' share of every
+    block's dK/dV into the accumulator travelling with that block, and one last step hands each rank its own."""
+    size, rank, half, heads, groups = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1], k.shape[1]
+    backward = _block_ops(q.device)[1]
+    key_values = torch.stack([k, v])
+    grad_q = torch.zeros_like(q, dtype=lse.dtype)
+    for step in range(size):
+        if step + 1 < size:
+            next_key_values, kv_requests = _send_to_next(key_values, group, _KV_TAG)
+        rows, keys, causal = _block(step, (rank - step) % size, rank, half)
+        block_k, block_v = (_repeat_heads(t[:, :, keys], heads) for t in key_values)
+        block_grads = backward(grad_out[:, :, rows].contiguous(), q[:, :, rows].contiguous(), block_k, block_v,
+                               out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, scale)
+        grad_q[:, :, rows] += block_grads[0]
+        grad_key_values = torch.zeros_like(key_values, dtype=lse.dtype)
+        for held, grad in zip(grad_key_values, block_grads[1:]):
+            held[:, :, keys] = _sum_heads(grad, groups)
+        if step > 0:  # the accumulator of this block's owner, from the previous rank
+            _wait(grad_requests)
+            grad_key_values += received
+        received, grad_requests = _send_to_next(grad_key_values, group, _GRAD_KV_TAG)
+        if step + 1 < size:
+            _wait(kv_requests)
+            key_values = next_key_values
+    _wait(grad_requests)  # after CP steps the accumulator that arrives is this rank's own
+    return grad_q.to(q.dtype), received[0].to(k.dtype), received[1].to(v.dtype)
+
+
+class _RingAttention(torch.autograd.Function):
+    """The ring as one differentiable function of q, k, v `[b, n, s, d]` (see `ring_forward`)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, group, scale):
+        out, lse = ring_forward(q, k, v, group, scale)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.group, ctx.scale = group, scale
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grads = _ring_backward(grad_out.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale)
+        return *grads, None, None

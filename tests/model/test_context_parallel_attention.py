@@ -1,0 +1,164 @@
+"""Context-parallel attention (model/context_parallel.py) against one process's causal SDPA, in fp64.
+
+Every rank draws the whole sequence's q, k, v and upstream grad from one seed, attends over its zig-zag slices
+under CP, and compares its output and dQ, dK, dV with the same slices of the one-process result. One gloo world
+per CP size runs every check (comm type x GQA), each reported as its own test.
+"""
+
+import functools
+import traceback
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from megalite.errors import UserError
+from megalite.model import context_parallel
+from megalite.model.context_parallel import (CP_COMM_TYPES, check_a2a_heads, context_parallel_attention,
+                                             zigzag_positions)
+from tests.helpers.distributed import run_world
+
+SEQ, BATCH, HEADS, HEAD_DIM = 24, 2, 8, 8
+TOLERANCE = 1e-10
+# Key/value heads: 8 is plain multi-head; 2 is GQA, which a2a splits over CP 2 as is and repeats for CP 4.
+GROUPS = {"mha": HEADS, "gqa": 2}
+CP_SIZES = (2, 4)
+
+
+def randn(*shape, seed: int) -> torch.Tensor:
+    return torch.randn(shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+
+
+def inputs(groups: int) -> tuple[torch.Tensor, ...]:
+    """The whole sequence's q `[S, b, heads, d]`, k, v `[S, b, groups, d]` and upstream grad, on every rank."""
+    return (randn(SEQ, BATCH, HEADS, HEAD_DIM, seed=1), randn(SEQ, BATCH, groups, HEAD_DIM, seed=2),
+            randn(SEQ, BATCH, groups, HEAD_DIM, seed=3), randn(SEQ, BATCH, HEADS, HEAD_DIM, seed=4))
+
+
+def reference(q, k, v, grad):
+    """One process: causal SDPA on the whole sequence; (out, dq, dk, dv), all `[S, b, n, d]`."""
+    q, k, v = (t.clone().requires_grad_() for t in (q, k, v))
+    out = F.scaled_dot_product_attention(*(t.permute(1, 2, 0, 3) for t in (q, k, v)), is_causal=True,
+                                         enable_gqa=True).permute(2, 0, 1, 3)
+    out.backward(grad)
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def max_errors(comm_type: str, groups: int) -> dict:
+    """This rank's max |CP - one process| of the output and each input grad."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, grad = inputs(groups)
+    expected = reference(q, k, v, grad)
+    mine = zigzag_positions(SEQ, size, rank)
+    q, k, v = (t[mine].clone().requires_grad_() for t in (q, k, v))
+    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type)
+    out.backward(grad[mine])
+    actual = (out.detach(), q.grad, k.grad, v.grad)
+    return {name: (a - e[mine]).abs().max().item()
+            for name, a, e in zip(("out", "dq", "dk", "dv"), actual, expected)}
+
+
+def check_attention(comm_type: str, groups: int) -> dict:
+    errors = max_errors(comm_type, groups)
+    assert max(errors.values()) <= TOLERANCE, errors
+    return errors
+
+
+def check_merge_trap() -> dict:
+    """The ring's forward differentiated by plain autograd: the kernels' LSE carries no grad, so the dQ through
+    the merge is wrong by far more than the bar (the reason the ring has its own backward)."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, grad = inputs(HEADS)
+    expected_dq = reference(q, k, v, grad)[1]
+    mine = zigzag_positions(SEQ, size, rank)
+    q, k, v = (t[mine].permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
+    q.requires_grad_()
+    out, _ = context_parallel.ring_forward(q, k, v, dist.group.WORLD, HEAD_DIM ** -0.5)
+    out.backward(grad[mine].permute(1, 2, 0, 3))
+    error = (q.grad.permute(2, 0, 1, 3) - expected_dq[mine]).abs().max().item()
+    assert error > 1e-3, error
+    return {"dq": error}
+
+
+def checks() -> dict:
+    """name: a function with no arguments, in the order every rank runs them."""
+    table = {f"{comm_type}-{kind}": functools.partial(check_attention, comm_type, groups)
+             for comm_type in CP_COMM_TYPES for kind, groups in GROUPS.items()}
+    table["p2p-autograd-through-the-merge-is-wrong"] = check_merge_trap
+    return table
+
+
+def run_checks(rank: int, world_size: int) -> dict:
+    """Every check on this rank; {name: (traceback or None, its max errors)}."""
+    results = {}
+    for name, check in checks().items():
+        try:
+            results[name] = (None, check())
+        except Exception:  # noqa: BLE001 - reported per check by the tests below
+            results[name] = (traceback.format_exc(), None)
+    return results
+
+
+@functools.cache
+def world_results(size: int) -> list[dict]:
+    """Every rank's results in a CP world of `size`, run once, when a test first asks for it."""
+    return run_world(size, run_checks)
+
+
+@pytest.mark.parametrize("size, check", [(size, name) for size in CP_SIZES for name in checks()])
+def test_context_parallel_attention_matches_one_process(size, check):
+    reports = [f"rank {rank}:\n{results[check][0]}" for rank, results in enumerate(world_results(size))
+               if results[check][0]]
+    assert not reports, "\n".join(reports)
+
+
+def test_zigzag_positions():
+    assert zigzag_positions(8, 1, 0).tolist() == list(range(8))
+    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
+    every = torch.cat([zigzag_positions(24, 4, rank) for rank in range(4)])
+    assert sorted(every.tolist()) == list(range(24))  # each token on exactly one rank
+    with pytest.raises(UserError, match="--seq-length 12 must be divisible by 2 x --context-parallel-size"):
+        zigzag_positions(12, 4, 0)
+
+
+def test_a2a_needs_heads_divisible_by_cp():
+    check_a2a_heads(8, 4)
+    with pytest.raises(UserError, match=r"heads per tensor-parallel rank \(6\) divisible by "
+                                        "--context-parallel-size 4"):
+        check_a2a_heads(6, 4)
+
+
+@pytest.mark.parametrize("device", ["cpu"] + (["cuda"] if torch.cuda.is_available() else []))
+@pytest.mark.parametrize("block_ops", ["device", "matmul"])
+def test_blocks_merged_by_lse_match_sdpa(device, block_ops):
+    """The ring's arithmetic in one process: attention over a first and second half of the keys, each block's
+    (out, LSE) merged, and each block's backward from the merged output and LSE, equal causal SDPA. On a GPU
+    the device's block ops run in fp32 (TF32 off), so the bar there is fp32's."""
+    dtype = torch.float64 if device == "cpu" else torch.float32
+    tolerance = TOLERANCE if dtype == torch.float64 else 1e-4
+    forward, backward = (context_parallel._block_ops(torch.device(device)) if block_ops == "device"
+                         else (context_parallel._block_forward_matmul, context_parallel._block_backward_matmul))
+    q, k, v, grad = (t[:16].to(device, dtype).permute(1, 2, 0, 3).contiguous() for t in inputs(HEADS))
+    half, scale = 8, HEAD_DIM ** -0.5
+    expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v, grad)))
+    # Three blocks: the first half's rows with the first half's keys (a diagonal), the second half's rows with
+    # them (full) and with the second half's keys (a diagonal), which merge.
+    blocks = {"top": (slice(None, half), slice(None, half), True), "full": (slice(half, None), slice(None, half), False),
+              "diagonal": (slice(half, None), slice(half, None), True)}
+    partial = {name: forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale)
+               for name, (rows, keys, causal) in blocks.items()}
+    (top_out, top_lse), (full_out, full_lse), (diagonal_out, diagonal_lse) = partial.values()
+    bottom_lse = torch.logaddexp(full_lse, diagonal_lse)
+    bottom_out = (full_out * torch.exp(full_lse - bottom_lse)[..., None]
+                  + diagonal_out * torch.exp(diagonal_lse - bottom_lse)[..., None])
+    out, lse = torch.cat([top_out, bottom_out.to(dtype)], dim=2), torch.cat([top_lse, bottom_lse], dim=2)
+    top, full, diagonal = (backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
+                                    lse[:, :, rows].contiguous(), causal, scale) for rows, keys, causal in blocks.values())
+    grad_q = torch.cat([top[0], full[0] + diagonal[0]], dim=2)
+    grad_k, grad_v = (torch.cat([top[i] + full[i], diagonal[i]], dim=2) for i in (1, 2))
+    for name, actual, wanted in zip(("out", "dq", "dk", "dv"), (out, grad_q, grad_k, grad_v), expected):
+        error = (actual.permute(2, 0, 1, 3) - wanted).abs().max().item()
+        assert error <= tolerance, (name, error)
