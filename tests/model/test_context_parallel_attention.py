@@ -145,18 +145,17 @@ def test_blocks_merged_by_lse_match_sdpa(device, block_ops):
     half, scale = 8, HEAD_DIM ** -0.5
     expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v, grad)))
     # Three blocks: the first half's rows with the first half's keys (a diagonal), the second half's rows with
-    # them (full) and with the second half's keys (a diagonal), which merge.
-    blocks = {"top": (slice(None, half), slice(None, half), True), "full": (slice(half, None), slice(None, half), False),
-              "diagonal": (slice(half, None), slice(half, None), True)}
-    partial = {name: forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale)
-               for name, (rows, keys, causal) in blocks.items()}
-    (top_out, top_lse), (full_out, full_lse), (diagonal_out, diagonal_lse) = partial.values()
+    # them (full) and with the second half's keys (a diagonal); the last two merge.
+    first, second = slice(None, half), slice(half, None)
+    blocks = [(first, first, True), (second, first, False), (second, second, True)]
+    (top_out, top_lse), (full_out, full_lse), (diagonal_out, diagonal_lse) = (
+        forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale) for rows, keys, causal in blocks)
     bottom_lse = torch.logaddexp(full_lse, diagonal_lse)
     bottom_out = (full_out * torch.exp(full_lse - bottom_lse)[..., None]
                   + diagonal_out * torch.exp(diagonal_lse - bottom_lse)[..., None])
     out, lse = torch.cat([top_out, bottom_out.to(dtype)], dim=2), torch.cat([top_lse, bottom_lse], dim=2)
     top, full, diagonal = (backward(grad[:, :, rows], q[:, :, rows], k[:, :, keys], v[:, :, keys], out[:, :, rows],
-                                    lse[:, :, rows].contiguous(), causal, scale) for rows, keys, causal in blocks.values())
+                                    lse[:, :, rows].contiguous(), causal, scale) for rows, keys, causal in blocks)
     grad_q = torch.cat([top[0], full[0] + diagonal[0]], dim=2)
     grad_k, grad_v = (torch.cat([top[i] + full[i], diagonal[i]], dim=2) for i in (1, 2))
     for name, actual, wanted in zip(("out", "dq", "dk", "dv"), (out, grad_q, grad_k, grad_v), expected):
