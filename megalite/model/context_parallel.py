@@ -58,6 +58,9 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm_type not in CP_COMM_TYPES:
         raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
     size = group_size(group)
+    if size > 1 and q.shape[0] % 2:
+        raise UserError(f"--seq-length {q.shape[0] * size} must be divisible by 2 x --context-parallel-size "
+                        f"({2 * size}): change either flag")
     if comm_type == "a2a":
         check_a2a_heads(q.shape[2], size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
