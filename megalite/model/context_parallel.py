@@ -34,12 +34,17 @@ _KV_TAG, _GRAD_KV_TAG = 1, 2
 def zigzag_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
     """The global positions `[seq_length / cp_size]` of CP rank `cp_rank`'s tokens: chunks `cp_rank` and
     `2·cp_size-1-cp_rank` of the 2·cp_size equal chunks, in that order."""
-    if seq_length % (2 * cp_size):
-        raise UserError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size "
-                        f"({2 * cp_size}): change either flag")
+    check_seq_length(seq_length, cp_size)
     chunk = seq_length // (2 * cp_size)
     first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
     return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
+
+
+def check_seq_length(seq_length: int, cp_size: int) -> None:
+    """UserError unless the sequence cuts into the 2·CP equal chunks of the zig-zag split."""
+    if seq_length % (2 * cp_size):
+        raise UserError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size "
+                        f"({2 * cp_size}): change either flag")
 
 
 def check_a2a_heads(num_heads: int, cp_size: int) -> None:
@@ -58,9 +63,8 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm_type not in CP_COMM_TYPES:
         raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
     size = group_size(group)
-    if size > 1 and q.shape[0] % 2:
-        raise UserError(f"--seq-length {q.shape[0] * size} must be divisible by 2 x --context-parallel-size "
-                        f"({2 * size}): change either flag")
+    if size > 1:
+        check_seq_length(q.shape[0] * size, size)
     if comm_type == "a2a":
         check_a2a_heads(q.shape[2], size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
