@@ -118,9 +118,9 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
                             comm, scale_loss, log, parallel.rank)
     loss = runner.run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
-    # The last stage's loss to every stage, summed over data-parallel ranks (each already
-    # divided by the global token count): every rank gets the global mean and decides alike.
-    for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_group, parallel.dp_size)):
+    # The last stage's loss to every stage, summed over the DP x CP ranks, which hold the global batch's
+    # tokens (each already divided by the global token count): every rank gets the global mean and decides alike.
+    for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_cp_group, parallel.dp_cp_size)):
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return total_loss
@@ -241,9 +241,10 @@ class Trainer:
         if dataset is None:
             return None
         train, data = self.run.train, self.run.data
+        parallel = self.parallel  # the dense DP's rank and size: the CP ranks of a DP rank read the same samples
         loader = build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
-                                   self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers,
-                                   rampup=rampup)
+                                   parallel.dp_rank, parallel.dp_size, num_workers=data.num_workers, rampup=rampup,
+                                   context_parallel_rank=parallel.cp_rank, context_parallel_size=parallel.cp_size)
         source = ("the mock data" if data.mock_data else f"--data-path {' '.join(data.data_path)}" if data.data_path
                   else "the --train/valid/test-data-path files")
         return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)
