@@ -92,9 +92,10 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
                      log=None, loss_fn: LanguageModelLoss | None = None) -> torch.Tensor:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
     the device (not waited for); with `optimizer`, backward too. model: a GPTModel, or this pipeline rank's
-    ModelChunks. micro_batches: dicts of [b, s] tensors, this DP rank's part of the global batch; each one's
-    loss is divided by the whole global batch's token count, so the gradients summed over DP are those of the
-    global mean. loss_fn: the last stage's loss on its hidden states (default: the model config's)."""
+    ModelChunks. micro_batches: dicts of [b, s] tensors, this DP rank's part of the global batch (under CP this
+    CP rank's [b, s / CP] chunks of it); each one's loss is divided by the whole global batch's token count, so
+    the gradients summed over DP x CP are those of the global mean. loss_fn: the last stage's loss on its hidden
+    states (default: the model config's)."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     loss_fn = loss_fn if loss_fn is not None else LanguageModelLoss.of(chunks[-1])
     device = next(chunks[0].parameters()).device
