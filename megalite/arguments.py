@@ -136,12 +136,14 @@ def parse_args(argv, world_size: int = 1) -> RunConfig:
     if args.list_models:
         print(list_models())
         raise SystemExit(0)
-    if args.dry_run:  # --world-size, or TP x PP (sizes below 1 are ParallelConfig.validate's to report)
-        tp, pp = max(args.tensor_model_parallel_size or 1, 1), max(args.pipeline_model_parallel_size or 1, 1)
-        world_size = tp * pp if args.world_size is None else args.world_size
-        if world_size < 1 or world_size % (tp * pp):
+    if args.dry_run:  # --world-size, or TP x CP x PP (sizes below 1 are ParallelConfig.validate's to report)
+        tp, cp, pp = (max(size or 1, 1) for size in (args.tensor_model_parallel_size, args.context_parallel_size,
+                                                     args.pipeline_model_parallel_size))
+        world_size = tp * cp * pp if args.world_size is None else args.world_size
+        if world_size < 1 or world_size % (tp * cp * pp):
             raise UserError(f"--world-size {world_size} is not a positive multiple of --tensor-model-parallel-size "
-                            f"{tp} x --pipeline-model-parallel-size {pp} = {tp * pp}; use e.g. {tp * pp * 2}")
+                            f"{tp} x {f'--context-parallel-size {cp} x ' if cp > 1 else ''}--pipeline-model-"
+                            f"parallel-size {pp} = {tp * cp * pp}; use e.g. {tp * cp * pp * 2}")
     elif args.world_size is not None:
         raise UserError("--world-size only applies to --dry-run; a real run's world size is what torchrun "
                         "launches, so drop it (or add --dry-run)")

@@ -1,10 +1,12 @@
 """The rank grid, the process groups cut from it, and the device: one `ParallelState` per run, passed to
-builders as an argument (no global singleton). The grid is Megatron's rank order, `numpy.arange(world)
-.reshape(pp, dp, tp)`, every group the ranks that share the other coordinates (docs/parallelism.md).
+builders as an argument (no global singleton). The grid is Megatron's rank order tp-cp-dp-pp, `numpy.arange(world)
+.reshape(pp, dp, cp, tp)`, every group the ranks that share the other coordinates (docs/parallelism.md). CP ranks
+hold the same weights and different parts of each sequence, so the dense grads reduce over DP x CP (`dp_cp`).
 
 The routed experts of MoE layers have a second grid over the same world, Megatron's "MoE parallel folding":
 `numpy.arange(world).reshape(pp, edp, ep, etp)` (order tp-ep-dp-pp), expert-tensor-parallel x expert-parallel
-x expert-data-parallel x the same pipeline stages. EP is carved out of the dense DP x TP ranks: a rank owns
+x expert-data-parallel x the same pipeline stages. EP is carved out of the dense DP x CP x TP ranks (at EP 1 the
+expert-DP group is dp_cp; CP with EP > 1 is refused until built): a rank owns
 experts [ep_rank * E/EP, (ep_rank + 1) * E/EP), and their grads are summed over its expert-DP group.
 
 Under torch.distributed every group is a real ProcessGroup, even of one rank; only a world of one
@@ -26,12 +28,12 @@ from megalite.config import ParallelConfig
 from megalite.errors import UserError
 
 # Every rank creates every group in this order (torch requires the same new_group calls everywhere).
-GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "ep", "expert_dp", "tp_ep", "expert_mp")
+GROUP_KINDS = ("tp", "dp", "pp", "mp", "embedding", "ep", "expert_dp", "tp_ep", "expert_mp", "cp", "dp_cp", "tp_cp")
 
 
-def rank_grid(world_size: int, tp: int, pp: int) -> numpy.ndarray:
-    """The global ranks as an int array of shape [pp, dp, tp], for sizes ParallelConfig.validate accepted."""
-    return numpy.arange(world_size).reshape(pp, world_size // (tp * pp), tp)
+def rank_grid(world_size: int, tp: int, pp: int, cp: int = 1) -> numpy.ndarray:
+    """The global ranks as an int array of shape [pp, dp, cp, tp], for sizes ParallelConfig.validate accepted."""
+    return numpy.arange(world_size).reshape(pp, world_size // (tp * cp * pp), cp, tp)
 
 
 def expert_rank_grid(world_size: int, pp: int, ep: int, etp: int) -> numpy.ndarray:
@@ -39,35 +41,40 @@ def expert_rank_grid(world_size: int, pp: int, ep: int, etp: int) -> numpy.ndarr
     return numpy.arange(world_size).reshape(pp, world_size // (pp * ep * etp), ep, etp)
 
 
-def group_ranks(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None) -> dict[str, list[list[int]]]:
-    """The rank lists of every group of each kind: "tp" shares (pp, dp), "dp" (pp, tp), "pp" (dp, tp), "mp"
-    (a model replica) dp; "embedding" is each pipeline's first and last stage, which hold tied embeddings.
+def group_ranks(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None,
+                cp: int = 1) -> dict[str, list[list[int]]]:
+    """The rank lists of every group of each kind: "tp" shares (pp, dp, cp), "cp" (pp, dp, tp), "dp" (pp, cp, tp),
+    "dp_cp" (the dense grads' data-parallel ranks) (pp, tp), "tp_cp" (pp, dp), "pp" (dp, cp, tp), "mp" (a model
+    replica) (dp, cp); "embedding" is each pipeline's first and last stage, which hold tied embeddings.
     Expert groups (`etp` None: tp): "ep" shares (pp, edp, etp), "expert_dp" (pp, ep, etp), "tp_ep" (pp, edp),
     "expert_mp" (the ranks holding distinct expert shards, ETP x EP x PP) edp."""
-    grid = rank_grid(world_size, tp, pp)
-    _, dp, _ = grid.shape
-    pipelines = grid.transpose(1, 2, 0).reshape(-1, pp).tolist()
+    grid = rank_grid(world_size, tp, pp, cp)
+    dp = grid.shape[1]
+    pipelines = grid.transpose(1, 2, 3, 0).reshape(-1, pp).tolist()
     etp = tp if etp is None else etp
     experts = expert_rank_grid(world_size, pp, ep, etp)
     return {
         "tp": grid.reshape(-1, tp).tolist(),
-        "dp": grid.transpose(0, 2, 1).reshape(-1, dp).tolist(),
+        "dp": grid.transpose(0, 2, 3, 1).reshape(-1, dp).tolist(),
         "pp": pipelines,
-        "mp": grid.transpose(1, 0, 2).reshape(-1, pp * tp).tolist(),
+        "mp": grid.transpose(1, 2, 0, 3).reshape(-1, pp * tp).tolist(),
         "embedding": [[ranks[0], ranks[-1]] if pp > 1 else [ranks[0]] for ranks in pipelines],
         "ep": experts.transpose(0, 1, 3, 2).reshape(-1, ep).tolist(),
         "expert_dp": experts.transpose(0, 2, 3, 1).reshape(-1, experts.shape[1]).tolist(),
         "tp_ep": experts.reshape(-1, ep * etp).tolist(),
         "expert_mp": experts.transpose(1, 0, 2, 3).reshape(-1, pp * ep * etp).tolist(),
+        "cp": grid.transpose(0, 1, 3, 2).reshape(-1, cp).tolist(),
+        "dp_cp": grid.transpose(0, 3, 1, 2).reshape(-1, dp * cp).tolist(),
+        "tp_cp": grid.reshape(-1, cp * tp).tolist(),
     }
 
 
-def coordinates(rank: int, world_size: int, tp: int, pp: int) -> tuple[int, int, int]:
-    """(pp_rank, dp_rank, tp_rank) of global `rank`; the inverse of indexing `rank_grid`."""
-    dp = rank_grid(world_size, tp, pp).shape[1]
+def coordinates(rank: int, world_size: int, tp: int, pp: int, cp: int = 1) -> tuple[int, int, int, int]:
+    """(pp_rank, dp_rank, cp_rank, tp_rank) of global `rank`; the inverse of indexing `rank_grid`."""
+    dp = rank_grid(world_size, tp, pp, cp).shape[1]
     if not 0 <= rank < world_size:
         raise ValueError(f"rank {rank} is outside a world of {world_size}")
-    return rank // (dp * tp), rank // tp % dp, rank % tp
+    return rank // (dp * cp * tp), rank // (cp * tp) % dp, rank // tp % cp, rank % tp
 
 
 def expert_coordinates(rank: int, world_size: int, pp: int, ep: int, etp: int) -> tuple[int, int, int]:
@@ -93,6 +100,13 @@ class ParallelState:
     dp_size: int = 1
     dp_rank: int = 0
     dp_group: ProcessGroup | None = None
+    # Context parallelism: CP ranks hold the same weights and different chunks of each sequence (the loader's
+    # load-balanced split); dp_cp is the dense grads' data-parallel group, DP x CP ranks.
+    cp_size: int = 1
+    cp_rank: int = 0
+    cp_group: ProcessGroup | None = None
+    dp_cp_group: ProcessGroup | None = None
+    tp_cp_group: ProcessGroup | None = None
     mp_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
     # This rank's pipeline's embedding ranks, whether or not it is one.
@@ -122,27 +136,37 @@ class ParallelState:
         return self.rank in self.embedding_ranks
 
     @property
+    def dp_cp_size(self) -> int:
+        return self.dp_size * self.cp_size
+
+    @property
+    def dp_cp_rank(self) -> int:
+        """This rank's place in its dp_cp group (whose ranks are listed DP-major, CP-minor)."""
+        return self.dp_rank * self.cp_size + self.cp_rank
+
+    @property
     def expert_tp_rank(self) -> int:
         """This rank's place in its expert's split: the TP rank when experts split over TP, else 0."""
         return self.tp_rank if self.expert_tp_size > 1 else 0
 
     def stage_rank(self, pp_rank: int) -> int:
-        """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same dp and tp rank)."""
-        return pp_rank * self.dp_size * self.tp_size + self.dp_rank * self.tp_size + self.tp_rank
+        """Global rank of pipeline stage `pp_rank` in this rank's pipeline (same dp, cp and tp rank)."""
+        return (pp_rank * self.dp_cp_size + self.dp_cp_rank) * self.tp_size + self.tp_rank
 
 
-def build_parallel_state(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | None = None,
+def build_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, etp: int | None = None,
                          sequence_parallel: bool = False, device: torch.device | None = None,
                          timeout: timedelta | None = None) -> ParallelState:
-    """This rank's ParallelState for sizes `tp`, `pp`, `ep` and `etp` (None: tp) in the torch.distributed world
-    (a world of one without it); every rank calls it, creating every group (one ProcessGroup per distinct rank
-    list: at EP 1 the expert groups are the dense ones). `device` None: CUDA under nccl (or without
-    torch.distributed when CUDA is there), else the CPU. `timeout` None: the backend's default."""
+    """This rank's ParallelState for sizes `tp`, `pp`, `cp`, `ep` and `etp` (None: tp) in the torch.distributed
+    world (a world of one without it); every rank calls it, creating every group (one ProcessGroup per distinct
+    rank list: at EP 1 the expert groups are the dense ones, at CP 1 dp_cp is dp and tp_cp is tp). `device` None:
+    CUDA under nccl (or without torch.distributed when CUDA is there), else the CPU. `timeout` None: the backend's
+    default."""
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     etp = tp if etp is None else etp
-    groups = group_ranks(world_size, tp, pp, ep, etp)
-    pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    groups = group_ranks(world_size, tp, pp, ep, etp, cp)
+    pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank, world_size, tp, pp, cp)
     edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
     own = dict.fromkeys(GROUP_KINDS)
     if distributed:
@@ -162,9 +186,11 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, ep: int = 1, etp: int | No
         rank=rank, world_size=world_size,
         tp_size=tp, tp_rank=tp_rank, tp_group=own["tp"],
         pp_size=pp, pp_rank=pp_rank, pp_group=own["pp"],
-        dp_size=world_size // (tp * pp), dp_rank=dp_rank, dp_group=own["dp"],
+        dp_size=world_size // (tp * cp * pp), dp_rank=dp_rank, dp_group=own["dp"],
+        cp_size=cp, cp_rank=cp_rank, cp_group=own["cp"], dp_cp_group=own["dp_cp"], tp_cp_group=own["tp_cp"],
         mp_group=own["mp"], embedding_group=own["embedding"],
-        embedding_ranks=groups["embedding"][dp_rank * tp + tp_rank],  # pipelines are listed in (dp, tp) order
+        # pipelines are listed in (dp, cp, tp) order
+        embedding_ranks=groups["embedding"][(dp_rank * cp + cp_rank) * tp + tp_rank],
         ep_size=ep, ep_rank=ep_rank, ep_group=own["ep"], expert_tp_size=etp,
         expert_dp_size=world_size // (pp * ep * etp), expert_dp_rank=edp_rank, expert_dp_group=own["expert_dp"],
         tp_ep_group=own["tp_ep"], expert_mp_group=own["expert_mp"],
@@ -204,7 +230,8 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
                             f"--nproc_per_node N pretrain_gpt.py ...`, or unset WORLD_SIZE for one process")
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                                 **_restart_scoped_rendezvous(world_size, timeout))
-    state = build_parallel_state(tp, pp, ep=parallel_config.expert_model_parallel_size,
+    state = build_parallel_state(tp, pp, cp=parallel_config.context_parallel_size,
+                                 ep=parallel_config.expert_model_parallel_size,
                                  etp=parallel_config.expert_tensor_size,
                                  sequence_parallel=parallel_config.sequence_parallel, device=device, timeout=timeout)
     state.owns_process_group = owns

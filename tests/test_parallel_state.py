@@ -7,11 +7,12 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
-from megalite.parallel_state import (GROUP_KINDS, build_parallel_state, coordinates, expert_coordinates,
-                                     expert_rank_grid, group_ranks, initialize, rank_grid)
+from megalite.parallel_state import (GROUP_KINDS, ParallelState, build_parallel_state, coordinates,
+                                     expert_coordinates, expert_rank_grid, group_ranks, initialize, rank_grid)
 from tests.helpers.distributed import run_world
 
-LAYOUTS = [(8, 2, 2), (8, 4, 1), (8, 1, 8), (4, 1, 1), (1, 1, 1)]  # (world, tp, pp)
+LAYOUTS = [(8, 2, 1, 2), (8, 4, 1, 1), (8, 1, 1, 8), (4, 1, 1, 1), (1, 1, 1, 1),  # (world, tp, cp, pp)
+           (16, 2, 2, 2), (8, 1, 4, 1), (8, 2, 2, 1), (12, 1, 3, 2)]
 
 
 def test_megatron_layout_for_world_8_tp_2_pp_2():
@@ -21,7 +22,39 @@ def test_megatron_layout_for_world_8_tp_2_pp_2():
     assert groups["pp"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
     assert groups["mp"] == [[0, 1, 4, 5], [2, 3, 6, 7]]
     assert groups["embedding"] == [[0, 4], [1, 5], [2, 6], [3, 7]]
-    assert rank_grid(8, 2, 2).tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert rank_grid(8, 2, 2).squeeze(2).tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    # At CP 1 the context-parallel groups are single ranks, and dp_cp, tp_cp are dp, tp.
+    assert groups["cp"] == [[r] for r in range(8)]
+    assert (groups["dp_cp"], groups["tp_cp"]) == (groups["dp"], groups["tp"])
+
+
+def test_megatron_layout_with_context_parallelism():
+    """Megatron's order tp-cp-dp-pp: 16 ranks = TP 2 x CP 2 x DP 2 x PP 2."""
+    groups = group_ranks(16, tp=2, pp=2, cp=2)
+    assert groups["tp"] == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert groups["cp"] == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert groups["dp"] == [[0, 4], [1, 5], [2, 6], [3, 7], [8, 12], [9, 13], [10, 14], [11, 15]]
+    assert groups["dp_cp"] == [[0, 2, 4, 6], [1, 3, 5, 7], [8, 10, 12, 14], [9, 11, 13, 15]]
+    assert groups["tp_cp"] == [[0, 1, 2, 3], [4, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15]]
+    assert groups["pp"] == [[r, r + 8] for r in range(8)] == groups["embedding"]
+    assert groups["mp"] == [[0, 1, 8, 9], [2, 3, 10, 11], [4, 5, 12, 13], [6, 7, 14, 15]]
+    # At EP 1 the experts' data-parallel ranks are the dense grads' DP x CP ranks (Megatron's folding).
+    assert groups["expert_dp"] == groups["dp_cp"] and groups["tp_ep"] == groups["tp"]
+    assert coordinates(13, 16, 2, 2, 2) == (1, 1, 0, 1)
+    assert ParallelConfig(tensor_model_parallel_size=2, pipeline_model_parallel_size=2, context_parallel_size=2,
+                          world_size=16).validate().data_parallel_size == 2
+
+
+@pytest.mark.parametrize("world, tp, cp, pp", [layout for layout in LAYOUTS if layout[0] > 1])
+def test_stage_rank_walks_this_rank_s_pipeline(world, tp, cp, pp):
+    grid = rank_grid(world, tp, pp, cp)
+    for rank in range(world):
+        pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank, world, tp, pp, cp)
+        state = ParallelState(rank=rank, world_size=world, tp_size=tp, tp_rank=tp_rank, pp_size=pp, pp_rank=pp_rank,
+                              dp_size=world // (tp * cp * pp), dp_rank=dp_rank, cp_size=cp, cp_rank=cp_rank)
+        assert [state.stage_rank(stage) for stage in range(pp)] == grid[:, dp_rank, cp_rank, tp_rank].tolist()
+        dp_cp = [ranks for ranks in group_ranks(world, tp, pp, cp=cp)["dp_cp"] if rank in ranks][0]
+        assert (state.dp_cp_size, dp_cp[state.dp_cp_rank]) == (len(dp_cp), rank)
 
 
 def test_expert_groups_fold_over_data_and_tensor_parallel_ranks():
@@ -53,32 +86,33 @@ def test_other_layouts():
     assert group_ranks(1, 1, 1) == {kind: [[0]] for kind in GROUP_KINDS}
 
 
-@pytest.mark.parametrize("world, tp, pp", LAYOUTS)
-def test_every_rank_once_per_kind_and_groups_share_the_other_coordinates(world, tp, pp):
-    groups = group_ranks(world, tp, pp)
-    dp = world // (tp * pp)
-    sizes = {"tp": tp, "dp": dp, "pp": pp, "mp": tp * pp}
+@pytest.mark.parametrize("world, tp, cp, pp", LAYOUTS)
+def test_every_rank_once_per_kind_and_groups_share_the_other_coordinates(world, tp, cp, pp):
+    groups = group_ranks(world, tp, pp, cp=cp)
+    dp = world // (tp * cp * pp)
+    sizes = {"tp": tp, "dp": dp, "pp": pp, "mp": tp * pp, "cp": cp, "dp_cp": dp * cp, "tp_cp": tp * cp}
     for kind, size in sizes.items():
         assert sorted(r for ranks in groups[kind] for r in ranks) == list(range(world)), kind
         assert all(len(ranks) == size for ranks in groups[kind]), kind
-    # Which coordinates a group of each kind holds fixed (pp, dp, tp).
-    shared = {"tp": (0, 1), "dp": (0, 2), "pp": (1, 2), "mp": (1,)}
+    # Which coordinates a group of each kind holds fixed (pp, dp, cp, tp).
+    shared = {"tp": (0, 1, 2), "dp": (0, 2, 3), "pp": (1, 2, 3), "mp": (1, 2), "cp": (0, 1, 3), "dp_cp": (0, 3),
+              "tp_cp": (0, 1)}
     for kind, fixed in shared.items():
         for ranks in groups[kind]:
-            coords = [coordinates(r, world, tp, pp) for r in ranks]
+            coords = [coordinates(r, world, tp, pp, cp) for r in ranks]
             assert len({tuple(c[i] for i in fixed) for c in coords}) == 1, (kind, ranks)
     embedding = [r for ranks in groups["embedding"] for r in ranks]
     assert len(embedding) == len(set(embedding))
-    assert all(coordinates(r, world, tp, pp)[0] in (0, pp - 1) for r in embedding)
+    assert all(coordinates(r, world, tp, pp, cp)[0] in (0, pp - 1) for r in embedding)
 
 
-@pytest.mark.parametrize("world, tp, pp", LAYOUTS)
-def test_coordinates_round_trip(world, tp, pp):
-    grid = rank_grid(world, tp, pp)
+@pytest.mark.parametrize("world, tp, cp, pp", LAYOUTS)
+def test_coordinates_round_trip(world, tp, cp, pp):
+    grid = rank_grid(world, tp, pp, cp)
     for rank in range(world):
-        pp_rank, dp_rank, tp_rank = coordinates(rank, world, tp, pp)
-        assert grid[pp_rank, dp_rank, tp_rank] == rank
-        assert rank == pp_rank * (world // pp) + dp_rank * tp + tp_rank
+        pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank, world, tp, pp, cp)
+        assert grid[pp_rank, dp_rank, cp_rank, tp_rank] == rank
+        assert rank == pp_rank * (world // pp) + (dp_rank * cp + cp_rank) * tp + tp_rank
 
 
 def test_sizes_that_do_not_fit_name_the_flags_and_numbers():
@@ -92,6 +126,17 @@ def test_sizes_that_do_not_fit_name_the_flags_and_numbers():
         ParallelConfig(pipeline_model_parallel_size=-2, world_size=8).validate()
     with pytest.raises(ValueError, match="rank 8 is outside a world of 8"):
         coordinates(8, 8, 2, 2)
+    with pytest.raises(UserError, match=r"--tensor-model-parallel-size 2 x --context-parallel-size 2 x "
+                                        r"--pipeline-model-parallel-size 2 = 8 does not divide the world size 12"):
+        ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2, pipeline_model_parallel_size=2,
+                       world_size=12).validate()
+    with pytest.raises(UserError, match="--context-parallel-size must be at least 1, got 0"):
+        ParallelConfig(context_parallel_size=0, world_size=8).validate()
+    with pytest.raises(UserError, match="^--context-parallel-size 2 with --expert-model-parallel-size 2 waits: "):
+        ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2, world_size=8).validate()
+    layout = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2, world_size=8).validate()
+    assert layout.describe() == "8 ranks = TP 2 x CP 2 x PP 1 x DP 2"
+    assert layout.expert_data_parallel_size == 4  # DP x CP: the experts' data-parallel ranks fold CP in
 
 
 def test_world_of_one_without_torch_distributed():
@@ -167,8 +212,8 @@ def _groups_seen(state) -> dict:
 def _state_summary(state) -> dict:
     return dict(experts=(state.ep_size, state.ep_rank, state.expert_tp_size, state.expert_tp_rank,
                          state.expert_dp_size, state.expert_dp_rank),
-                coords=(state.pp_rank, state.dp_rank, state.tp_rank),
-                sizes=(state.pp_size, state.dp_size, state.tp_size), groups=_groups_seen(state),
+                coords=(state.pp_rank, state.dp_rank, state.cp_rank, state.tp_rank),
+                sizes=(state.pp_size, state.dp_size, state.cp_size, state.tp_size), groups=_groups_seen(state),
                 logging=state.is_logging_rank, embedding_ranks=state.embedding_ranks,
                 next=state.stage_rank((state.pp_rank + 1) % state.pp_size),
                 prev=state.stage_rank((state.pp_rank - 1) % state.pp_size),
@@ -176,25 +221,28 @@ def _state_summary(state) -> dict:
 
 
 def _two_topologies(rank, world_size):
-    """Three states in one process: tp 2 x pp 2 built directly, then pp 4 through initialize, then tp 2 with
-    experts over ep 4 (etp 1) built directly."""
+    """Four states in one process: tp 2 x pp 2 built directly, then pp 4 through initialize, then tp 2 with
+    experts over ep 4 (etp 1) built directly, then cp 2 x pp 2 through initialize."""
     grid = _state_summary(build_parallel_state(tp=2, pp=2))
     experts = _state_summary(build_parallel_state(tp=2, ep=4, etp=1))
-    state = initialize(ParallelConfig(pipeline_model_parallel_size=4, distributed_backend="gloo",
-                                      world_size=world_size))
-    pipeline = _state_summary(state)
-    parallel_state.destroy(state)  # run_world owns the process group: this must leave it alone
-    assert dist.is_initialized()
-    return grid, pipeline, experts
+    summaries = []
+    for cp, pp in ((1, 4), (2, 2)):
+        state = initialize(ParallelConfig(context_parallel_size=cp, pipeline_model_parallel_size=pp,
+                                          distributed_backend="gloo", world_size=world_size))
+        summaries.append(_state_summary(state))
+        parallel_state.destroy(state)  # run_world owns the process group: this must leave it alone
+        assert dist.is_initialized()
+    return grid, summaries[0], experts, summaries[1]
 
 
 def test_groups_in_a_gloo_world_of_4():
     results = run_world(4, _two_topologies)
-    for layout, (tp, pp, ep, etp) in enumerate([(2, 2, 1, 2), (1, 4, 1, 1), (2, 1, 4, 1)]):
-        expected = group_ranks(4, tp, pp, ep, etp)
+    for layout, (tp, cp, pp, ep, etp) in enumerate([(2, 1, 2, 1, 2), (1, 1, 4, 1, 1), (2, 1, 1, 4, 1),
+                                                    (1, 2, 2, 1, 1)]):
+        expected = group_ranks(4, tp, pp, ep, etp, cp)
         for rank, summary in enumerate(r[layout] for r in results):
-            assert summary["coords"] == coordinates(rank, 4, tp, pp)
-            assert summary["sizes"] == (pp, 4 // (tp * pp), tp)
+            assert summary["coords"] == coordinates(rank, 4, tp, pp, cp)
+            assert summary["sizes"] == (pp, 4 // (tp * cp * pp), cp, tp)
             for kind in GROUP_KINDS:
                 mine = [ranks for ranks in expected[kind] if rank in ranks]
                 if not mine:  # a middle pipeline stage: no embedding group
@@ -210,3 +258,6 @@ def test_groups_in_a_gloo_world_of_4():
     assert [r[1]["embedding_ranks"] for r in results] == [[0, 3]] * 4
     assert results[0][2]["groups"]["ep"] == ([0, 1, 2, 3], [0, 1, 2, 3])  # EP 4 folded over TP 2 x DP 2
     assert [r[1]["groups"]["embedding"] is None for r in results] == [False, True, True, False]
+    # CP 2 x PP 2: each CP rank is its own pipeline, and its stages hold the same CP rank's chunks.
+    assert [r[3]["embedding_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
+    assert [r[3]["groups"]["cp"][0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]

@@ -92,7 +92,8 @@ class Checkpointer:
         behind. They are per rank, and under another layout a rank's dropout masks cover other
         activations anyway."""
         saved = metadata["extra"].get("run", {}).get("parallel", {})  # none in a Hugging Face import
-        keys = ("world_size", "tensor_model_parallel_size", "pipeline_model_parallel_size",
+        saved = {"context_parallel_size": 1, **saved}  # a checkpoint from before CP existed ran at CP 1
+        keys = ("world_size", "tensor_model_parallel_size", "context_parallel_size", "pipeline_model_parallel_size",
                 "virtual_pipeline_model_parallel_size")
         now = dataclasses.asdict(self.run.parallel)
         if all(saved.get(key) == now[key] for key in keys):

@@ -60,11 +60,6 @@ COMPAT_FLAGS = [
                                              "global batch's tokens, divided once by their count (docs/training.md)"),
     CompatFlag("--use-pytorch-profiler", "--profile always writes a PyTorch profiler trace (megalite has no "
                                          "nsys capture range)"),
-    CompatFlag("--context-parallel-size", "megalite has no context parallelism; 1 is accepted",
-               takes_value=True, allowed=("1",),
-               refused="--context-parallel-size {value} asks for context parallelism, which megalite does not "
-                       "have; split long sequences with --tensor-model-parallel-size and --sequence-parallel "
-                       "instead (or pass 1)"),
     CompatFlag("--moe-router-dtype", "megalite's router computes its logits and probabilities in fp32",
                takes_value=True, allowed=("fp32",),
                refused="--moe-router-dtype {value} is not built: megalite's router computes in fp32; drop the "

@@ -1,4 +1,4 @@
-"""ParallelConfig: how the world is cut, TP x PP x DP = world size (DP is what remains); the routed experts cut
+"""ParallelConfig: how the world is cut, TP x CP x PP x DP = world size (DP is what remains); the routed experts cut
 the same world as ETP x EP x EDP x PP (EDP is what remains, parallel_state.expert_rank_grid)."""
 
 from dataclasses import dataclass
@@ -31,6 +31,8 @@ SHARDING_NAMES = (None, "distributed optimizer", "ZeRO-2 (optim_grads)", "ZeRO-3
 class ParallelConfig:
     tensor_model_parallel_size: int = option(1, "tensor-parallel ranks (TP)")
     pipeline_model_parallel_size: int = option(1, "pipeline stages (PP)")
+    context_parallel_size: int = option(1, "context-parallel ranks (CP): each holds 2 of 2 x CP chunks of every "
+                                           "sequence (load-balanced for causal attention)")
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "interleaved 1F1B: layers per model chunk (or give --num-virtual-stages-per-pipeline-rank)")
     num_virtual_stages_per_pipeline_rank: int | None = option(
@@ -82,7 +84,9 @@ class ParallelConfig:
 
     @property
     def data_parallel_size(self) -> int:
-        return self.world_size // (self.tensor_model_parallel_size * self.pipeline_model_parallel_size)
+        """DP, the ranks holding different samples: world / (TP x CP x PP)."""
+        return self.world_size // (self.tensor_model_parallel_size * self.context_parallel_size
+                                   * self.pipeline_model_parallel_size)
 
     @property
     def expert_tensor_size(self) -> int:
@@ -98,10 +102,11 @@ class ParallelConfig:
 
     def describe(self) -> str:
         """The layout in words, e.g. "8 ranks = TP 2 x PP 2 x DP 2, 2 virtual stages per pipeline rank,
-        sequence parallel, distributed optimizer" (what is off is left out)."""
-        vp = self.virtual_pipeline_model_parallel_size
+        sequence parallel, distributed optimizer" (what is off is left out; CP is named when above 1)."""
+        vp, cp = self.virtual_pipeline_model_parallel_size, self.context_parallel_size
         parts = [f"{self.world_size} rank{'s' * (self.world_size > 1)} = TP {self.tensor_model_parallel_size} x "
-                 f"PP {self.pipeline_model_parallel_size} x DP {self.data_parallel_size}",
+                 f"{f'CP {cp} x ' if cp > 1 else ''}PP {self.pipeline_model_parallel_size} x "
+                 f"DP {self.data_parallel_size}",
                  f"{vp} virtual stages per pipeline rank" if vp > 1 else None,
                  "sequence parallel" if self.sequence_parallel else None, SHARDING_NAMES[self.sharding.stage]]
         if self.expert_model_parallel_size > 1:
@@ -114,15 +119,18 @@ class ParallelConfig:
         if self.overlap_param_gather and not self.sharding.optimizer_state:
             raise UserError("--overlap-param-gather overlaps the distributed optimizer's parameter all-gather, so it "
                             "needs --use-distributed-optimizer (or a --data-parallel-sharding-strategy); add one")
-        tp, pp = self.tensor_model_parallel_size, self.pipeline_model_parallel_size
+        tp, cp, pp = self.tensor_model_parallel_size, self.context_parallel_size, self.pipeline_model_parallel_size
         for flag, size in [("--tensor-model-parallel-size", tp), ("--pipeline-model-parallel-size", pp),
+                           ("--context-parallel-size", cp),
                            ("--ddp-bucket-size", self.ddp_bucket_size),
                            ("--num-virtual-stages-per-pipeline-rank", self.num_virtual_stages_per_pipeline_rank)]:
             if size is not None and size < 1:
                 raise UserError(f"{flag} must be at least 1, got {size}")
-        if self.world_size % (tp * pp):
-            raise UserError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} = {tp * pp} does "
-                            f"not divide the world size {self.world_size}; launch a multiple of {tp * pp} processes")
+        if self.world_size % (tp * cp * pp):
+            sizes = f"--tensor-model-parallel-size {tp} x {f'--context-parallel-size {cp} x ' if cp > 1 else ''}" \
+                    f"--pipeline-model-parallel-size {pp} = {tp * cp * pp}"
+            raise UserError(f"{sizes} does not divide the world size {self.world_size}; launch a multiple of "
+                            f"{tp * cp * pp} processes")
         self._validate_experts()
         if not self.distributed_timeout_minutes > 0:
             raise UserError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
@@ -133,10 +141,15 @@ class ParallelConfig:
         return self
 
     def _validate_experts(self) -> None:
-        """The expert grid's rules: ETP is 1 or TP, and ETP x EP divides the DP x TP ranks it is carved from."""
+        """The expert grid's rules: ETP is 1 or TP, ETP x EP divides the DP x TP ranks it is carved from, and
+        EP > 1 goes without CP (Megatron folds CP into the experts' data-parallel ranks; not built here)."""
         tp, ep, etp = self.tensor_model_parallel_size, self.expert_model_parallel_size, self.expert_tensor_size
         if ep < 1:
             raise UserError(f"--expert-model-parallel-size must be at least 1, got {ep}")
+        if ep > 1 and self.context_parallel_size > 1:
+            raise UserError(f"--context-parallel-size {self.context_parallel_size} with --expert-model-parallel-size "
+                            f"{ep} waits: folding context-parallel ranks into the experts' data-parallel ranks is "
+                            f"not built; drop one of the two flags")
         if etp not in (1, tp):
             raise UserError(f"--expert-tensor-parallel-size {etp} must be 1 or the --tensor-model-parallel-size "
                             f"{tp}; pass one of them")

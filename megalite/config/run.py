@@ -183,9 +183,7 @@ class RunConfig:
             raise UserError(f"--expert-model-parallel-size {ep} does not divide --num-experts {model.num_experts}; "
                             f"each expert-parallel rank holds an equal share, so pick a divisor of "
                             f"{model.num_experts}")
-        if parallel.sequence_parallel and model.seq_length % tp:
-            raise UserError(f"--seq-length {model.seq_length} is not divisible by --tensor-model-parallel-size "
-                            f"{tp}, which --sequence-parallel needs; use a multiple of {tp}")
+        self._validate_sequence_split()
         # The layers must split over every (virtual) pipeline stage.
         virtual_stage_layers(model.num_layers, parallel.pipeline_model_parallel_size,
                              parallel.virtual_pipeline_model_parallel_size,
@@ -204,4 +202,20 @@ class RunConfig:
                                 parallel.virtual_pipeline_model_parallel_size)
         if train.exit_signal_handler and self.checkpoint.save is None:
             raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
+        if parallel.context_parallel_size > 1:  # the grid and the loader's split exist; the attention does not yet
+            raise UserError(f"--context-parallel-size {parallel.context_parallel_size} asks for context parallelism, "
+                            f"whose attention is not wired into the model yet; pass 1 (or split long sequences with "
+                            f"--tensor-model-parallel-size and --sequence-parallel)")
         return self
+
+    def _validate_sequence_split(self) -> None:
+        """Each CP rank holds 2 of the sequence's 2 x CP equal chunks (S/CP tokens), which SP splits over TP."""
+        seq_length, parallel = self.model.seq_length, self.parallel
+        tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
+        if seq_length % (2 * cp) and cp > 1:
+            raise UserError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+                            f"{2 * cp}, the load-balanced chunks each sequence is cut into; use a multiple of {2 * cp}")
+        if parallel.sequence_parallel and seq_length % (cp * tp):
+            sizes = f"--tensor-model-parallel-size {tp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+            raise UserError(f"--seq-length {seq_length} is not divisible by {sizes}, which --sequence-parallel needs; "
+                            f"use a multiple of {cp * tp}")

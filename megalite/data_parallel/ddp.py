@@ -296,10 +296,11 @@ def buffer_groups(chunks: list[nn.Module], sharding: Sharding, expert: bool | No
 
 def global_token_count(micro_batches, parallel: ParallelState, device) -> float:
     """Unmasked tokens of the whole global batch: this rank's micro-batches (the loader's, in host memory),
-    summed over DP; only that sum waits for the device."""
+    summed over DP x CP (CP ranks hold different tokens of the same samples, so each token counts once); only
+    that sum waits for the device."""
     count = sum(float(mb["loss_mask"].sum()) for mb in micro_batches)
-    if parallel.dp_size == 1:
+    if parallel.dp_cp_size == 1:
         return count
     count = torch.tensor(count, dtype=torch.float64, device=device)
-    dist.all_reduce(count, group=parallel.dp_group)
+    dist.all_reduce(count, group=parallel.dp_cp_group)
     return float(count)

@@ -27,7 +27,7 @@ def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_p
                         ep: int = 1, etp: int | None = None) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed; `etp` None: tp."""
     etp = tp if etp is None else etp
-    pp_rank, dp_rank, tp_rank = coordinates(rank, world_size, tp, pp)
+    pp_rank, dp_rank, _, tp_rank = coordinates(rank, world_size, tp, pp)
     edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
     embedding = group_ranks(world_size, tp, pp)["embedding"][dp_rank * tp + tp_rank]  # pipelines in (dp, tp) order
     group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
@@ -156,7 +156,7 @@ def plan(run: RunConfig) -> DryRunReport:
         activation = peak_activation_bytes(ops, chunk_bytes, rebuilt)
         for rank in range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp):
             # A rank's optimizer shard: its DP rank's of the dense buffer, its expert-DP rank's of the experts'.
-            _, dp_rank, _ = coordinates(rank, world, tp, pp)
+            _, dp_rank, _, _ = coordinates(rank, world, tp, pp)
             edp_rank, _, _ = expert_coordinates(rank, world, pp, ep, etp)
             shards = (dp_rank, edp_rank) if sharding.optimizer_state else (0, 0)
             figures = [state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)

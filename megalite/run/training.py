@@ -92,9 +92,10 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
                      log=None, loss_fn: LanguageModelLoss | None = None) -> torch.Tensor:
     """Mean loss over the global batch's unmasked tokens, on every pipeline rank, as a 0-dim float64 tensor on
     the device (not waited for); with `optimizer`, backward too. model: a GPTModel, or this pipeline rank's
-    ModelChunks. micro_batches: dicts of [b, s] tensors, this DP rank's part of the global batch; each one's
-    loss is divided by the whole global batch's token count, so the gradients summed over DP are those of the
-    global mean. loss_fn: the last stage's loss on its hidden states (default: the model config's)."""
+    ModelChunks. micro_batches: dicts of [b, s] tensors, this DP rank's part of the global batch (under CP this
+    CP rank's [b, s / CP] chunks of it); each one's loss is divided by the whole global batch's token count, so
+    the gradients summed over DP x CP are those of the global mean. loss_fn: the last stage's loss on its hidden
+    states (default: the model config's)."""
     chunks = list(model) if isinstance(model, ModelChunks) else [model]
     loss_fn = loss_fn if loss_fn is not None else LanguageModelLoss.of(chunks[-1])
     device = next(chunks[0].parameters()).device
@@ -118,9 +119,9 @@ def forward_backward(model, micro_batches, optimizer=None, parallel: ParallelSta
                             comm, scale_loss, log, parallel.rank)
     loss = runner.run(steps)
     total_loss = loss if loss is not None else torch.zeros((), dtype=torch.float64, device=device)
-    # The last stage's loss to every stage, summed over data-parallel ranks (each already
-    # divided by the global token count): every rank gets the global mean and decides alike.
-    for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_group, parallel.dp_size)):
+    # The last stage's loss to every stage, summed over the DP x CP ranks, which hold the global batch's
+    # tokens (each already divided by the global token count): every rank gets the global mean and decides alike.
+    for group, size in ((parallel.pp_group, parallel.pp_size), (parallel.dp_cp_group, parallel.dp_cp_size)):
         if size > 1:
             torch.distributed.all_reduce(total_loss, group=group)
     return total_loss
@@ -241,9 +242,10 @@ class Trainer:
         if dataset is None:
             return None
         train, data = self.run.train, self.run.data
+        parallel = self.parallel  # the dense DP's rank and size: the CP ranks of a DP rank read the same samples
         loader = build_data_loader(dataset, consumed_samples, train.global_batch_size, train.micro_batch_size,
-                                   self.parallel.dp_rank, self.parallel.dp_size, num_workers=data.num_workers,
-                                   rampup=rampup)
+                                   parallel.dp_rank, parallel.dp_size, num_workers=data.num_workers, rampup=rampup,
+                                   context_parallel_rank=parallel.cp_rank, context_parallel_size=parallel.cp_size)
         source = ("the mock data" if data.mock_data else f"--data-path {' '.join(data.data_path)}" if data.data_path
                   else "the --train/valid/test-data-path files")
         return checked_token_ids(iterate(loader), self.tokenizer.vocab_size, source)

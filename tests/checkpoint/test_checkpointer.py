@@ -122,10 +122,11 @@ def test_finetune_and_no_load_optim_restart_the_optimizer_from_the_loaded_weight
         assert loaded.iteration == 4 and other.checkpointer.resumed_from == 4
 
 
-@pytest.mark.parametrize("case", ["same layout", "--no-load-rng", "another layout"])
+@pytest.mark.parametrize("case", ["same layout", "--no-load-rng", "another layout", "another CP layout"])
 def test_rng_states_load_only_from_the_same_layout_unless_told_not_to(tmp_path, case):
     torch.manual_seed(7)
-    layout = {"tensor_model_parallel_size": 2} if case == "another layout" else None
+    layout = {"another layout": {"tensor_model_parallel_size": 2},
+              "another CP layout": {"context_parallel_size": 2}}.get(case)  # the same world size and TP
     Run("--save", str(tmp_path), layout=layout).save(1)
     expected = torch.rand(3)
     flags = ["--no-load-rng"] if case == "--no-load-rng" else []
@@ -138,9 +139,9 @@ def test_rng_states_load_only_from_the_same_layout_unless_told_not_to(tmp_path, 
     else:
         assert torch.equal(torch.get_rng_state(), here)
     moved = [line for line in resumed.lines if "saved by another layout" in line]
-    assert len(moved) == (case == "another layout")
+    assert len(moved) == (layout is not None)
     if moved:
-        assert "tensor_model_parallel_size=2" in moved[0] and "RNG states are seeded afresh" in moved[0]
+        assert f"{next(iter(layout))}=2" in moved[0] and "RNG states are seeded afresh" in moved[0]
 
 
 def test_save_is_due_at_multiples_of_the_interval_and_only_with_save(tmp_path):

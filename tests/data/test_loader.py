@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from megalite.data import build_data_loader, build_gpt_datasets
-from megalite.data.loader import MicroBatchSampler, next_global_batch
+from megalite.data.loader import MicroBatchSampler, context_parallel_positions, next_global_batch
 from megalite.config.rules import global_batch_at, iterations_for_samples
 from megalite.errors import UserError
 
@@ -16,8 +16,9 @@ def dataset():
     return build_gpt_datasets(None, "1,0,0", 16, 3, (200, 0, 0), mock_vocab_size=64, eod=64)[0]
 
 
-def batches(dataset, consumed, dp_rank=0, dp_size=1, micro=MICRO, iterations=5):
-    loader = iter(build_data_loader(dataset, consumed, GLOBAL, micro, dp_rank, dp_size))
+def batches(dataset, consumed, dp_rank=0, dp_size=1, micro=MICRO, iterations=5, cp=(0, 1)):
+    loader = iter(build_data_loader(dataset, consumed, GLOBAL, micro, dp_rank, dp_size, context_parallel_rank=cp[0],
+                                    context_parallel_size=cp[1]))
     num_micro = GLOBAL // (micro * dp_size)
     return [next_global_batch(loader, num_micro) for _ in range(iterations)]
 
@@ -113,3 +114,36 @@ def test_rampup_errors_name_the_flag():
         MicroBatchSampler(100, 0, 16, 1, 0, 1, [4, 4])
     with pytest.raises(UserError, match="must reach --global-batch-size 16"):
         MicroBatchSampler(100, 0, 16, 1, 0, 1, [6, 4, 24])
+
+
+def test_context_parallel_positions_are_megatron_s_load_balanced_chunks():
+    assert context_parallel_positions(8, 0, 2).tolist() == [0, 1, 6, 7]
+    assert context_parallel_positions(8, 1, 2).tolist() == [2, 3, 4, 5]
+    assert [context_parallel_positions(16, r, 4).tolist()[::2] for r in range(4)] == [[0, 14], [2, 12], [4, 10],
+                                                                                       [6, 8]]
+    every = torch.cat([context_parallel_positions(24, r, 3) for r in range(3)])
+    assert sorted(every.tolist()) == list(range(24))
+
+
+@pytest.fixture(scope="module")
+def documents():
+    """Short documents (EOD inside every sample), with reset position ids and the EOD loss masked."""
+    return build_gpt_datasets(None, "1,0,0", 16, 3, (200, 0, 0), mock_vocab_size=8, eod=8,
+                              eod_mask_loss=True, reset_position_ids=True)[0]
+
+
+@pytest.mark.parametrize("dp_size, cp_size", [(1, 2), (2, 2), (1, 4)])
+def test_cp_ranks_of_a_dp_rank_read_the_same_samples_and_their_chunks_rebuild_them(documents, dp_size, cp_size):
+    """Every per-token field (labels shifted before the split, reset positions, the EOD mask) travels with its
+    token: putting each CP rank's [b, s/CP] back at its positions rebuilds the DP rank's [b, s] micro-batches."""
+    assert (documents[0]["position_ids"] != torch.arange(16)).any() and (documents[0]["loss_mask"] == 0).any()
+    for dp_rank in range(dp_size):
+        whole = batches(documents, 0, dp_rank, dp_size, iterations=2)
+        parts = [batches(documents, 0, dp_rank, dp_size, iterations=2, cp=(r, cp_size)) for r in range(cp_size)]
+        for k, batch in enumerate(whole):
+            for key in ("tokens", "labels", "loss_mask", "position_ids"):
+                rebuilt = torch.empty_like(concat(batch, key))
+                for cp_rank in range(cp_size):
+                    rebuilt[:, context_parallel_positions(16, cp_rank, cp_size)] = concat(parts[cp_rank][k], key)
+                assert torch.equal(rebuilt, concat(batch, key)), key
+            assert parts[0][k][0]["tokens"].shape == (MICRO, 16 // cp_size)
