@@ -33,6 +33,9 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = option(1, "pipeline stages (PP)")
     context_parallel_size: int = option(1, "context-parallel ranks (CP): each holds 2 of 2 x CP chunks of every "
                                            "sequence (load-balanced for causal attention)")
+    cp_comm_type: str = option("p2p", "how context-parallel attention meets the other ranks' keys and values: a ring "
+                                      "(p2p), gathered (all_gather) or heads exchanged (a2a, Ulysses)",
+                               choices=("p2p", "all_gather", "a2a"))
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "interleaved 1F1B: layers per model chunk (or give --num-virtual-stages-per-pipeline-rank)")
     num_virtual_stages_per_pipeline_rank: int | None = option(

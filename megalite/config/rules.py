@@ -187,3 +187,23 @@ def check_rope_context(seq_length: int, max_position_embeddings: int) -> None:
     if seq_length > max_position_embeddings:
         raise UserError(f"--seq-length {seq_length} exceeds --max-position-embeddings {max_position_embeddings}, "
                         f"the model's stated context length; raise --max-position-embeddings or lower --seq-length")
+
+
+def check_sequence_split(seq_length: int, cp: int, tp: int = 1, sequence_parallel: bool = False) -> None:
+    """UserError unless the sequence cuts into the 2 x CP load-balanced chunks of context parallelism (each CP rank
+    holds 2 of them, S/CP tokens) and, under sequence parallelism, those S/CP tokens split over TP."""
+    if cp > 1 and seq_length % (2 * cp):
+        raise UserError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
+                        f"{2 * cp}, the load-balanced chunks each sequence is cut into; use a multiple of {2 * cp}")
+    if sequence_parallel and seq_length % (cp * tp):
+        sizes = f"--tensor-model-parallel-size {tp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
+        raise UserError(f"--seq-length {seq_length} is not divisible by {sizes}, which --sequence-parallel needs; "
+                        f"use a multiple of {cp * tp}")
+
+
+def check_a2a_heads(num_heads: int, cp: int) -> None:
+    """UserError unless the attention heads per TP rank divide by CP, as --cp-comm-type a2a needs."""
+    if num_heads % cp:
+        raise UserError(f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({num_heads}) "
+                        f"divisible by --context-parallel-size {cp}: change one of them, or use "
+                        "--cp-comm-type p2p or all_gather")

@@ -11,8 +11,9 @@ from megalite.config.data import DataConfig
 from megalite.config.model import ModelConfig, with_tokenizer_vocab
 from megalite.config.options import option
 from megalite.config.parallel import ParallelConfig
-from megalite.config.rules import (check_batch_sizes, check_microbatches, check_rampup_layout,
-                                   check_tensor_parallel_split, global_batch_at, virtual_stage_layers)
+from megalite.config.rules import (check_a2a_heads, check_batch_sizes, check_microbatches, check_rampup_layout,
+                                   check_sequence_split, check_tensor_parallel_split, global_batch_at,
+                                   virtual_stage_layers)
 from megalite.config.train import TrainConfig
 from megalite.errors import UserError
 
@@ -209,13 +210,9 @@ class RunConfig:
         return self
 
     def _validate_sequence_split(self) -> None:
-        """Each CP rank holds 2 of the sequence's 2 x CP equal chunks (S/CP tokens), which SP splits over TP."""
-        seq_length, parallel = self.model.seq_length, self.parallel
+        """The sequence splits over CP (and SP over TP); a2a splits the heads over CP."""
+        model, parallel = self.model, self.parallel
         tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
-        if seq_length % (2 * cp) and cp > 1:
-            raise UserError(f"--seq-length {seq_length} is not divisible by 2 x --context-parallel-size {cp} = "
-                            f"{2 * cp}, the load-balanced chunks each sequence is cut into; use a multiple of {2 * cp}")
-        if parallel.sequence_parallel and seq_length % (cp * tp):
-            sizes = f"--tensor-model-parallel-size {tp}" + (f" x --context-parallel-size {cp}" if cp > 1 else "")
-            raise UserError(f"--seq-length {seq_length} is not divisible by {sizes}, which --sequence-parallel needs; "
-                            f"use a multiple of {cp * tp}")
+        check_sequence_split(model.seq_length, cp, tp, parallel.sequence_parallel)
+        if cp > 1 and parallel.cp_comm_type == "a2a":
+            check_a2a_heads(model.num_attention_heads // tp, cp)

@@ -2,7 +2,7 @@
 ranks together compute one process's causal attention over the whole of it.
 
 The split is Megatron's load-balanced zig-zag: a sequence of length S is cut into 2·CP chunks of S/(2·CP) and
-CP rank r holds chunks r and 2·CP-1-r, in that order (`zigzag_positions`), so every rank does the same causal
+CP rank r holds chunks r and 2·CP-1-r, in that order (`data.loader.context_parallel_positions`), so every rank does the same causal
 work. q, k and v arrive already split, in the attention core's layout: q `[S/CP, b, heads, d]`, k and v
 `[S/CP, b, groups, d]` (grouped-query attention: query head i attends with key/value head i // (heads/groups)).
 
@@ -23,36 +23,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from megalite.config.rules import check_a2a_heads, check_sequence_split
+from megalite.data.loader import context_parallel_positions
 from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_to_all, gather_from_sequence_parallel_region, group_size
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
 # The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
 _KV_TAG, _GRAD_KV_TAG = 1, 2
-
-
-def zigzag_positions(seq_length: int, cp_size: int, cp_rank: int) -> torch.Tensor:
-    """The global positions `[seq_length / cp_size]` of CP rank `cp_rank`'s tokens: chunks `cp_rank` and
-    `2·cp_size-1-cp_rank` of the 2·cp_size equal chunks, in that order."""
-    check_seq_length(seq_length, cp_size)
-    chunk = seq_length // (2 * cp_size)
-    first, second = cp_rank * chunk, (2 * cp_size - 1 - cp_rank) * chunk
-    return torch.cat([torch.arange(first, first + chunk), torch.arange(second, second + chunk)])
-
-
-def check_seq_length(seq_length: int, cp_size: int) -> None:
-    """UserError unless the sequence cuts into the 2·CP equal chunks of the zig-zag split."""
-    if seq_length % (2 * cp_size):
-        raise UserError(f"--seq-length {seq_length} must be divisible by 2 x --context-parallel-size "
-                        f"({2 * cp_size}): change either flag")
-
-
-def check_a2a_heads(num_heads: int, cp_size: int) -> None:
-    """UserError unless the attention heads per TP rank divide by CP, as `a2a` needs."""
-    if num_heads % cp_size:
-        raise UserError(f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({num_heads}) "
-                        f"divisible by --context-parallel-size {cp_size}: change one of them, or use "
-                        "--cp-comm-type p2p or all_gather")
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
@@ -63,8 +41,7 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     if comm_type not in CP_COMM_TYPES:
         raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
     size = group_size(group)
-    if size > 1:
-        check_seq_length(q.shape[0] * size, size)
+    check_sequence_split(q.shape[0] * size, size)
     if comm_type == "a2a":
         check_a2a_heads(q.shape[2], size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -89,7 +66,7 @@ def _causal_sdpa(q, k, v, scale, mask=None):
 def _all_gather_attention(q, k, v, group, scale):
     """All of K and V on every rank (gathered in rank order), masked by global positions."""
     size, rank, s = group_size(group), dist.get_rank(group), q.shape[0]
-    key_positions = torch.cat([zigzag_positions(s * size, size, r) for r in range(size)]).to(q.device)
+    key_positions = torch.cat([context_parallel_positions(s * size, r, size) for r in range(size)]).to(q.device)
     query_positions = key_positions[rank * s:(rank + 1) * s]
     mask = key_positions[None, :] <= query_positions[:, None]  # [s, S]
     k, v = (gather_from_sequence_parallel_region(t, group) for t in (k, v))  # backward: reduce-scatter
@@ -104,7 +81,7 @@ def _a2a_attention(q, k, v, group, scale):
     repeat = size // math.gcd(groups, size)
     if repeat > 1:
         k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
-    gathered = torch.cat([zigzag_positions(s * size, size, r) for r in range(size)]).to(q.device)
+    gathered = torch.cat([context_parallel_positions(s * size, r, size) for r in range(size)]).to(q.device)
     to_global = torch.argsort(gathered)
     q, k, v = (_heads_to_sequence(t, group)[to_global] for t in (q, k, v))  # [S, b, n/CP, d]
     return _sequence_to_heads(_causal_sdpa(q, k, v, scale)[gathered], group)

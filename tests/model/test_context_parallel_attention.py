@@ -15,8 +15,9 @@ import torch.nn.functional as F
 
 from megalite.errors import UserError
 from megalite.model import context_parallel
-from megalite.model.context_parallel import (CP_COMM_TYPES, check_a2a_heads, context_parallel_attention,
-                                             zigzag_positions)
+from megalite.config.rules import check_a2a_heads, check_sequence_split
+from megalite.data.loader import context_parallel_positions
+from megalite.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
 from tests.helpers.distributed import run_world
 
 SEQ, BATCH, HEADS, HEAD_DIM = 24, 2, 8, 8
@@ -50,7 +51,7 @@ def max_errors(comm_type: str, groups: int) -> dict:
     size, rank = dist.get_world_size(), dist.get_rank()
     q, k, v, grad = inputs(groups)
     expected = reference(q, k, v, grad)
-    mine = zigzag_positions(SEQ, size, rank)
+    mine = context_parallel_positions(SEQ, rank, size)
     q, k, v = (t[mine].clone().requires_grad_() for t in (q, k, v))
     out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type)
     out.backward(grad[mine])
@@ -71,7 +72,7 @@ def check_merge_trap() -> dict:
     size, rank = dist.get_world_size(), dist.get_rank()
     q, k, v, grad = inputs(HEADS)
     expected_dq = reference(q, k, v, grad)[1]
-    mine = zigzag_positions(SEQ, size, rank)
+    mine = context_parallel_positions(SEQ, rank, size)
     q, k, v = (t[mine].permute(1, 2, 0, 3).contiguous() for t in (q, k, v))
     q.requires_grad_()
     out, _ = context_parallel.ring_forward(q, k, v, dist.group.WORLD, HEAD_DIM ** -0.5)
@@ -113,15 +114,9 @@ def test_context_parallel_attention_matches_one_process(size, check):
     assert not reports, "\n".join(reports)
 
 
-def test_zigzag_positions():
-    assert zigzag_positions(8, 1, 0).tolist() == list(range(8))
-    assert zigzag_positions(8, 2, 0).tolist() == [0, 1, 6, 7]
-    assert zigzag_positions(8, 2, 1).tolist() == [2, 3, 4, 5]
-    assert zigzag_positions(16, 4, 1).tolist() == [2, 3, 12, 13]
-    every = torch.cat([zigzag_positions(24, 4, rank) for rank in range(4)])
-    assert sorted(every.tolist()) == list(range(24))  # each token on exactly one rank
-    with pytest.raises(UserError, match="--seq-length 12 must be divisible by 2 x --context-parallel-size"):
-        zigzag_positions(12, 4, 0)
+def test_the_attention_checks_the_sequence_split():
+    with pytest.raises(UserError, match="--seq-length 12 is not divisible by 2 x --context-parallel-size 4 = 8"):
+        check_sequence_split(12, 4)
 
 
 def test_a2a_needs_heads_divisible_by_cp():
