@@ -189,7 +189,7 @@ def test_the_scripts_mean_what_megatron_means(paths):
 
 @pytest.mark.parametrize("extra, words", [
     (FP8, ["--fp8-format", "FP8"]),
-    ("--context-parallel-size 2", ["--context-parallel-size 2"]),  # the layout's rule, or its attention's refusal
+    ("--context-parallel-size 2 --attention-dropout 0.1", ["--context-parallel-size 2"]),  # a layout rule or dropout
     ("--expert-model-parallel-size 2 --expert-tensor-parallel-size 1", ["--expert-model-parallel-size 2",
                                                                          "--num-experts"]),
 ], ids=["fp8", "context-parallel", "expert-parallel-without-experts"])
@@ -234,6 +234,20 @@ def test_mixtral_8x7b_dry_run_holds_an_eighth_of_the_experts_per_rank_at_ep_8(pa
         # fp32 main params and Adam's moments of its own experts, whole, plus 1/8 of the dense ones'
         dense = mine.params - mine.expert_params
         assert 12 * (mine.expert_params + dense // 8) <= mine.optimizer_bytes < 12 * (mine.expert_params + dense // 7)
+
+
+def test_llama3_8b_dry_run_at_cp_2_holds_half_the_activations_per_rank(paths, capsys):
+    """The script's flags at seq 8192 with --context-parallel-size 2 (world 8 = TP 1 x CP 2 x DP 4): each rank's
+    activations are half of CP 1's (world 4 = DP 4: the same DP, the same micro-batches), its model state alike,
+    the optimizer state sharded over DP x CP 8 instead of DP 4."""
+    argv = _argv(LLAMA3_8B, paths) + ["--dry-run"]
+    cp2 = dry_run(parse_args(argv + ["--world-size", "8", "--context-parallel-size", "2"], 8))
+    print(capsys.readouterr().out)  # the per-rank table (pytest -s shows it)
+    cp1 = plan(parse_args(argv + ["--world-size", "4"], 4))
+    mine, whole = cp2.rank_class(0), cp1.rank_class(0)
+    assert mine.params == whole.params and mine.grad_bytes == whole.grad_bytes
+    assert mine.activation_bytes * 2 == pytest.approx(whole.activation_bytes, rel=0.01)
+    assert mine.optimizer_bytes * 2 == pytest.approx(whole.optimizer_bytes, rel=0.01)
 
 
 @pytest.mark.parametrize("flag_set, extra, world_size, words", [

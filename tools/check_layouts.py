@@ -99,8 +99,27 @@ for _name, (_processes, _flags) in EXPERT_LAYOUTS.items():
                                                            "--moe-token-dispatcher-type", _dispatcher], 1e-5)
 
 
+CP_LAYOUTS = {  # CP N over the dense grid's tp-cp-dp-pp: name -> (processes, flags), each with every comm type
+    "cp2": (2, []),
+    "cp4": (4, []),
+    "cp2-tp2-sp": (4, [*TP2, "--sequence-parallel"]),
+    "cp2-pp2-vp2": (4, [*PP2, *V2]),
+    **{f"cp2-dp2-{name}": (4, flags) for name, flags in (("no-shard", OVERLAP), ("distopt", [DISTOPT, *OVERLAP]),
+                                                          ("zero2", ZERO2), ("zero3", ZERO3))},
+    "cp2-tp2-pp2-dp2-sp-distopt": (16, [*TP2, *PP2, "--sequence-parallel", DISTOPT]),
+    "cp2-recompute": (2, ["--recompute-granularity", "full", "--recompute-method", "uniform",
+                          "--recompute-num-layers", "1"]),
+}
+for _name, (_processes, _flags) in CP_LAYOUTS.items():
+    for _comm in ("p2p", "all_gather", "a2a"):
+        LAYOUTS[f"{_name}-{_comm}"] = (_processes, [*_flags, "--context-parallel-size", _name[2],
+                                                     "--cp-comm-type", _comm], 1e-5)
+
+
 def fits(model: str, layout: str) -> bool:
-    """Whether `layout` applies to `model`: expert parallelism needs an MoE model."""
+    """Whether `layout` applies to `model`: expert parallelism needs an MoE model, context parallelism a dense one."""
+    if layout.startswith("cp"):
+        return not model.startswith("moe")
     return model.startswith("moe") or not layout.startswith("ep")
 
 

@@ -67,7 +67,7 @@ def save_checkpoint(save: str, iteration: int, model: torch.nn.Module, optimizer
         optim_pieces = optimizer_pieces(optim_state["tensors"], model, parallel, optim_state.get("flat_ranges"))
         if not getattr(optimizer, "distributed", False):  # each rank writes its own shards of a distributed one
             optim_pieces = _unreplicated(optim_pieces, model, parallel)
-    model_part = model_pieces(model, parallel, param_shards, buffers=parallel.dp_rank == 0)
+    model_part = model_pieces(model, parallel, param_shards, buffers=parallel.dp_cp_rank == 0)
     if param_shards is None:  # ZeRO-3's model pieces are this rank's own shards
         model_part = _unreplicated(model_part, model, parallel)
     report = {"holds": holds}
@@ -86,12 +86,12 @@ def _unreplicated(pieces: dict[str, list[Piece]], model: torch.nn.Module,
                   parallel: ParallelState) -> dict[str, list[Piece]]:
     """The `pieces` (named `<param name>[.<kind>]`) this rank writes of tensors that replicas hold alike: an
     expert parameter's by expert-DP rank 0 (with EP folded over DP, other DP ranks hold other experts), any
-    other's and the buffers by DP rank 0."""
+    other's and the buffers by rank 0 of DP x CP (context-parallel ranks hold the same parameters)."""
     params = dict(model.named_parameters())
 
     def writes(name: str) -> bool:
         param = params.get(name, params.get(name.rsplit(".", 1)[0]))
-        return (parallel.expert_dp_rank if getattr(param, "expert_parallel", False) else parallel.dp_rank) == 0
+        return (parallel.expert_dp_rank if getattr(param, "expert_parallel", False) else parallel.dp_cp_rank) == 0
     return {name: name_pieces for name, name_pieces in pieces.items() if writes(name)}
 
 

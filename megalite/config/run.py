@@ -203,10 +203,13 @@ class RunConfig:
                                 parallel.virtual_pipeline_model_parallel_size)
         if train.exit_signal_handler and self.checkpoint.save is None:
             raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
-        if parallel.context_parallel_size > 1:  # the grid and the loader's split exist; the attention does not yet
-            raise UserError(f"--context-parallel-size {parallel.context_parallel_size} asks for context parallelism, "
-                            f"whose attention is not wired into the model yet; pass 1 (or split long sequences with "
-                            f"--tensor-model-parallel-size and --sequence-parallel)")
+        cp = parallel.context_parallel_size
+        if cp > 1 and model.num_experts is not None:
+            raise UserError(f"--context-parallel-size {cp} with --num-experts waits: the MoE layer's routing and "
+                            f"balancing counts over the context-parallel ranks are not built; pass one of them")
+        if cp > 1 and model.attention_dropout:
+            raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (the context-parallel "
+                            f"attention has no dropout); add --attention-dropout 0")
         return self
 
     def _validate_sequence_split(self) -> None:

@@ -45,7 +45,9 @@ class ParallelModel:
         self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
         self.shard, self.sharded_grads = sharding.optimizer_state, sharding.grads
         self.chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
-        self.domains = [self._domain(False, bucket_size, parallel.dp_group, parallel.dp_size, parallel.dp_rank)]
+        # Dense grads sum over DP x CP: context-parallel ranks hold the same parameters, other tokens.
+        self.domains = [self._domain(False, bucket_size, parallel.dp_cp_group, parallel.dp_cp_size,
+                                     parallel.dp_cp_rank)]
         if any(buffer_groups(self.chunks, sharding, expert=True)):  # a stage without experts has no such buffer
             self.domains.append(self._domain(True, bucket_size, parallel.expert_dp_group, parallel.expert_dp_size,
                                              parallel.expert_dp_rank))

@@ -262,3 +262,12 @@ class _RingAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         grads = _ring_backward(grad_out.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale)
         return *grads, None, None
+
+
+def apply(model: torch.nn.Module, group, comm_type: str) -> torch.nn.Module:
+    """Give each layer of `model` (a GPTModel chunk) context-parallel attention over `group` as its core (q
+    `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`, the layer's own core's contract)."""
+    for layer in model.layers.values():
+        layer.self_attention.core_attention = (
+            lambda q, k, v: context_parallel_attention(q, k, v, group, comm_type).flatten(2))
+    return model

@@ -24,15 +24,17 @@ GIB = 2 ** 30
 
 
 def meta_parallel_state(rank: int, world_size: int, tp: int, pp: int, sequence_parallel: bool = False,
-                        ep: int = 1, etp: int | None = None) -> ParallelState:
+                        ep: int = 1, etp: int | None = None, cp: int = 1) -> ParallelState:
     """Rank `rank`'s ParallelState on the meta device, without torch.distributed; `etp` None: tp."""
     etp = tp if etp is None else etp
-    pp_rank, dp_rank, _, tp_rank = coordinates(rank, world_size, tp, pp)
+    pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank, world_size, tp, pp, cp)
     edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
-    embedding = group_ranks(world_size, tp, pp)["embedding"][dp_rank * tp + tp_rank]  # pipelines in (dp, tp) order
+    # Pipelines are listed in (dp, cp, tp) order.
+    embedding = group_ranks(world_size, tp, pp, cp=cp)["embedding"][(dp_rank * cp + cp_rank) * tp + tp_rank]
     group = object()  # a process group's stand-in: the layers want one under TP, a dry run never communicates
     return ParallelState(rank=rank, world_size=world_size, tp_size=tp, tp_rank=tp_rank, tp_group=group,
-                         pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * pp),
+                         pp_size=pp, pp_rank=pp_rank, pp_group=group, dp_size=world_size // (tp * cp * pp),
+                         cp_size=cp, cp_rank=cp_rank, cp_group=group, dp_cp_group=group, tp_cp_group=group,
                          dp_rank=dp_rank, dp_group=group, mp_group=group,
                          embedding_group=group if rank in embedding else None, embedding_ranks=embedding,
                          ep_size=ep, ep_rank=ep_rank, ep_group=group, expert_tp_size=etp,
@@ -124,21 +126,22 @@ def plan(run: RunConfig) -> DryRunReport:
     ep, etp, edp = layout.expert_model_parallel_size, layout.expert_tensor_size, layout.expert_data_parallel_size
     vp, dtype = layout.virtual_pipeline_model_parallel_size, train.params_dtype
     first, last = layout.decoder_first_pipeline_num_layers, layout.decoder_last_pipeline_num_layers
+    cp = layout.context_parallel_size
     activations = ActivationModel(model, train.micro_batch_size, tp, layout.sequence_parallel, element_bytes(dtype),
-                                  ep, etp)
+                                  ep, etp, cp)
     sharding = layout.sharding
     # The bf16 copies of buckets in flight (ddp.py): every bucket's when reductions overlap the backward, else one.
     overlapped = layout.overlap_grad_reduce and not sharding.grads
-    bf16_reduce = ("all" if overlapped else "one") if layout.grad_reduce_in_bf16 and dp > 1 else None
+    bf16_reduce = ("all" if overlapped else "one") if layout.grad_reduce_in_bf16 and dp * cp > 1 else None
     by_figures: dict[tuple, RankClass] = {}
     recomputed_layers = 0  # the layers full recomputation rebuilds in a backward, over every pipeline rank
     for pp_rank in range(pp):
         # Every rank of a stage holds as many parameters (EP ranks: as many experts): one build stands for all.
-        state = meta_parallel_state(pp_rank * dp * tp, world, tp, pp, layout.sequence_parallel, ep, etp)
+        state = meta_parallel_state(pp_rank * dp * cp * tp, world, tp, pp, layout.sequence_parallel, ep, etp, cp)
         chunks = build_model_chunks(model, train.seed, "meta", dtype, state, vp, first, last)
         # The grad buffers as MixedPrecisionOptimizer lays them out: building the optimizer itself would import
         # torch's compiler, seconds for nothing (tests/plan/test_dry_run.py checks the two agree).
-        buffers = grad_buffers(list(chunks), sharding, dp if sharding.optimizer_state else 1,
+        buffers = grad_buffers(list(chunks), sharding, dp * cp if sharding.optimizer_state else 1,
                                edp if sharding.optimizer_state else 1,
                                None if sharding.params else layout.ddp_bucket_size)
         params = sum(param.numel() for param in chunks.parameters())
@@ -154,11 +157,11 @@ def plan(run: RunConfig) -> DryRunReport:
         recomputed_unit = max(activations.largest_recomputed_unit(len(ids)) for ids in layers)
         rebuilt = max(activations.recomputed_unit_bytes(list(ids)) for ids in layers)
         activation = peak_activation_bytes(ops, chunk_bytes, rebuilt)
-        for rank in range(pp_rank * dp * tp, (pp_rank + 1) * dp * tp):
-            # A rank's optimizer shard: its DP rank's of the dense buffer, its expert-DP rank's of the experts'.
-            _, dp_rank, _, _ = coordinates(rank, world, tp, pp)
+        for rank in range(pp_rank * dp * cp * tp, (pp_rank + 1) * dp * cp * tp):
+            # A rank's optimizer shard: its DP x CP rank's of the dense buffer, its expert-DP rank's of the experts'.
+            _, dp_rank, cp_rank, _ = coordinates(rank, world, tp, pp, cp)
             edp_rank, _, _ = expert_coordinates(rank, world, pp, ep, etp)
-            shards = (dp_rank, edp_rank) if sharding.optimizer_state else (0, 0)
+            shards = (dp_rank * cp + cp_rank, edp_rank) if sharding.optimizer_state else (0, 0)
             figures = [state_bytes(buffer, dtype, shard, sharding, bf16_reduce, recomputed_unit)
                        for buffer, shard in zip(buffers, shards)]
             figures = {key: sum(part[key] for part in figures) for key in figures[0]}

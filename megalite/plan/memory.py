@@ -51,13 +51,13 @@ def state_bytes(buffer, params_dtype: torch.dtype, shard: int, sharding: Shardin
 
 class ActivationModel:
     """Bytes one TP rank keeps per micro-batch in flight, for `config` at `micro_batch_size`;
-    element_size: bytes of an activation (the params' dtype)."""
+    element_size: bytes of an activation (the params' dtype). Under context parallelism a rank holds S/CP tokens."""
 
     def __init__(self, config: ModelConfig, micro_batch_size: int, tp: int = 1, sequence_parallel: bool = False,
-                 element_size: int = 2, ep: int = 1, etp: int | None = None):
+                 element_size: int = 2, ep: int = 1, etp: int | None = None, cp: int = 1):
         self.config, self.tp, self.e = config, tp, element_size
         self.ep, self.etp = ep, tp if etp is None else etp  # the routed experts' EP and ETP
-        self.tokens = config.seq_length * micro_batch_size  # s*b: what TP-region tensors hold per rank
+        self.tokens = config.seq_length // cp * micro_batch_size  # s*b: what TP-region tensors hold per rank
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
         self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
         self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)

@@ -2,13 +2,15 @@
 
 Tensor and pipeline parallelism, and the `--kernels` path of the fused ops, are chosen when the chunks are
 built (`build_model_chunks`: each rank builds only its layers, as column/row-parallel linears). Then, in this
-order, from outside the plain model: the CPU backend on a CPU, recomputation, torch.compile, and data
-parallelism with the sharding strategy (its hooks see the compiled and recomputed modules).
+order, from outside the plain model: the context-parallel attention core under CP (else the CPU backend on a
+CPU), recomputation, torch.compile, and data parallelism with the sharding strategy (its hooks see the compiled
+and recomputed modules).
 """
 
 from megalite import cpu
 from megalite.config import RunConfig
 from megalite.data_parallel.ddp import ParallelModel
+from megalite.model import context_parallel
 from megalite.model.options import apply_options
 from megalite.parallel_state import ParallelState
 from megalite.pipeline_parallel.stages import ModelChunks
@@ -18,7 +20,9 @@ def parallelize(chunks: ModelChunks, run: RunConfig, parallel: ParallelState) ->
     """`chunks` (this rank's, built for `parallel`) with `run`'s options applied, made data-parallel."""
     model, layout = run.model, run.parallel
     for chunk in chunks:
-        if parallel.device.type == "cpu":
+        if parallel.cp_size > 1:  # its own attention core, on every device
+            context_parallel.apply(chunk, parallel.cp_group, layout.cp_comm_type)
+        elif parallel.device.type == "cpu":
             cpu.apply(chunk)
         apply_options(chunk, recompute_granularity=model.recompute_granularity,
                       recompute_method=model.recompute_method, recompute_num_layers=model.recompute_num_layers,

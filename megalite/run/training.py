@@ -187,7 +187,9 @@ class Trainer:
         self.loss_fn = LanguageModelLoss(run.model, self.parallel, train.kernels)
         self.comm = None
         if self.parallel.pp_size > 1:
-            tokens = run.model.seq_length // (self.parallel.tp_size if layout.sequence_parallel else 1)
+            # A stage's activations: this CP rank's S/CP tokens, split over TP under SP.
+            tokens = run.model.seq_length // self.parallel.cp_size // (
+                self.parallel.tp_size if layout.sequence_parallel else 1)
             self.comm = PipelineComm(self.parallel, (tokens, train.micro_batch_size, run.model.hidden_size),
                                      train.params_dtype)
         self.schedule_log = print_flushed if run.logging.debug_pipeline_schedule else None  # on every rank
