@@ -46,6 +46,8 @@ MOE = ["--num-experts", "4", "--moe-ffn-hidden-size", "64", "--moe-layer-freq", 
        "--moe-shared-expert-intermediate-size", "32", "--moe-shared-expert-gate", "--moe-aux-loss-coeff", "1e-2",
        "--moe-z-loss-coeff", "1e-3", "--moe-grouped-gemm"]
 MODELS["moe"] = [*MODELS["llama"], *MOE]
+# Documents inside a sequence: positions restart after each end-of-document token, which carries no loss.
+MODELS["llama-docs"] = [*MODELS["llama"], "--reset-position-ids", "--eod-mask-loss"]
 # Aux-loss-free balancing (sigmoid scores, the expert bias) and experts that drop tokens past a capacity.
 MODELS["moe-bias"] = [*MODELS["moe"], "--moe-router-score-function", "sigmoid", "--moe-router-enable-expert-bias",
                       "--moe-router-bias-update-rate", "1e-2"]
