@@ -27,10 +27,12 @@ from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 def hidden_dropout(x: torch.Tensor, p: float, training: bool, parallel: ParallelState = ONE_PROCESS) -> torch.Tensor:
     """Dropout on the residual stream `[s, b, h]`: the same mask on every TP rank from the default
-    RNG, or under SP (`[s/tp, b, h]`, other tokens per rank) from the per-rank tensor-parallel RNG."""
+    RNG, or where ranks hold other tokens (under SP `[s/tp, b, h]`, under CP their chunks) from the per-rank
+    tensor-parallel RNG."""
     if not training or p == 0.0:
         return x
-    with model_parallel_rng_tracker.fork() if parallel.sequence_parallel else contextlib.nullcontext():
+    other_tokens = parallel.sequence_parallel or parallel.cp_size > 1
+    with model_parallel_rng_tracker.fork() if other_tokens else contextlib.nullcontext():
         return F.dropout(x, p, True)
 
 

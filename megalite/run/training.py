@@ -161,7 +161,8 @@ class Trainer:
         # per pipeline stage as Megatron does; the TP-region RNG differs per TP rank.
         random.seed(train.seed + 100 * self.parallel.pp_rank)
         np.random.seed(train.seed + 100 * self.parallel.pp_rank)
-        model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device)
+        model_parallel_seed(train.seed, self.parallel.tp_rank, self.parallel.pp_rank, self.parallel.device,
+                            self.parallel.cp_rank)
         check_kernels(train.kernels)  # before any work: --kernels triton on a machine that cannot run it
         run, self.tokenizer = final_run_config(run)  # every rank
         self.run = run

@@ -59,13 +59,18 @@ class RNGStatesTracker:
 model_parallel_rng_tracker = RNGStatesTracker()
 
 
-def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu") -> None:
+CP_SEED_STRIDE = 7919  # a prime past any TP rank: CP and TP ranks' tracker seeds never meet
+
+
+def model_parallel_seed(seed: int, tp_rank: int, pp_rank: int = 0, device="cpu", cp_rank: int = 0) -> None:
     """Seed torch's default RNG (CPU and CUDA) with `seed + 100 * pp_rank`, alike on a stage's ranks as in
     Megatron, and reset the tracker to `device` with its state seeded `seed + 100 * pp_rank + 2718 + tp_rank`
-    (Megatron's offsets: the TP stream differs from the default one and between TP ranks)."""
+    (Megatron's offsets: the TP stream differs from the default one and between TP ranks), plus
+    `CP_SEED_STRIDE * cp_rank`: context-parallel ranks hold other tokens, so their masks differ too."""
     stage_seed = seed + 100 * pp_rank
     torch.manual_seed(stage_seed)
-    model_parallel_rng_tracker.reset(device, {TENSOR_PARALLEL_RNG: stage_seed + 2718 + tp_rank})
+    model_parallel_rng_tracker.reset(device, {TENSOR_PARALLEL_RNG: stage_seed + 2718 + tp_rank
+                                              + CP_SEED_STRIDE * cp_rank})
 
 
 _recomputations = 0  # recomputations under way (nested checkpoints count each)

@@ -80,3 +80,17 @@ def test_checkpoint_replays_the_forked_stream_in_recomputation():
         states.append(model_parallel_rng_tracker.get_states()[TENSOR_PARALLEL_RNG])
     assert torch.equal(grads[0], grads[1])
     assert torch.equal(states[0], states[1])  # recomputation leaves the tracker where it was
+
+
+def test_context_parallel_ranks_drop_other_positions_of_their_tokens():
+    """Under CP each rank holds other chunks of the sequence: its residual dropout masks come from its own
+    tracker stream (seeded by its CP rank), not from the default stream every rank of a stage shares."""
+    from megalite.model.transformer import hidden_dropout
+    from megalite.parallel_state import ParallelState
+
+    def mask(cp_rank: int) -> torch.Tensor:
+        model_parallel_seed(1234, tp_rank=0, cp_rank=cp_rank)
+        return hidden_dropout(torch.ones(8, 2, 16), 0.5, True, ParallelState(cp_size=2, cp_rank=cp_rank))
+
+    assert not torch.equal(mask(0), mask(1))
+    assert torch.equal(mask(1), mask(1))  # each rank's stream is its seed's
