@@ -2,8 +2,8 @@
 ranks together compute one process's causal attention over the whole of it.
 
 The split is Megatron's load-balanced zig-zag: a sequence of length S is cut into 2·CP chunks of S/(2·CP) and
-CP rank r holds chunks r and 2·CP-1-r, in that order (`data.loader.context_parallel_positions`), so every rank does the same causal
-work. q, k and v arrive already split, in the attention core's layout: q `[S/CP, b, heads, d]`, k and v
+CP rank r holds chunks r and 2·CP-1-r, in that order (`data.loader.context_parallel_positions`), so every rank
+does the same causal work. q, k and v arrive already split, in the attention core's layout: q `[S/CP, b, heads, d]`, k and v
 `[S/CP, b, groups, d]` (grouped-query attention: query head i attends with key/value head i // (heads/groups)).
 
 `--cp-comm-type` (Megatron's names) picks how the keys and values meet the queries:
