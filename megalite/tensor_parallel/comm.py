@@ -6,7 +6,12 @@ one (or None) and modifies nothing a caller passes in; the same code runs on glo
 
 import torch
 import torch.distributed as dist
-from torch.distributed import all_gather_single, reduce_scatter_single
+
+# torch 2.13 renamed the single-tensor collectives (the old names warn); the GPU machines' torch 2.11 has only
+# the old ones. Both take (output, input, group=None, async_op=False): output size x input (gather) or input / size
+# (scatter). DDP and the distributed optimizer use them too.
+all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 
 
 def group_size(group) -> int:
