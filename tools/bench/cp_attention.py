@@ -25,7 +25,8 @@ rank's K and V), per rank:
 Time (CUDA only; skipped on a CPU, saying so): the CP ranks share the one GPU, their tensors on it and their
 collectives over gloo, and time forward + backward of their share at the same total length S as one-device
 causal SDPA on the whole sequence. With the ranks on one GPU this measures the CP path's overhead (the
-collectives through the host, the per-block kernels), not the speed-up of CP devices.
+collectives through the host, the per-block kernels), not the speed-up of CP devices. The p2p ring is not
+timed there: gloo's send/receive take CPU tensors only (timing it needs NCCL, one GPU per rank).
 """
 
 import argparse
@@ -39,6 +40,7 @@ from megalite.errors import UserError, run_main
 from tools.bench.memory import gather_to_file, run_under_torchrun
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KB = 2 ** 10
 SEED = 1234
 
@@ -217,8 +219,6 @@ def time_table(args, seconds: dict) -> None:
         else:
             print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / elapsed:>13.3f}")
 
-
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
 
 def parse_args(argv):
