@@ -1,0 +1,44 @@
+"""tools/bench/cp_attention.py: the closed form of each CP comm type's bytes, and the bench itself at CP 2 on two
+gloo ranks at the smallest sizes (its measured bytes equal the closed form on every rank)."""
+
+import pytest
+
+from megalite.errors import UserError
+from tools.bench.cp_attention import closed_form_bytes, main as bench_main, parse_args
+
+# The bench's --seq-length, --heads, --groups, --head-dim below; fp32.
+SEQ, HEADS, GROUPS, HEAD_DIM = 8, 2, 1, 4
+
+
+def test_the_closed_forms_count_each_comm_types_messages():
+    key_values = 2 * 2 * 3 * 2 * 4 * 4  # K and V: 2 tokens per rank, batch 3, 2 kv heads of 4, fp32
+    assert closed_form_bytes("p2p", 4, 2, 3, 4, 2, 4, 4) == (3 + 3 + 4) * key_values  # fwd, bwd K/V, dK/dV
+    assert closed_form_bytes("all_gather", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * key_values
+    head = 2 * 3 * 4 * 4  # one head of 2 tokens, batch 3, fp32
+    # a2a at CP 4 with 2 kv heads: they repeat to 4; q, k, v and the output, each way, 3/4 of each
+    assert closed_form_bytes("a2a", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * (4 + 4 + 4 + 4) * head // 4
+
+
+def test_the_bench_counts_each_comm_types_bytes_at_their_closed_form(capsys):
+    assert bench_main(["--cp", "2", "--seq-length", str(SEQ), "--heads", str(HEADS), "--groups", str(GROUPS),
+                       "--head-dim", str(HEAD_DIM), "--iters", "1", "--warmup-iters", "0"]) == 0
+    out = capsys.readouterr().out
+    # CP, comm type, rank, p2p, all-gather, reduce-scatter, all-to-all, total, closed form (KB), ratio
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
+    assert sorted((row[1], row[2]) for row in rows) == [(c, r) for c in ("a2a", "all_gather", "p2p") for r in "01"]
+    key_values_kb = 2 * (SEQ // 2) * GROUPS * HEAD_DIM * 4 / 1024
+    for row in rows:
+        sent = dict(zip(("p2p", "all-gather", "reduce-scatter", "all-to-all"), map(float, row[3:7])))
+        assert row[9] == "1.000" and float(row[7]) == float(row[8])
+        measured = {"p2p": "p2p", "all_gather": "all-gather", "a2a": "all-to-all"}[row[1]]
+        assert all(kb == 0 for name, kb in sent.items() if name not in (measured, "reduce-scatter"))
+        if row[1] == "p2p":
+            assert sent["p2p"] == pytest.approx(4 * key_values_kb, abs=0.01)
+        if row[1] == "all_gather":
+            assert sent["all-gather"] == sent["reduce-scatter"] == pytest.approx(key_values_kb, abs=0.01)
+    assert "PASS: every rank's bytes equal the closed form" in out
+
+
+def test_a_cp_size_that_does_not_divide_the_world_is_refused():
+    with pytest.raises(UserError, match="--cp 2 must be at least 2 and divide the world of 3 ranks"):
+        parse_args(["--cp", "2", "3"])

@@ -1,0 +1,268 @@
+"""Context-parallel attention: bytes each rank sends in one attention forward + backward under each
+`--cp-comm-type`, against their closed form, and (where CUDA is present) its time against one-device SDPA.
+
+    python tools/bench/cp_attention.py                  # a world of 4 gloo ranks; CP 2 and 4
+    python tools/bench/cp_attention.py --cp 2 --seq-length 64 --heads 4 --groups 2
+
+The script launches itself under torchrun on max(--cp) gloo ranks (one thread each); at a smaller CP the world
+is DP x CP and each CP group runs on its own. Rank 0 prints every rank's figures.
+
+Bytes: `megalite.model.context_parallel.context_parallel_attention` runs a forward and a backward (fp32, seed
+fixed) on each rank's zig-zag share while the collectives over the CP group are counted by what each rank sends:
+the send ops of `batch_isend_irecv` by their tensors' bytes; an all-gather or reduce-scatter of a whole tensor
+of W bytes by a ring, W (CP-1)/CP; an all-to-all, the rows it sends to the other ranks. With P = CP, s = S/P
+tokens per rank, batch b, n query heads, g key/value heads of d elements of e bytes, KV = 2 s b g d e (this
+rank's K and V), per rank:
+
+- p2p: forward sends the K/V block P-1 hops round the ring; backward sends it P-1 hops again, and the dK/dV
+  accumulator (in the LSE's dtype: fp32 or wider, the same bytes at fp32) P hops, the last bringing each rank
+  its own: (3P - 2) KV.
+- all_gather: K and V all-gathered, dK and dV reduce-scattered: 2 (P-1) KV.
+- a2a: q, k, v all-to-all'd from sequence to heads and the output back, each grad the reverse way; each sends
+  (P-1)/P of its tensor, k and v with their heads repeated to lcm(g, P) so they split over P:
+  4 (P-1)/P s b d e (n + lcm(g, P)).
+
+Time (CUDA only; skipped on a CPU, saying so): the CP ranks share the one GPU, their tensors on it and their
+collectives over gloo, and time forward + backward of their share at the same total length S as one-device
+causal SDPA on the whole sequence. With the ranks on one GPU this measures the CP path's overhead (the
+collectives through the host, the per-block kernels), not the speed-up of CP devices. The p2p ring is not
+timed there: gloo's send/receive take CPU tensors only (timing it needs NCCL, one GPU per rank).
+"""
+
+import argparse
+import math
+import sys
+import time
+
+import torch
+
+from megalite.errors import UserError, run_main
+from tools.bench.memory import gather_to_file, run_under_torchrun
+
+COMM_TYPES = ("p2p", "all_gather", "a2a")
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+KB = 2 ** 10
+SEED = 1234
+
+
+def closed_form_bytes(comm_type: str, cp: int, tokens: int, batch: int, heads: int, groups: int, head_dim: int,
+                      element_bytes: int) -> int:
+    """Bytes one CP rank sends in one attention forward + backward (module docstring): `tokens` (s) per rank."""
+    per_head = tokens * batch * head_dim * element_bytes
+    key_values = 2 * groups * per_head
+    if comm_type == "p2p":
+        return (3 * cp - 2) * key_values
+    if comm_type == "all_gather":
+        return 2 * (cp - 1) * key_values
+    return 4 * (cp - 1) * per_head * (heads + math.lcm(groups, cp)) // cp
+
+
+class ContextParallelTraffic:
+    """Counts the bytes this rank sends by each collective over `group` while installed (module docstring)."""
+
+    def __init__(self, group):
+        import torch.distributed as dist
+
+        from tools.bench.moe_dispatch import ExpertParallelTraffic
+
+        # The all-gather, reduce-scatter and all-to-all are counted as the MoE bench counts them.
+        self.collectives = ExpertParallelTraffic(group)
+        self.bytes = self.collectives.bytes | {"p2p": 0}
+        self.collectives.bytes = self.bytes
+        self.group, self.original = group, dist.batch_isend_irecv
+        dist.batch_isend_irecv = self._batch_isend_irecv
+
+    def _batch_isend_irecv(self, operations):
+        import torch.distributed as dist
+
+        for operation in operations:
+            if operation.op is dist.isend and operation.group is self.group:
+                self.bytes["p2p"] += operation.tensor.numel() * operation.tensor.element_size()
+        return self.original(operations)
+
+    def remove(self) -> None:
+        import torch.distributed as dist
+
+        dist.batch_isend_irecv = self.original
+        self.collectives.remove()
+
+
+def random_qkv(args, cp: int, rank: int, device, dtype) -> list[torch.Tensor]:
+    """This rank's q `[S/CP, b, heads, d]`, k and v `[S/CP, b, groups, d]`, leaves that want grads."""
+    generator = torch.Generator().manual_seed(SEED + rank)
+    tokens = args.seq_length // cp
+    shapes = [(tokens, args.batch, heads, args.head_dim) for heads in (args.heads, args.groups, args.groups)]
+    return [torch.randn(shape, generator=generator).to(device, dtype).requires_grad_() for shape in shapes]
+
+
+def attention_traffic(args, comm_type: str, parallel) -> dict:
+    """Bytes sent per collective in one CP attention forward + backward of this rank's share (fp32, CPU)."""
+    from megalite.model.context_parallel import context_parallel_attention
+
+    q, k, v = random_qkv(args, parallel.cp_size, parallel.cp_rank, "cpu", torch.float32)
+    traffic = ContextParallelTraffic(parallel.cp_group)
+    try:
+        out = context_parallel_attention(q, k, v, parallel.cp_group, comm_type)
+        out.backward(torch.randn_like(out))
+    finally:
+        traffic.remove()
+    return traffic.bytes
+
+
+def seconds_per_iteration(args, attend, qkv, together: bool) -> float:
+    """Forward + backward of `attend(q, k, v)` per iteration, after the warm-up ones, on the GPU; with
+    `together` every rank starts and ends the timing together."""
+    import torch.distributed as dist
+
+    for iteration in range(args.warmup_iters + args.iters):
+        if iteration == args.warmup_iters:
+            torch.cuda.synchronize()
+            if together:
+                dist.barrier()
+            start = time.perf_counter()
+        out = attend(*qkv)
+        out.backward(torch.ones_like(out))
+    torch.cuda.synchronize()
+    if together:
+        dist.barrier()
+    return (time.perf_counter() - start) / args.iters
+
+
+def attention_seconds(args, comm_type: str, parallel) -> float | str:
+    """This rank's CP attention forward + backward time on the GPU, or why it could not run."""
+    from megalite.model.context_parallel import context_parallel_attention
+
+    if comm_type == "p2p":  # a CUDA tensor sent by gloo fails ("Bad address") and can abort the whole world
+        return "gloo's send/receive take CPU tensors only"
+    qkv = random_qkv(args, parallel.cp_size, parallel.cp_rank, "cuda", DTYPES[args.dtype])
+    try:
+        return seconds_per_iteration(
+            args, lambda q, k, v: context_parallel_attention(q, k, v, parallel.cp_group, comm_type), qkv, True)
+    except RuntimeError as error:  # a gloo collective that does not take CUDA tensors, say
+        return str(error).splitlines()[0]
+
+
+def one_device_seconds(args) -> float:
+    """Causal SDPA of the whole sequence on one GPU, forward + backward, per iteration."""
+    from megalite.model.context_parallel import context_parallel_attention
+
+    qkv = random_qkv(args, 1, 0, "cuda", DTYPES[args.dtype])
+    return seconds_per_iteration(args, lambda q, k, v: context_parallel_attention(q, k, v, None, "p2p"), qkv,
+                                 False)
+
+
+def figures(args, world) -> dict:
+    """On every rank: bytes per (CP, comm type); with CUDA, seconds per (CP, comm type) and on rank 0 the
+    one-device SDPA (the other ranks wait at a barrier)."""
+    import torch.distributed as dist
+
+    from megalite.parallel_state import build_parallel_state
+
+    timed = torch.cuda.is_available()
+    result = {"traffic": {}, "seconds": {}}
+    for cp in args.cp:
+        parallel = build_parallel_state(cp=cp)
+        for comm_type in COMM_TYPES:
+            result["traffic"][f"{cp} {comm_type}"] = attention_traffic(args, comm_type, parallel)
+    for cp in args.cp if timed else ():
+        for comm_type in COMM_TYPES:  # fresh groups each: a collective refused mid-way leaves its group unusable
+            result["seconds"][f"{cp} {comm_type}"] = attention_seconds(args, comm_type, build_parallel_state(cp=cp))
+    if timed and world.rank == 0:
+        result["seconds"]["one device"] = one_device_seconds(args)
+    dist.barrier()
+    return result
+
+
+def worker(args) -> None:
+    gather_to_file(args.output, lambda world: figures(args, world))
+
+
+def traffic_table(args, ranks: list[dict]) -> bool:
+    """Print every rank's bytes per collective beside the closed form; whether they all match."""
+    print(f"Bytes sent per rank in one CP attention forward + backward (KB): sequence {args.seq_length}, batch "
+          f"{args.batch}, {args.heads} heads, {args.groups} key/value heads of {args.head_dim}, fp32, world of "
+          f"{len(ranks)} gloo ranks")
+    print(f"{'CP':>3} {'comm type':<10} {'rank':>4} {'p2p':>8} {'all-gather':>10} {'reduce-scatter':>14} "
+          f"{'all-to-all':>10} {'total':>9} {'closed form':>11} {'ratio':>6}")
+    match = True
+    for cp in args.cp:
+        for comm_type in COMM_TYPES:
+            expected = closed_form_bytes(comm_type, cp, args.seq_length // cp, args.batch, args.heads, args.groups,
+                                         args.head_dim, 4)
+            for rank, figures_of_rank in enumerate(ranks):
+                sent = figures_of_rank["traffic"][f"{cp} {comm_type}"]
+                total = sum(sent.values())
+                match &= total == expected
+                print(f"{cp:>3} {comm_type:<10} {rank:>4} {sent['p2p'] / KB:>8.2f} {sent['all-gather'] / KB:>10.2f} "
+                      f"{sent['reduce-scatter'] / KB:>14.2f} {sent['all-to-all'] / KB:>10.2f} {total / KB:>9.2f} "
+                      f"{expected / KB:>11.2f} {total / expected:>6.3f}")
+    return match
+
+
+def time_table(args, seconds: dict) -> None:
+    """Print rank 0's ms per forward + backward per layout beside one-device SDPA's."""
+    if not seconds:
+        print("\nTime: skipped, CUDA is not available here (the CP attention is timed against one-device SDPA on a "
+              "GPU only)")
+        return
+    print(f"\nForward + backward of causal attention over {args.seq_length} tokens (batch {args.batch}, "
+          f"{args.heads} heads, {args.groups} key/value heads of {args.head_dim}, {args.dtype}); the CP ranks share "
+          f"one GPU, collectives over gloo: the CP path's overhead, not a multi-GPU speed-up")
+    print(f"{'layout':<20} {'ms/iter':>9} {'vs one device':>13}")
+    alone = seconds.pop("one device")
+    print(f"{'one-device SDPA':<20} {alone * 1000:>9.3f} {1:>13.3f}")
+    for layout, elapsed in seconds.items():
+        cp, comm_type = layout.split()
+        name = f"CP {cp} {comm_type}"
+        if isinstance(elapsed, str):
+            print(f"{name:<20} not timed: {elapsed}")
+        else:
+            print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / elapsed:>13.3f}")
+
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cp", type=int, nargs="+", default=[2, 4],
+                        help="context-parallel sizes; the world is the largest, which the others divide")
+    parser.add_argument("--seq-length", type=int, default=1024, help="the whole sequence's tokens (S)")
+    parser.add_argument("--batch", type=int, default=1)
+    parser.add_argument("--heads", type=int, default=8, help="query heads")
+    parser.add_argument("--groups", type=int, default=2, help="key/value heads (grouped-query attention)")
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--dtype", choices=tuple(DTYPES), default="bf16", help="the GPU timing's dtype")
+    parser.add_argument("--iters", type=int, default=10, help="timed iterations per layout (GPU only)")
+    parser.add_argument("--warmup-iters", type=int, default=2)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--output", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    world = max(args.cp)
+    for cp in args.cp:
+        if cp < 2 or world % cp or args.seq_length % (2 * cp) or args.heads % cp:
+            raise UserError(f"--cp {cp} must be at least 2 and divide the world of {world} ranks (the largest --cp), "
+                            f"--heads {args.heads} and half of --seq-length {args.seq_length}; pick --cp values that "
+                            "do")
+    if args.heads % args.groups:
+        raise UserError(f"--groups {args.groups} must divide --heads {args.heads}")
+    if args.iters < 1 or args.warmup_iters < 0:
+        raise UserError("--iters must be at least 1 and --warmup-iters at least 0")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.worker:
+        worker(args)
+        return 0
+    flags = [str(value) for name in ("seq_length", "batch", "heads", "groups", "head_dim", "dtype", "iters",
+                                     "warmup_iters")
+             for value in (f"--{name.replace('_', '-')}", getattr(args, name))]
+    ranks = run_under_torchrun(__file__, max(args.cp), ["--cp", *map(str, args.cp), *flags])
+    match = traffic_table(args, ranks)
+    time_table(args, ranks[0]["seconds"])
+    print(f"{'PASS' if match else 'FAIL'}: every rank's bytes {'equal' if match else 'differ from'} the closed form")
+    return 0 if match else 1
+
+
+if __name__ == "__main__":
+    sys.exit(run_main(main))
