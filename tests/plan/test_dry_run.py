@@ -161,7 +161,8 @@ def test_activation_estimate_equals_the_tensors_autograd_saves(preset, recompute
     model = apply_options(build_model(config, seed=1, dtype=torch.bfloat16, kernels="triton"),
                           recompute_granularity=config.recompute_granularity, recompute_method=config.recompute_method,
                           recompute_num_layers=config.recompute_num_layers)
-    tokens = torch.randint(0, 100, (3, 8))
+    # Seeded: the tokens must not depend on what ran before in this process (see the stop note of issue 41).
+    tokens = torch.randint(0, 100, (3, 8), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(8).repeat(3, 1)  # a real [b, s] tensor, as batches hold
     saved = _saved_bytes(lambda: token_losses(model, tokens, tokens, position_ids=positions).sum())
     params = {param.untyped_storage().data_ptr() for param in model.parameters()}
