@@ -37,7 +37,7 @@ import time
 import torch
 
 from megalite.errors import UserError, run_main
-from tools.bench.memory import gather_to_file, run_under_torchrun
+from tools.bench.memory import flags_of, gather_to_file, run_under_torchrun
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -254,9 +254,7 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    flags = [str(value) for name in ("seq_length", "batch", "heads", "groups", "head_dim", "dtype", "iters",
-                                     "warmup_iters")
-             for value in (f"--{name.replace('_', '-')}", getattr(args, name))]
+    flags = flags_of(args, ("seq_length", "batch", "heads", "groups", "head_dim", "dtype", "iters", "warmup_iters"))
     ranks = run_under_torchrun(__file__, max(args.cp), ["--cp", *map(str, args.cp), *flags])
     match = traffic_table(args, ranks)
     time_table(args, ranks[0]["seconds"])

@@ -218,6 +218,11 @@ def launch(dp: int, args) -> list[dict]:
              for strategy in args.strategies} for rank in figures]
 
 
+def flags_of(args, names: tuple[str, ...]) -> list[str]:
+    """The parsed `args` named `names` as command-line flags again (`--seq-length 8`), for the ranks' relaunch."""
+    return [str(value) for name in names for value in (f"--{name.replace('_', '-')}", getattr(args, name))]
+
+
 def run_under_torchrun(script: str, ranks: int, flags: list[str]) -> list:
     """Run `script --worker --output FILE *flags` on `ranks` gloo ranks (one thread each) under torchrun;
     what its rank 0 wrote to FILE as JSON."""

@@ -36,7 +36,7 @@ import time
 import torch
 
 from megalite.errors import UserError, run_main
-from tools.bench.memory import gather_to_file, run_under_torchrun
+from tools.bench.memory import flags_of, gather_to_file, run_under_torchrun
 
 DISPATCHERS = ("allgather", "alltoall")
 KB = 2 ** 10
@@ -270,9 +270,8 @@ def main(argv=None) -> int:
     if args.worker:
         worker(args)
         return 0
-    flags = [str(value) for name in ("hidden", "experts", "topk", "layers", "seq_length", "micro_batch_size",
-                                     "vocab_size", "iters", "warmup_iters")
-             for value in (f"--{name.replace('_', '-')}", getattr(args, name))]
+    flags = flags_of(args, ("hidden", "experts", "topk", "layers", "seq_length", "micro_batch_size", "vocab_size",
+                            "iters", "warmup_iters"))
     world = max(args.ep)
     ranks = run_under_torchrun(__file__, world, ["--ep", *map(str, args.ep), *flags])
     match = traffic_table(args, ranks) if world > 1 else True
