@@ -119,8 +119,6 @@ REJECTED = [
     (["--context-parallel-size", "2"], 1, ["--context-parallel-size 2", "does not divide the world size 1"]),
     (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--context-parallel-size 2 needs "
                                                                         "--attention-dropout 0"]),
-    (["--context-parallel-size", "2", "--attention-dropout", "0", "--num-experts", "4"], 2,
-     ["--context-parallel-size 2 with --num-experts waits"]),
     (["--context-parallel-size", "4", "--attention-dropout", "0", "--cp-comm-type", "a2a",
       "--num-attention-heads", "6", "--hidden-size", "384", "--num-query-groups", "6"], 4,
      ["--cp-comm-type a2a needs the attention heads per tensor-parallel rank (6)"]),
@@ -130,8 +128,9 @@ REJECTED = [
     (["--tensor-model-parallel-size", "4", "--group-query-attention", "--num-query-groups", "4",
       "--context-parallel-size", "2", "--sequence-parallel", "--seq-length", "36"], 8,
      ["--seq-length 36", "--tensor-model-parallel-size 4 x --context-parallel-size 2", "multiple of 8"]),
-    (["--context-parallel-size", "2", "--num-experts", "4", "--expert-model-parallel-size", "2"], 4,
-     ["--context-parallel-size 2 with --expert-model-parallel-size 2 waits"]),
+    (["--context-parallel-size", "2", "--num-experts", "8", "--expert-model-parallel-size", "8"], 4,
+     ["--expert-model-parallel-size 8 x --expert-tensor-parallel-size 1 = 8 does not divide the 4 data-parallel x "
+      "context-parallel x tensor-parallel ranks per pipeline stage"]),
     (["--dry-run", "--context-parallel-size", "2", "--world-size", "3"], 1,
      ["--world-size 3", "--tensor-model-parallel-size 1 x --context-parallel-size 2 x", "= 2"]),
     (["--ckpt-format", "torch"], 1, ["--ckpt-format torch", "layout-free"]),

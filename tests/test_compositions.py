@@ -78,6 +78,13 @@ def test_moe_meets_every_layout_and_a_pipeline_rank_without_moe_layers():
     assert chunk_layers(4, 2, 0, 2) == [[0], [2]]
 
 
+def test_context_parallelism_meets_every_model_layout_and_option_that_allows_it():
+    cp = [run for run in RUNS if run["cp"] == "2"]
+    for name in ("model", "tp", "pp", "ep", "sharding", "recompute", "precision", "resume", "micro-batches"):
+        assert {run[name] for run in cp} == set(FACTORS[name]), name
+    assert {run["size"] for run in cp} == {"base"}  # the tiny size's 2 tokens do not cut into 2 x CP chunks
+
+
 # -- the probe -------------------------------------------------------------------------------------
 
 SMALL = ["--num-layers", "2", "--hidden-size", "32", "--num-attention-heads", "4", "--ffn-hidden-size", "64",

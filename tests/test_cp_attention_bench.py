@@ -4,7 +4,8 @@ gloo ranks at the smallest sizes (its measured bytes equal the closed form on ev
 import pytest
 
 from megalite.errors import UserError
-from tools.bench.cp_attention import closed_form_bytes, main as bench_main, parse_args
+from megalite.model.context_parallel import bytes_sent
+from tools.bench.cp_attention import main as bench_main, parse_args
 
 # The bench's --seq-length, --heads, --groups, --head-dim below; fp32.
 SEQ, HEADS, GROUPS, HEAD_DIM = 8, 2, 1, 4
@@ -12,11 +13,13 @@ SEQ, HEADS, GROUPS, HEAD_DIM = 8, 2, 1, 4
 
 def test_the_closed_forms_count_each_comm_types_messages():
     key_values = 2 * 2 * 3 * 2 * 4 * 4  # K and V: 2 tokens per rank, batch 3, 2 kv heads of 4, fp32
-    assert closed_form_bytes("p2p", 4, 2, 3, 4, 2, 4, 4) == (3 + 3 + 4) * key_values  # fwd, bwd K/V, dK/dV
-    assert closed_form_bytes("all_gather", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * key_values
+    assert bytes_sent("p2p", 4, 2, 3, 4, 2, 4, 4) == (3 + 3 + 4) * key_values  # fwd, bwd K/V, dK/dV
+    # bf16: K/V at 2 bytes an element, the dK/dV accumulator at fp32's 4
+    assert bytes_sent("p2p", 4, 2, 3, 4, 2, 4, 2) == (3 + 3) * key_values // 2 + 4 * key_values
+    assert bytes_sent("all_gather", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * key_values
     head = 2 * 3 * 4 * 4  # one head of 2 tokens, batch 3, fp32
     # a2a at CP 4 with 2 kv heads: they repeat to 4; q, k, v and the output, each way, 3/4 of each
-    assert closed_form_bytes("a2a", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * (4 + 4 + 4 + 4) * head // 4
+    assert bytes_sent("a2a", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * (4 + 4 + 4 + 4) * head // 4
 
 
 def test_the_bench_counts_each_comm_types_bytes_at_their_closed_form(capsys):

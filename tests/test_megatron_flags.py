@@ -242,7 +242,14 @@ def test_llama3_8b_dry_run_at_cp_2_holds_half_the_activations_per_rank(paths, ca
     the optimizer state sharded over DP x CP 8 instead of DP 4."""
     argv = _argv(LLAMA3_8B, paths) + ["--dry-run"]
     cp2 = dry_run(parse_args(argv + ["--world-size", "8", "--context-parallel-size", "2"], 8))
-    print(capsys.readouterr().out)  # the per-rank table (pytest -s shows it)
+    out = capsys.readouterr().out
+    print(out)  # the per-rank table (pytest -s shows it)
+    # The ring's traffic: K/V (8 key/value heads of 128, 4096 tokens a rank, bf16) forward and backward, one hop
+    # each at CP 2, and the fp32 dK/dV accumulator two hops: 96 MiB a layer, x 32 layers x 32 micro-batches.
+    per_layer = 2 * 8 * 128 * 4096 * (2 * 2 + 2 * 4)
+    assert per_layer == 96 * 2 ** 20
+    assert ("context parallel: CP 2, 4096 tokens of each sequence per rank; --cp-comm-type p2p sends 96.0 MiB per rank "
+            "per layer and micro-batch (forward + backward), 96.00 GiB per iteration (32 layers x 32 micro-batches") in out
     cp1 = plan(parse_args(argv + ["--world-size", "4"], 4))
     mine, whole = cp2.rank_class(0), cp1.rank_class(0)
     assert mine.params == whole.params and mine.grad_bytes == whole.grad_bytes

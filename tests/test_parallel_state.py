@@ -132,8 +132,13 @@ def test_sizes_that_do_not_fit_name_the_flags_and_numbers():
                        world_size=12).validate()
     with pytest.raises(UserError, match="--context-parallel-size must be at least 1, got 0"):
         ParallelConfig(context_parallel_size=0, world_size=8).validate()
-    with pytest.raises(UserError, match="^--context-parallel-size 2 with --expert-model-parallel-size 2 waits: "):
-        ParallelConfig(context_parallel_size=2, expert_model_parallel_size=2, world_size=8).validate()
+    with pytest.raises(UserError, match="^--expert-model-parallel-size 8 x --expert-tensor-parallel-size 1 = 8 does "
+                                        "not divide the 4 data-parallel x context-parallel x tensor-parallel ranks"):
+        ParallelConfig(context_parallel_size=2, expert_model_parallel_size=8, world_size=8,
+                       pipeline_model_parallel_size=2).validate()
+    folded = ParallelConfig(context_parallel_size=2, expert_model_parallel_size=4, world_size=8,
+                            pipeline_model_parallel_size=2).validate()  # EP 4 over DP 2 x CP 2
+    assert folded.expert_data_parallel_size == 1
     layout = ParallelConfig(tensor_model_parallel_size=2, context_parallel_size=2, world_size=8).validate()
     assert layout.describe() == "8 ranks = TP 2 x CP 2 x PP 1 x DP 2"
     assert layout.expert_data_parallel_size == 4  # DP x CP: the experts' data-parallel ranks fold CP in

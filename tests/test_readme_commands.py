@@ -38,7 +38,7 @@ PLACEHOLDERS = {"...", "<the", "printed", "model", "flags>"}  # README's "fill i
 SHRINK = {
     "tools/train_tokenizer.py": ["--vocab-size", "350"],  # 32000 needs a corpus of megabytes
     "tools/check_layouts.py": ["--layouts", "tp2", "--models", "llama", "--train-iters", "2"],
-    "tools/check_compositions.py": ["--runs", "0"],  # the matrix itself is tests/test_compositions.py
+    "tools/check_compositions.py": ["--list"],  # tests/test_compositions.py trains the matrix by this command
     "tools/check_resharding.py": ["--targets", "tp1-pp1-dp1", "--train-iters", "3", "--stop-at", "2"],
     "tools/fault_campaign.py": ["--trials", "1"],
 }

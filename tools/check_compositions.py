@@ -127,6 +127,11 @@ FEATURES = (
                                              "--num-virtual-stages-per-pipeline-rank", "2"), ranks=2,
                                    requires={"micro-batches": ("several",)}))),
     Feature("dp", ROUNDING, (Value("1"), Value("2", ranks=2, rtol=FP32_RTOL))),
+    # Context parallelism by the ring (p2p, the default): the sequence in 2 x CP chunks, which the tiny size's 2
+    # tokens are not. The other comm types run in tools/check_layouts.py's CP layouts (4 more runs here: a2a's
+    # pairs cost the suite 30 s).
+    Feature("cp", ROUNDING, (Value("1"), Value("2", ("--context-parallel-size", "2"), ranks=2, rtol=FP32_RTOL,
+                                               requires={"size": ("base",)}))),
     # Expert parallelism folds over the DP x TP ranks: the experts split over TP (ETP = TP) and EP over DP with the
     # alltoall dispatcher, or whole experts (ETP 1) over DP or TP ranks with the allgather one (EP_FITS).
     Feature("ep", ROUNDING, (Value("1"), Value("2", ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
@@ -212,9 +217,9 @@ CONSTRAINTS = [(RANKED, lambda values: ranks_of(values) <= MAX_RANKS)]
 CONSTRAINTS += [((name, other), _requirement(name, value.name, other, names))
                 for (name, _), value in VALUE.items() for other, names in value.requires.items()]
 CONSTRAINTS += [(tuple(combination), _not_all(combination)) for combination, _ in FORBIDDEN]
-# EP 2 with whole experts needs two DP or TP ranks to fold over.
-EP_FITS = (("ep", "dp", "tp"), lambda values: not (values.get("ep") == "2+etp1" and values.get("dp") == "1"
-                                                   and values.get("tp") == "1"))
+# EP 2 with whole experts needs two DP, CP or TP ranks to fold over.
+EP_FITS = (("ep", "dp", "cp", "tp"), lambda values: not (values.get("ep") == "2+etp1" and values.get("dp") == "1"
+                                                         and values.get("cp", "1") == "1" and values.get("tp") == "1"))
 CONSTRAINTS.append(EP_FITS)
 
 

@@ -118,11 +118,21 @@ for _name, (_processes, _flags) in CP_LAYOUTS.items():
                                                      "--cp-comm-type", _comm], 1e-5)
 
 
+CP_EXPERT_LAYOUTS = {  # EP folded over CP ranks too (the experts' grid spans DP x CP x TP): name -> (processes, flags)
+    "cp2-ep2": (2, ["--expert-model-parallel-size", "2"]),
+    "cp2-dp2-ep4-distopt": (4, ["--expert-model-parallel-size", "4", DISTOPT, *OVERLAP]),
+    "cp2-tp2-sp-ep2-etp1": (4, [*TP2, "--sequence-parallel", *ETP1, "--expert-model-parallel-size", "2"]),
+    "cp2-tp2-sp-ep2-etp2": (4, [*TP2, "--sequence-parallel", "--expert-model-parallel-size", "2"]),
+}
+for _name, (_processes, _flags) in CP_EXPERT_LAYOUTS.items():
+    for _dispatcher in ("allgather", "alltoall"):
+        LAYOUTS[f"{_name}-{_dispatcher}"] = (_processes, [*_flags, "--context-parallel-size", "2",
+                                                           "--moe-token-dispatcher-type", _dispatcher], 1e-5)
+
+
 def fits(model: str, layout: str) -> bool:
-    """Whether `layout` applies to `model`: expert parallelism needs an MoE model, context parallelism a dense one."""
-    if layout.startswith("cp"):
-        return not model.startswith("moe")
-    return model.startswith("moe") or not layout.startswith("ep")
+    """Whether `layout` applies to `model`: expert parallelism needs an MoE model."""
+    return model.startswith("moe") or not any(part.startswith("ep") for part in layout.split("-"))
 
 
 def run(processes: int, flags: list[str], metrics: str) -> str:

@@ -144,22 +144,20 @@ class ParallelConfig:
         return self
 
     def _validate_experts(self) -> None:
-        """The expert grid's rules: ETP is 1 or TP, ETP x EP divides the DP x TP ranks it is carved from, and
-        EP > 1 goes without CP (Megatron folds CP into the experts' data-parallel ranks; not built here)."""
+        """The expert grid's rules: ETP is 1 or TP, and ETP x EP divides the DP x CP x TP ranks of a stage, which
+        the experts' grid is carved from (Megatron's MoE parallel folding)."""
         tp, ep, etp = self.tensor_model_parallel_size, self.expert_model_parallel_size, self.expert_tensor_size
         if ep < 1:
             raise UserError(f"--expert-model-parallel-size must be at least 1, got {ep}")
-        if ep > 1 and self.context_parallel_size > 1:
-            raise UserError(f"--context-parallel-size {self.context_parallel_size} with --expert-model-parallel-size "
-                            f"{ep} waits: folding context-parallel ranks into the experts' data-parallel ranks is "
-                            f"not built; drop one of the two flags")
         if etp not in (1, tp):
             raise UserError(f"--expert-tensor-parallel-size {etp} must be 1 or the --tensor-model-parallel-size "
                             f"{tp}; pass one of them")
-        ranks = self.data_parallel_size * tp
+        cp = self.context_parallel_size
+        ranks = self.data_parallel_size * cp * tp
         if ranks % (ep * etp):
+            kinds = "data-parallel x " + ("context-parallel x " if cp > 1 else "") + "tensor-parallel"
             raise UserError(f"--expert-model-parallel-size {ep} x --expert-tensor-parallel-size {etp} = {ep * etp} "
-                            f"does not divide the {ranks} data-parallel x tensor-parallel ranks per pipeline stage; "
+                            f"does not divide the {ranks} {kinds} ranks per pipeline stage; "
                             f"pick sizes whose product divides {ranks}, or launch more processes")
 
     def virtual_stages(self, num_layers: int) -> int:

@@ -204,9 +204,6 @@ class RunConfig:
         if train.exit_signal_handler and self.checkpoint.save is None:
             raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
         cp = parallel.context_parallel_size
-        if cp > 1 and model.num_experts is not None:
-            raise UserError(f"--context-parallel-size {cp} with --num-experts waits: the MoE layer's routing and "
-                            f"balancing counts over the context-parallel ranks are not built; pass one of them")
         if cp > 1 and model.attention_dropout:
             raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (the context-parallel "
                             f"attention has no dropout); add --attention-dropout 0")

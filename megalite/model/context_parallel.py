@@ -55,6 +55,35 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return _RingAttention.apply(*ring_layout, group, scale).permute(2, 0, 1, 3)
 
 
+def rank_order_positions(seq_length: int, size: int) -> torch.Tensor:
+    """The global positions `[S]` of a sequence of `seq_length` S gathered from its `size` CP ranks in rank order."""
+    return torch.cat([context_parallel_positions(seq_length, rank, size) for rank in range(size)])
+
+
+def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
+    """This CP rank's part `[s, ...]` of a sequence -> the whole sequence `[CP·s, ...]` in global order, on every
+    rank of `group`; backward sums each rank's rows' grads back to it (a reduce-scatter)."""
+    gathered = gather_from_sequence_parallel_region(x, group)
+    return gathered[torch.argsort(rank_order_positions(len(gathered), group_size(group))).to(x.device)]
+
+
+def bytes_sent(comm_type: str, cp: int, tokens: int, batch: int, heads: int, groups: int, head_dim: int,
+               element_bytes: int) -> int:
+    """Bytes one CP rank sends in one attention forward + backward: `tokens` (s = S/CP) of its own, `heads` (n) and
+    `groups` (g) of `head_dim` (d) elements of `element_bytes` (e) per rank; KV = 2 s b g d e, its K and V.
+    - p2p: K/V go P-1 hops round the ring in the forward and again in the backward, and the dK/dV accumulator (in
+      the LSE's dtype, fp32 or wider) P hops, the last bringing each rank its own;
+    - all_gather: K and V all-gathered, dK and dV reduce-scattered: 2 (P-1) KV;
+    - a2a: q, k, v turned from sequence to heads and the output back, each grad the reverse way, each rank sending
+      (P-1)/P of each; k and v with their heads repeated to lcm(g, P) to split over P."""
+    per_head = tokens * batch * head_dim
+    if comm_type == "p2p":
+        return 2 * groups * per_head * ((2 * cp - 2) * element_bytes + cp * max(element_bytes, 4))
+    if comm_type == "all_gather":
+        return 2 * (cp - 1) * 2 * groups * per_head * element_bytes
+    return 4 * (cp - 1) * per_head * element_bytes * (heads + math.lcm(groups, cp)) // cp
+
+
 def _causal_sdpa(q, k, v, scale, mask=None):
     """SDPA on `[s, b, n, d]` tensors: causal by local order, or by `mask` `[s_q, s_k]` (True: attend)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
@@ -66,7 +95,7 @@ def _causal_sdpa(q, k, v, scale, mask=None):
 def _all_gather_attention(q, k, v, group, scale):
     """All of K and V on every rank (gathered in rank order), masked by global positions."""
     size, rank, s = group_size(group), dist.get_rank(group), q.shape[0]
-    key_positions = torch.cat([context_parallel_positions(s * size, r, size) for r in range(size)]).to(q.device)
+    key_positions = rank_order_positions(s * size, size).to(q.device)
     query_positions = key_positions[rank * s:(rank + 1) * s]
     mask = key_positions[None, :] <= query_positions[:, None]  # [s, S]
     k, v = (gather_from_sequence_parallel_region(t, group) for t in (k, v))  # backward: reduce-scatter
@@ -81,7 +110,7 @@ def _a2a_attention(q, k, v, group, scale):
     repeat = size // math.gcd(groups, size)
     if repeat > 1:
         k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
-    gathered = torch.cat([context_parallel_positions(s * size, r, size) for r in range(size)]).to(q.device)
+    gathered = rank_order_positions(s * size, size).to(q.device)
     to_global = torch.argsort(gathered)
     q, k, v = (_heads_to_sequence(t, group)[to_global] for t in (q, k, v))  # [S, b, n/CP, d]
     return _sequence_to_heads(_causal_sdpa(q, k, v, scale)[gathered], group)

@@ -24,7 +24,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalite.config import ModelConfig
+from megalite.data.loader import context_parallel_positions
 from megalite.kernels.swiglu import swiglu
+from megalite.model.context_parallel import gather_sequence
 from megalite.model.token_dispatcher import TokenDispatcher
 from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import (divide, gather_from_sequence_parallel_region,
@@ -157,8 +159,11 @@ class Router(nn.Module):
 
     def __init__(self, config: ModelConfig, parallel: ParallelState = ONE_PROCESS):
         super().__init__()
-        self.config, self.tp_size, self.dp_size = config, parallel.tp_size, parallel.dp_size
+        self.config, self.dp_size = config, parallel.dp_size
         self.dp_group = parallel.dp_group if parallel.dp_size > 1 else None
+        self.cp_size, self.cp_rank, self.cp_group = parallel.cp_size, parallel.cp_rank, parallel.cp_group
+        # The TP x CP ranks route the same (the whole micro-batch's) tokens, each injecting its share of the losses.
+        self.replicas = parallel.tp_size * parallel.cp_size
         experts = config.num_experts
         # Under TP every rank routes all tokens, and its weight grad is that rank's partial sum (summed over TP).
         self.weight = mark_parameter(nn.Parameter(torch.empty(experts, config.hidden_size)), False,
@@ -195,13 +200,17 @@ class Router(nn.Module):
 
     def forward(self, tokens: torch.Tensor, seq_length: int) -> tuple[torch.Tensor, torch.Tensor]:
         """tokens `[t, h]` (`[s, b]`-ordered, s = `seq_length`) -> probs `[t, E]` fp32 (zero off the map)
-        and routing_map `[t, E]` bool."""
+        and routing_map `[t, E]` bool. Under CP, `tokens` are this rank's part of the sequence, and the routing is
+        that of the whole sequence (its logits gathered over CP), of which this rank's rows are returned."""
         config = self.config
         logits = F.linear(tokens.float(), self.weight.float())  # [t, E]
+        if self.cp_size > 1:  # capacity and the balancing losses count the whole sequence, as one process's
+            logits = gather_sequence(logits.view(seq_length, -1, logits.shape[-1]), self.cp_group).flatten(0, 1)
+            seq_length *= self.cp_size
         counting = self.training and torch.is_grad_enabled() and not _in_backward()
         if config.moe_z_loss_coeff and self.training:
             z_loss = router_z_loss(logits) * config.moe_z_loss_coeff
-            logits = AuxLossInjector.apply(logits, z_loss, self.aux_loss_scale / self.tp_size)
+            logits = AuxLossInjector.apply(logits, z_loss, self.aux_loss_scale / self.replicas)
             if counting:
                 self.loss_sums["z_loss"] += z_loss.detach()
         probs, routing_map = topk_routing(
@@ -216,17 +225,20 @@ class Router(nn.Module):
                     self.tokens_per_expert += counts
             self.forwards += 1
         if config.moe_expert_capacity_factor is not None:
-            capacity = expert_capacity(len(tokens), config.num_experts, config.moe_router_topk,
+            capacity = expert_capacity(len(logits), config.num_experts, config.moe_router_topk,
                                        config.moe_expert_capacity_factor)
             probs, routing_map = apply_capacity(probs, routing_map, capacity, config.moe_token_drop_policy,
                                                 config.moe_pad_expert_input_to_capacity)
         balancing = config.moe_router_load_balancing_type != "none" and config.moe_aux_loss_coeff > 0
         if balancing and self.training and torch.is_grad_enabled():  # Megatron's condition: none without a graph
             aux_loss = self.balancing_loss(logits, seq_length) * config.moe_aux_loss_coeff
-            probs = AuxLossInjector.apply(probs, aux_loss, self.aux_loss_scale / self.tp_size)
+            probs = AuxLossInjector.apply(probs, aux_loss, self.aux_loss_scale / self.replicas)
             if counting:  # global_aux_loss: this rank's share; the DP mean of dp_size x share is their sum
                 share = self.dp_size if config.moe_router_load_balancing_type == "global_aux_loss" else 1
                 self.loss_sums["load_balancing_loss"] += aux_loss.detach() * share
+        if self.cp_size > 1:
+            mine = context_parallel_positions(seq_length, self.cp_rank, self.cp_size).to(logits.device)
+            probs, routing_map = (x.view(seq_length, -1, x.shape[-1])[mine].flatten(0, 1) for x in (probs, routing_map))
         return probs, routing_map
 
     def balancing_loss(self, logits: torch.Tensor, seq_length: int) -> torch.Tensor:

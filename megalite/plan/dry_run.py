@@ -13,6 +13,7 @@ from megalite.config import RunConfig, num_parameters, recompute_segments
 from megalite.data_parallel.ddp import buffer_groups
 from megalite.data_parallel.grad_buffer import GradBuffer
 from megalite.kernels import check_kernels
+from megalite.model.context_parallel import bytes_sent
 from megalite.run.flops import DTYPE_NAMES, flops_per_iteration
 from megalite.plan.memory import (ActivationModel, chunk_activation_bytes, element_bytes, peak_activation_bytes,
                                   state_bytes)
@@ -198,6 +199,21 @@ def _stage(cls: RankClass, pp: int) -> str:
     return f"{cls.pp_rank} ({name})"
 
 
+def _context_parallel_line(report: DryRunReport) -> str:
+    """CP's tokens per rank and the attention's traffic: bytes a rank sends per layer and micro-batch (forward +
+    backward, `model.context_parallel.bytes_sent`), and per iteration on the stage with the most layers."""
+    run, layout, model = report.run, report.run.parallel, report.run.model
+    cp, tp, comm_type = layout.context_parallel_size, layout.tensor_model_parallel_size, layout.cp_comm_type
+    tokens = model.seq_length // cp
+    per_layer = bytes_sent(comm_type, cp, tokens, run.train.micro_batch_size, model.num_attention_heads // tp,
+                           max(model.query_groups // tp, 1), model.head_dim, element_bytes(run.train.params_dtype))
+    layers = max(sum(len(ids) for ids in cls.layers) for cls in report.classes)
+    return (f"context parallel: CP {cp}, {tokens} tokens of each sequence per rank; --cp-comm-type {comm_type} sends "
+            f"{per_layer / 2 ** 20:.1f} MiB per rank per layer and micro-batch (forward + backward), "
+            f"{per_layer * layers * run.num_microbatches / GIB:.2f} GiB per iteration ({layers} layers x "
+            f"{run.num_microbatches} micro-batches; a recomputed forward's repeat not counted)")
+
+
 def format_report(report: DryRunReport) -> str:
     """The printed plan: the layout, the batch, the FLOPs, one row per rank class, and a warning naming the
     ranks that need more than --dry-run-gpu-memory."""
@@ -226,6 +242,7 @@ def format_report(report: DryRunReport) -> str:
         f"batch: global {train.global_batch_size} = micro-batch {train.micro_batch_size} x "
         f"{run.num_microbatches} micro-batches x DP {dp}; schedule: {schedule}; "
         f"recompute: {recompute}",
+        *([_context_parallel_line(report)] if layout.context_parallel_size > 1 else []),
         f"FLOPs per iteration: {report.model_flops:.3e} model ({report.model_flops / layout.world_size:.3e} per rank), "
         f"{report.hardware_flops:.3e} with recomputation",
         "per rank (GiB = 2^30 bytes; activations: estimate at the schedule's peak, docs/memory.md):",

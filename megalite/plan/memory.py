@@ -58,6 +58,8 @@ class ActivationModel:
         self.config, self.tp, self.e = config, tp, element_size
         self.ep, self.etp = ep, tp if etp is None else etp  # the routed experts' EP and ETP
         self.tokens = config.seq_length // cp * micro_batch_size  # s*b: what TP-region tensors hold per rank
+        self.routing_tokens = self.tokens * cp  # an MoE router routes the whole sequence (its logits gathered over CP)
+        self.cp = cp
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
         self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
         self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)
@@ -107,7 +109,8 @@ class ActivationModel:
         rows = self.ep * dispatched * min(c.moe_router_topk, local)
         if c.moe_expert_capacity_factor is None:
             return rows
-        capacity = expert_capacity(self.tokens, c.num_experts, c.moe_router_topk, c.moe_expert_capacity_factor)
+        capacity = expert_capacity(self.routing_tokens, c.num_experts, c.moe_router_topk,
+                                   c.moe_expert_capacity_factor)
         padded = local * self.ep * min(capacity, dispatched)  # an expert takes each token once at most
         return padded if c.moe_pad_expert_input_to_capacity else min(rows, padded)
 
@@ -128,8 +131,10 @@ class ActivationModel:
         """An MoE layer's MLP (model/moe.py) on one TP rank, which routes all `tokens` (all-gathered under SP).
         Exact for softmax, pre-softmax or sigmoid routing, with the aux_loss, the z-loss or neither, dropless or
         padded to a capacity (tests/plan); dropping to a capacity, at most. Groups and seq_aux_loss differ by a
-        few `[tokens]` or `[tokens, E]` tensors, small beside the routed rows."""
-        c, e, tp, tokens, local = self.config, self.e, self.tp, self.tokens, self.stream_tokens
+        few `[tokens]` or `[tokens, E]` tensors, small beside the routed rows. Under CP the routing terms count the
+        whole sequence's tokens, and the gathered logits and this rank's rows of the probs and map are added."""
+        c, e, tp, local = self.config, self.e, self.tp, self.stream_tokens
+        tokens = self.routing_tokens  # what the router's terms hold; self.tokens: this rank's own
         h, experts, topk, rows = c.hidden_size, c.num_experts, c.moe_router_topk, self.routed_rows()
         ffn, acts = c.expert_ffn_hidden_size // self.etp, 3 if c.swiglu else 2
         fp32_model = e == FP32_BYTES
@@ -146,7 +151,10 @@ class ActivationModel:
         return {
             # the router's fp32 input (the layer's input at TP 1 in fp32, else a copy) and, in a 16-bit model,
             # an fp32 copy of its weight each forward
-            "router input": FP32_BYTES * tokens * h + (0 if fp32_model else FP32_BYTES * experts * h),
+            "router input": FP32_BYTES * self.tokens * h + (0 if fp32_model else FP32_BYTES * experts * h),
+            # CP: the logits gathered from every CP rank, then this rank's rows of the probs and routing map
+            "context-parallel routing": (FP32_BYTES * tokens * experts + (FP32_BYTES + MASK_BYTES) * self.tokens
+                                         * experts if self.cp > 1 else 0),
             # top-k ids and the scores (below); the probs `[tokens, E]` and the map dispatch selects by
             "routing": ID_BYTES * tokens * topk + self._score_bytes() + (FP32_BYTES + MASK_BYTES) * tokens * experts,
             # a capacity by probs: each expert's top tokens (ids; by position no grad flows through the choice)
@@ -161,7 +169,7 @@ class ActivationModel:
             "grouped GEMM offsets": 2 * OFFSET_BYTES * (experts // self.ep) if c.moe_grouped_gemm else 0,
             # the shared experts: a dense MLP (its input is the router's at TP 1 in fp32); the gate keeps its
             # sigmoid and the shared output it scales, its input being this rank's layer input
-            "shared experts": (e * tokens * (h * (not (fp32_model and tp == 1)) + shared // tp * acts)
+            "shared experts": (e * self.tokens * (h * (not (fp32_model and tp == 1)) + shared // tp * acts)
                                + (e * local * (h + 1) + (e * local * h if tp > 1 else 0) if gate else 0)
                                if shared else 0),
         }
@@ -169,7 +177,7 @@ class ActivationModel:
     def _score_bytes(self) -> int:
         """The routing scores an MoE layer keeps (fp32): the softmax of the top-k logits (pre-softmax: of all E);
         sigmoid: all E sigmoids, and for k > 1 the k chosen and their sum, which normalises them."""
-        c, tokens, experts, topk = self.config, self.tokens, self.config.num_experts, self.config.moe_router_topk
+        c, tokens, experts, topk = self.config, self.routing_tokens, self.config.num_experts, self.config.moe_router_topk
         if c.moe_router_score_function == "sigmoid":
             return FP32_BYTES * tokens * (experts + (topk + 1 if topk > 1 else 0))
         return FP32_BYTES * tokens * (experts if c.moe_router_pre_softmax else topk)

@@ -1,4 +1,5 @@
-"""The MoE layer under expert parallelism, both dispatchers, in gloo worlds of 2 and 4 ranks, against one process.
+"""The MoE layer under expert and context parallelism, both dispatchers, in gloo worlds of 2 and 4 ranks, against
+one process.
 
 EP folds over DP: every data-parallel replica routes its own micro-batch, and the one-process reference runs each
 replica's micro-batch through the full (all-experts) layer built from the same seed. Compared per rank: the
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from megalite.config import ModelConfig
+from megalite.data.loader import context_parallel_positions
 from megalite.model.transformer import build_mlp
 from megalite.parallel_state import ONE_PROCESS, build_parallel_state
 from megalite.tensor_parallel.comm import all_reduce, allreduce_sequence_parallel_grads
@@ -38,8 +40,10 @@ CASES = {
                       moe_aux_loss_coeff=0.1, moe_router_load_balancing_type="seq_aux_loss"), torch.float64, FP64),
     "grouped_gemm": (dict(moe_grouped_gemm=True, add_bias_linear=True, moe_z_loss_coeff=0.01), torch.float32, FP32),
 }
-# (TP, EP, ETP) per world size; TP 2 at EP 1 with whole experts (ETP 1) too
-LAYOUTS = {2: [(1, 2, 1), (2, 1, 1)], 4: [(1, 4, 1), (2, 2, 1), (2, 2, 2)]}
+# (TP, CP, EP, ETP) per world size; TP 2 at EP 1 with whole experts (ETP 1) too. Under CP the router sees the whole
+# sequence (its logits gathered over CP) and EP folds over the DP x CP x TP ranks.
+LAYOUTS = {2: [(1, 1, 2, 1), (2, 1, 1, 1), (1, 2, 1, 1)],
+           4: [(1, 1, 4, 1), (2, 1, 2, 1), (2, 1, 2, 2), (1, 2, 2, 1), (2, 2, 2, 2)]}
 
 
 def close(actual, expected, tolerance, what):
@@ -84,34 +88,39 @@ def reference(config: ModelConfig, dtype, micro_batches: int) -> dict:
     return result
 
 
-def check_layout(tp: int, ep: int, etp: int, case: str, dispatcher: str) -> None:
-    """This rank's layer of (TP with SP, EP, ETP) against the one-process reference."""
-    parallel = build_parallel_state(tp, 1, ep=ep, etp=etp, sequence_parallel=tp > 1)
+def check_layout(tp: int, cp: int, ep: int, etp: int, case: str, dispatcher: str) -> None:
+    """This rank's layer of (TP with SP, CP, EP, ETP) against the one-process reference."""
+    parallel = build_parallel_state(tp, 1, cp=cp, ep=ep, etp=etp, sequence_parallel=tp > 1)
     config, (_, dtype, tolerance) = moe_config(case, dispatcher), CASES[case]
     expected = reference(config, dtype, parallel.dp_size)
     layer = build_layer(config, dtype, parallel)
-    replica = parallel.dp_rank  # EP ranks are DP (or TP) ranks: each holds different tokens
-    x = randn(SEQ, BATCH, HIDDEN, seed=100 + replica, dtype=dtype).chunk(tp)[parallel.tp_rank].requires_grad_()
+    replica = parallel.dp_rank  # EP ranks are DP, CP or TP ranks: each holds different tokens
+    positions = context_parallel_positions(SEQ, parallel.cp_rank, cp)
+
+    def mine(full: torch.Tensor) -> torch.Tensor:  # this rank's tokens of a [SEQ, b, h] tensor
+        return full[positions].chunk(tp)[parallel.tp_rank]
+
+    x = mine(randn(SEQ, BATCH, HIDDEN, seed=100 + replica, dtype=dtype)).requires_grad_()
     output = layer(x)
-    output.backward(randn(SEQ, BATCH, HIDDEN, seed=200 + replica, dtype=dtype).chunk(tp)[parallel.tp_rank])
+    output.backward(mine(randn(SEQ, BATCH, HIDDEN, seed=200 + replica, dtype=dtype)))
     params = dict(layer.named_parameters())
     for param in params.values():  # as the grad buffers leave them
         param.main_grad, param.grad = param.grad, None
     allreduce_sequence_parallel_grads(params.values(), parallel.tp_group if tp > 1 else None)
     for param in params.values():
         expert = getattr(param, "expert_parallel", False)
-        all_reduce(param.main_grad, parallel.expert_dp_group if expert else parallel.dp_group)
+        all_reduce(param.main_grad, parallel.expert_dp_group if expert else parallel.dp_cp_group)
 
-    close(output, expected["output"][replica].chunk(tp)[parallel.tp_rank], tolerance, "output")
-    close(x.grad, expected["input_grad"][replica].chunk(tp)[parallel.tp_rank], tolerance, "input")
+    close(output, mine(expected["output"][replica]), tolerance, "output")
+    close(x.grad, mine(expected["input_grad"][replica]), tolerance, "input")
     # The router statistics count every expert's tokens before the dispatch, as one process does.
     assert torch.equal(layer.router.routed_tokens, expected["counts"][replica])
-    mine = slice(parallel.ep_rank * EXPERTS // ep, (parallel.ep_rank + 1) * EXPERTS // ep)
+    local = slice(parallel.ep_rank * EXPERTS // ep, (parallel.ep_rank + 1) * EXPERTS // ep)
     for name, full in expected["grads"].items():
         param = params[name]
         if name.startswith("experts."):
             assert param.expert_parallel and param.shape[0] == EXPERTS // ep, name
-            full = full[mine]
+            full = full[local]
             size, rank = etp, parallel.expert_tp_rank
         else:
             size, rank = tp, parallel.tp_rank
@@ -147,11 +156,11 @@ def check_all_to_all(rank: int, world_size: int) -> None:
 def checks(world_size: int) -> dict:
     """name: a function of (rank, world_size), in the order every rank runs them."""
     table = {"all_to_all": check_all_to_all}
-    for tp, ep, etp in LAYOUTS[world_size]:
+    for tp, cp, ep, etp in LAYOUTS[world_size]:
         for case in CASES:
             for dispatcher in ("allgather", "alltoall"):
-                name = f"tp{tp}-ep{ep}-etp{etp}-{case}-{dispatcher}"
-                table[name] = lambda rank, size, args=(tp, ep, etp, case, dispatcher): check_layout(*args)
+                name = f"tp{tp}-{f'cp{cp}-' if cp > 1 else ''}ep{ep}-etp{etp}-{case}-{dispatcher}"
+                table[name] = lambda rank, size, args=(tp, cp, ep, etp, case, dispatcher): check_layout(*args)
     return table
 
 

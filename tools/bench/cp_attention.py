@@ -16,11 +16,12 @@ rank's K and V), per rank:
 
 - p2p: forward sends the K/V block P-1 hops round the ring; backward sends it P-1 hops again, and the dK/dV
   accumulator (in the LSE's dtype: fp32 or wider, the same bytes at fp32) P hops, the last bringing each rank
-  its own: (3P - 2) KV.
+  its own: (3P - 2) KV at fp32.
 - all_gather: K and V all-gathered, dK and dV reduce-scattered: 2 (P-1) KV.
 - a2a: q, k, v all-to-all'd from sequence to heads and the output back, each grad the reverse way; each sends
   (P-1)/P of its tensor, k and v with their heads repeated to lcm(g, P) so they split over P:
   4 (P-1)/P s b d e (n + lcm(g, P)).
+The closed form is `megalite.model.context_parallel.bytes_sent`, which the dry run prints too.
 
 Time (CUDA only; skipped on a CPU, saying so): the CP ranks share the one GPU, their tensors on it and their
 collectives over gloo, and time forward + backward of their share at the same total length S as one-device
@@ -30,31 +31,19 @@ timed there: gloo's send/receive take CPU tensors only (timing it needs NCCL, on
 """
 
 import argparse
-import math
 import sys
 import time
 
 import torch
 
 from megalite.errors import UserError, run_main
+from megalite.model.context_parallel import bytes_sent
 from tools.bench.memory import flags_of, gather_to_file, run_under_torchrun
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KB = 2 ** 10
 SEED = 1234
-
-
-def closed_form_bytes(comm_type: str, cp: int, tokens: int, batch: int, heads: int, groups: int, head_dim: int,
-                      element_bytes: int) -> int:
-    """Bytes one CP rank sends in one attention forward + backward (module docstring): `tokens` (s) per rank."""
-    per_head = tokens * batch * head_dim * element_bytes
-    key_values = 2 * groups * per_head
-    if comm_type == "p2p":
-        return (3 * cp - 2) * key_values
-    if comm_type == "all_gather":
-        return 2 * (cp - 1) * key_values
-    return 4 * (cp - 1) * per_head * (heads + math.lcm(groups, cp)) // cp
 
 
 class ContextParallelTraffic:
@@ -187,7 +176,7 @@ def traffic_table(args, ranks: list[dict]) -> bool:
     match = True
     for cp in args.cp:
         for comm_type in COMM_TYPES:
-            expected = closed_form_bytes(comm_type, cp, args.seq_length // cp, args.batch, args.heads, args.groups,
+            expected = bytes_sent(comm_type, cp, args.seq_length // cp, args.batch, args.heads, args.groups,
                                          args.head_dim, 4)
             for rank, figures_of_rank in enumerate(ranks):
                 sent = figures_of_rank["traffic"][f"{cp} {comm_type}"]

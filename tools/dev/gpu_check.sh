@@ -42,6 +42,7 @@ if [ "$DRY" = 1 ]; then  # toy sizes on the CPU: proves every command line and t
   PROFILE=("${BENCH[@]}")
   MOE=(--model tiny-moe --num-layers 1 --vocab-size 256 --seq-length 32 --micro-batch-size 2 --global-batch-size 2
        --train-iters 2 --log-interval 1)
+  CP=(--cp 2 --seq-length 8 --heads 2 --groups 1 --head-dim 4 --iters 1 --warmup-iters 0)
   SUITE=(tests/test_scripts.py -k bash_parses -n 0)
 else
   GPU_TESTS=(-n 0)
@@ -52,6 +53,7 @@ else
   PROFILE=(--config 1B --device cuda --dtype bf16 --modes eager --iters 1 --rounds 1 --warmup-iters 1)
   MOE=(--model tiny-moe --bf16 --vocab-size 32000 --seq-length 2048 --micro-batch-size 4 --global-batch-size 8
        --train-iters 6 --log-interval 3)
+  CP=(--seq-length 8192 --iters 5)
   SUITE=(-n "${WORKERS:-14}" --dist load)
 fi
 MOCK=(--mock-data --tokenizer-type NullTokenizer --eval-iters 0)
@@ -68,6 +70,6 @@ step profile_1b 30 "$PYTHON" tools/bench/train_throughput.py "${PROFILE[@]}" --p
   --hf-iters 1 --hf-warmup-iters 1 --profile 25 --json "$OUT/profile_1b.json"
 step moe_loop 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}"
 step moe_grouped 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}" --moe-grouped-gemm
-summary record cp_attention skipped --note "context-parallel attention does not exist yet: its step goes here"
+step cp_attention 25 "$PYTHON" tools/bench/cp_attention.py "${CP[@]}"
 step suite "$BUDGET_S" "${PYTEST[@]}" -m "not gpu" "${SUITE[@]}" --junitxml="$OUT/suite.xml"
 echo "== $OUT/summary.json"; cat "$OUT/summary.json"

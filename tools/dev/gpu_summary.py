@@ -144,9 +144,21 @@ def profile(out: Path, name: str) -> dict:
     return {"tables": f"{name}.txt", "sort_by": mine["sort_by"], "megalite_top10": mine["top"][:10]}
 
 
+def cp_attention(out: Path, name: str) -> dict:
+    """cp_attention.py's log: whether every rank's bytes equalled the closed form, and each timed layout's ms per
+    forward + backward and its speed against one-device SDPA (absent where the bench printed no time)."""
+    log = read(out, name)
+    figures = {"bytes_equal_closed_form": "PASS: every rank's bytes equal" in log} if "every rank's bytes" in log else {}
+    timed = re.findall(r"^(one-device SDPA|CP \d+ \S+)\s+([\d.]+)\s+([\d.]+)$", log, flags=re.MULTILINE)
+    if timed:
+        figures["ms_per_iteration"] = {layout: float(ms) for layout, ms, _ in timed}
+        figures["vs_one_device"] = {layout: float(ratio) for layout, _, ratio in timed}
+    return figures
+
+
 FIGURES = {"gpu_tests": pytest_counts, "bench_1b": bench, "pretrain_eager": last_iteration,
            "pretrain_compile": last_iteration, "kernels": kernels, "profile_1b": profile, "moe_loop": last_iteration,
-           "moe_grouped": last_iteration, "suite": pytest_counts}
+           "moe_grouped": last_iteration, "cp_attention": cp_attention, "suite": pytest_counts}
 
 
 def read(out: Path, name: str) -> str:
