@@ -42,17 +42,25 @@ def expert_rank_grid(world_size: int, pp: int, ep: int, etp: int) -> numpy.ndarr
 
 
 def group_ranks(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None = None,
-                cp: int = 1) -> dict[str, list[list[int]]]:
+                cp: int = 1, cp_a2a: int = 1) -> dict[str, list[list[int]]]:
     """The rank lists of every group of each kind: "tp" shares (pp, dp, cp), "cp" (pp, dp, tp), "dp" (pp, cp, tp),
     "dp_cp" (the dense grads' data-parallel ranks) (pp, tp), "tp_cp" (pp, dp), "pp" (dp, cp, tp), "mp" (a model
     replica) (dp, cp); "embedding" is each pipeline's first and last stage, which hold tied embeddings.
     Expert groups (`etp` None: tp): "ep" shares (pp, edp, etp), "expert_dp" (pp, ep, etp), "tp_ep" (pp, edp),
-    "expert_mp" (the ranks holding distinct expert shards, ETP x EP x PP) edp."""
+    "expert_mp" (the ranks holding distinct expert shards, ETP x EP x PP) edp. With `cp_a2a` strictly between 1 and
+    CP (--cp-comm-type a2a+p2p) also "cp_a2a", each CP group's runs of `cp_a2a` adjacent ranks, and "cp_p2p", its
+    ranks a multiple of `cp_a2a` apart (one from each run)."""
     grid = rank_grid(world_size, tp, pp, cp)
     dp = grid.shape[1]
     pipelines = grid.transpose(1, 2, 3, 0).reshape(-1, pp).tolist()
     etp = tp if etp is None else etp
     experts = expert_rank_grid(world_size, pp, ep, etp)
+    cp_groups = grid.transpose(0, 1, 3, 2).reshape(-1, cp)
+    hierarchical = {}
+    if 1 < cp_a2a < cp:
+        hierarchical = {"cp_a2a": cp_groups.reshape(-1, cp_a2a).tolist(),
+                        "cp_p2p": cp_groups.reshape(-1, cp // cp_a2a, cp_a2a).transpose(0, 2, 1).reshape(
+                            -1, cp // cp_a2a).tolist()}
     return {
         "tp": grid.reshape(-1, tp).tolist(),
         "dp": grid.transpose(0, 2, 3, 1).reshape(-1, dp).tolist(),
@@ -63,9 +71,10 @@ def group_ranks(world_size: int, tp: int, pp: int, ep: int = 1, etp: int | None 
         "expert_dp": experts.transpose(0, 2, 3, 1).reshape(-1, experts.shape[1]).tolist(),
         "tp_ep": experts.reshape(-1, ep * etp).tolist(),
         "expert_mp": experts.transpose(1, 0, 2, 3).reshape(-1, pp * ep * etp).tolist(),
-        "cp": grid.transpose(0, 1, 3, 2).reshape(-1, cp).tolist(),
+        "cp": cp_groups.tolist(),
         "dp_cp": grid.transpose(0, 3, 1, 2).reshape(-1, dp * cp).tolist(),
         "tp_cp": grid.reshape(-1, cp * tp).tolist(),
+        **hierarchical,
     }
 
 
@@ -107,6 +116,9 @@ class ParallelState:
     cp_group: ProcessGroup | None = None
     dp_cp_group: ProcessGroup | None = None
     tp_cp_group: ProcessGroup | None = None
+    # --cp-comm-type a2a+p2p's levels (None otherwise): heads all-to-all among adjacent CP ranks, a ring between them.
+    cp_a2a_group: ProcessGroup | None = None
+    cp_p2p_group: ProcessGroup | None = None
     mp_group: ProcessGroup | None = None
     embedding_group: ProcessGroup | None = None
     # This rank's pipeline's embedding ranks, whether or not it is one.
@@ -155,7 +167,7 @@ class ParallelState:
 
 
 def build_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, etp: int | None = None,
-                         sequence_parallel: bool = False, device: torch.device | None = None,
+                         cp_a2a: int = 1, sequence_parallel: bool = False, device: torch.device | None = None,
                          timeout: timedelta | None = None) -> ParallelState:
     """This rank's ParallelState for sizes `tp`, `pp`, `cp`, `ep` and `etp` (None: tp) in the torch.distributed
     world (a world of one without it); every rank calls it, creating every group (one ProcessGroup per distinct
@@ -165,13 +177,13 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, 
     distributed = dist.is_available() and dist.is_initialized()
     rank, world_size = (dist.get_rank(), dist.get_world_size()) if distributed else (0, 1)
     etp = tp if etp is None else etp
-    groups = group_ranks(world_size, tp, pp, ep, etp, cp)
+    groups = group_ranks(world_size, tp, pp, ep, etp, cp, cp_a2a)
     pp_rank, dp_rank, cp_rank, tp_rank = coordinates(rank, world_size, tp, pp, cp)
     edp_rank, ep_rank, _ = expert_coordinates(rank, world_size, pp, ep, etp)
-    own = dict.fromkeys(GROUP_KINDS)
+    own = dict.fromkeys(groups)
     if distributed:
         made: dict[tuple[int, ...], ProcessGroup] = {}
-        for kind in GROUP_KINDS:
+        for kind in groups:
             for ranks in groups[kind]:
                 if tuple(ranks) not in made:
                     made[tuple(ranks)] = dist.new_group(ranks, timeout=timeout)
@@ -188,6 +200,7 @@ def build_parallel_state(tp: int = 1, pp: int = 1, *, cp: int = 1, ep: int = 1, 
         pp_size=pp, pp_rank=pp_rank, pp_group=own["pp"],
         dp_size=world_size // (tp * cp * pp), dp_rank=dp_rank, dp_group=own["dp"],
         cp_size=cp, cp_rank=cp_rank, cp_group=own["cp"], dp_cp_group=own["dp_cp"], tp_cp_group=own["tp_cp"],
+        cp_a2a_group=own.get("cp_a2a"), cp_p2p_group=own.get("cp_p2p"),
         mp_group=own["mp"], embedding_group=own["embedding"],
         # pipelines are listed in (dp, cp, tp) order
         embedding_ranks=groups["embedding"][(dp_rank * cp + cp_rank) * tp + tp_rank],
@@ -231,6 +244,7 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                                 **_restart_scoped_rendezvous(world_size, timeout))
     state = build_parallel_state(tp, pp, cp=parallel_config.context_parallel_size,
+                                 cp_a2a=parallel_config.cp_a2a_size if parallel_config.cp_comm_type == "a2a+p2p" else 1,
                                  ep=parallel_config.expert_model_parallel_size,
                                  etp=parallel_config.expert_tensor_size,
                                  sequence_parallel=parallel_config.sequence_parallel, device=device, timeout=timeout)

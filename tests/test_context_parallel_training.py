@@ -41,12 +41,14 @@ def assert_same_run(single: tuple[dict, dict], folder) -> None:
 
 def test_context_parallel_runs_match_one_process_and_reshard_cp2_dp2_to_one_process_to_cp4(single, tmp_path):
     """CP 2 x DP 2 (ring attention, the distributed optimizer with overlapped reduction) stops after iteration 1;
-    one process goes on to 2, and CP 4 (Ulysses all-to-all) to the end."""
+    one process goes on to 2, CP 4 (Ulysses all-to-all) to 3, and CP 4 as a2a+p2p (all-to-all among pairs, the
+    ring over the pairs) to the end."""
     _, out = train_logged(tmp_path / "cp2-dp2", 4, *LAYOUTS["cp2-dp2-distopt-p2p"][1], "--exit-interval", "1")
     assert "4 ranks = TP 1 x CP 2 x PP 1 x DP 2" in out, out
     continue_at(tmp_path / "cp2-dp2", tmp_path / "one", 1, "--exit-interval", "2")
-    continue_at(tmp_path / "one", tmp_path / "cp4", 4, *LAYOUTS["cp4-a2a"][1])
-    assert_same_run(single, tmp_path / "cp4")
+    continue_at(tmp_path / "one", tmp_path / "cp4", 4, *LAYOUTS["cp4-a2a"][1], "--exit-interval", "3")
+    continue_at(tmp_path / "cp4", tmp_path / "cp4-hierarchical", 4, *LAYOUTS["cp4-a2a+p2p"][1])
+    assert_same_run(single, tmp_path / "cp4-hierarchical")
 
 
 def test_context_parallel_with_tensor_and_sequence_parallelism_matches_one_process(single, tmp_path):

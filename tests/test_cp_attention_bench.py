@@ -20,6 +20,12 @@ def test_the_closed_forms_count_each_comm_types_messages():
     head = 2 * 3 * 4 * 4  # one head of 2 tokens, batch 3, fp32
     # a2a at CP 4 with 2 kv heads: they repeat to 4; q, k, v and the output, each way, 3/4 of each
     assert bytes_sent("a2a", 4, 2, 3, 4, 2, 4, 4) == 2 * 3 * (4 + 4 + 4 + 4) * head // 4
+    # a2a+p2p at CP 4 = a2a over 2 x p2p over 2: the a2a's 1/2 of q, k, v (2 kv heads split as they are) and the
+    # output each way, then a ring of 2 over 4 tokens, 2 heads and 1 kv head per rank
+    a2a, ring_kv = 2 * 1 * (4 + 2) * head // 2 * 2, 2 * 1 * 4 * 3 * 4 * 4
+    assert bytes_sent("a2a+p2p", 4, 2, 3, 4, 2, 4, 4, a2a_size=2) == a2a + (3 * 2 - 2) * ring_kv
+    assert bytes_sent("a2a+p2p", 4, 2, 3, 4, 2, 4, 4, a2a_size=1) == bytes_sent("p2p", 4, 2, 3, 4, 2, 4, 4)
+    assert bytes_sent("a2a+p2p", 4, 2, 3, 4, 2, 4, 4, a2a_size=4) == bytes_sent("a2a", 4, 2, 3, 4, 2, 4, 4)
 
 
 def test_the_bench_counts_each_comm_types_bytes_at_their_closed_form(capsys):

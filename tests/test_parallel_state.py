@@ -1,5 +1,7 @@
 """The rank grid (pure arithmetic), the process groups a gloo world builds from it, and a world of one."""
 
+import types
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -7,6 +9,7 @@ import torch.distributed as dist
 from megalite import parallel_state
 from megalite.config import ParallelConfig
 from megalite.errors import UserError
+from megalite.model.context_parallel import comm_levels
 from megalite.parallel_state import (GROUP_KINDS, ParallelState, build_parallel_state, coordinates,
                                      expert_coordinates, expert_rank_grid, group_ranks, initialize, rank_grid)
 from tests.helpers.distributed import run_world
@@ -266,3 +269,28 @@ def test_groups_in_a_gloo_world_of_4():
     # CP 2 x PP 2: each CP rank is its own pipeline, and its stages hold the same CP rank's chunks.
     assert [r[3]["embedding_ranks"] for r in results] == [[0, 2], [1, 3], [0, 2], [1, 3]]
     assert [r[3]["groups"]["cp"][0] for r in results] == [[0, 1], [0, 1], [2, 3], [2, 3]]
+
+
+def test_a2a_p2p_levels_are_adjacent_cp_ranks_and_a_ring_over_them():
+    """--cp-comm-type a2a+p2p with --hierarchical-context-parallel-sizes A P: the all-to-all among A adjacent ranks of
+    each CP group, the ring over the ranks A apart; degenerate levels are plain a2a or p2p; bad sizes, one sentence."""
+    groups = group_ranks(16, 2, 1, cp=4, cp_a2a=2)  # TP 2 x CP 4 x DP 2: CP groups [0, 2, 4, 6], [1, 3, 5, 7], ...
+    assert groups["cp"][:2] == [[0, 2, 4, 6], [1, 3, 5, 7]]
+    assert groups["cp_a2a"][:4] == [[0, 2], [4, 6], [1, 3], [5, 7]]
+    assert groups["cp_p2p"][:4] == [[0, 4], [2, 6], [1, 5], [3, 7]]
+    assert "cp_a2a" not in group_ranks(16, 2, 1, cp=4)
+
+    def layout(*sizes, comm="a2a+p2p"):
+        return ParallelConfig(context_parallel_size=4, cp_comm_type=comm, world_size=4,
+                              hierarchical_context_parallel_sizes=list(sizes) or None).validate()
+
+    state = types.SimpleNamespace(cp_a2a_group="pairs", cp_p2p_group="ring")
+    assert layout(2, 2).cp_a2a_size == 2 and comm_levels(layout(2, 2), state) == ("a2a+p2p", ("pairs", "ring"))
+    assert comm_levels(layout(1, 4), state) == ("p2p", None) and comm_levels(layout(4, 1), state) == ("a2a", None)
+    assert layout(comm="a2a").cp_a2a_size == 4 and layout(comm="p2p").cp_a2a_size == 1
+    for sizes, words in (((), "given: none"), ((2, 3), "given: 2 3"), ((4,), "given: 4")):
+        with pytest.raises(UserError, match=r"^--cp-comm-type a2a\+p2p needs --hierarchical-context-parallel-sizes A "
+                                            r"P, .* = --context-parallel-size 4 \(" + words):
+            layout(*sizes)
+    with pytest.raises(UserError, match=r"^--hierarchical-context-parallel-sizes sets --cp-comm-type a2a\+p2p's"):
+        layout(2, 2, comm="p2p")

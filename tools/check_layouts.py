@@ -116,6 +116,11 @@ for _name, (_processes, _flags) in CP_LAYOUTS.items():
     for _comm in ("p2p", "all_gather", "a2a"):
         LAYOUTS[f"{_name}-{_comm}"] = (_processes, [*_flags, "--context-parallel-size", _name[2],
                                                      "--cp-comm-type", _comm], 1e-5)
+# a2a+p2p at CP 4: heads all-to-all among pairs of adjacent CP ranks, the ring over the two pairs.
+HIERARCHICAL = ["--context-parallel-size", "4", "--cp-comm-type", "a2a+p2p", "--hierarchical-context-parallel-sizes",
+                "2", "2"]
+LAYOUTS["cp4-a2a+p2p"] = (4, HIERARCHICAL, 1e-5)
+LAYOUTS["cp4-tp2-sp-a2a+p2p"] = (8, [*TP2, "--sequence-parallel", *HIERARCHICAL], 1e-5)
 
 
 CP_EXPERT_LAYOUTS = {  # EP folded over CP ranks too (the experts' grid spans DP x CP x TP): name -> (processes, flags)

@@ -34,8 +34,13 @@ class ParallelConfig:
     context_parallel_size: int = option(1, "context-parallel ranks (CP): each holds 2 of 2 x CP chunks of every "
                                            "sequence (load-balanced for causal attention)")
     cp_comm_type: str = option("p2p", "how context-parallel attention meets the other ranks' keys and values: a ring "
-                                      "(p2p), gathered (all_gather) or heads exchanged (a2a, Ulysses)",
-                               choices=("p2p", "all_gather", "a2a"))
+                                      "(p2p), gathered (all_gather), heads exchanged (a2a, Ulysses), or heads "
+                                      "exchanged within groups of adjacent CP ranks and a ring between the groups "
+                                      "(a2a+p2p, with --hierarchical-context-parallel-sizes)",
+                               choices=("p2p", "all_gather", "a2a", "a2a+p2p"))
+    hierarchical_context_parallel_sizes: list[int] | None = option(
+        None, "A2A P2P: --cp-comm-type a2a+p2p's levels, the all-to-all among A adjacent CP ranks and the ring over P "
+              "such groups (A x P = --context-parallel-size)")
     num_layers_per_virtual_pipeline_stage: int | None = option(
         None, "interleaved 1F1B: layers per model chunk (or give --num-virtual-stages-per-pipeline-rank)")
     num_virtual_stages_per_pipeline_rank: int | None = option(
@@ -135,6 +140,7 @@ class ParallelConfig:
             raise UserError(f"{sizes} does not divide the world size {self.world_size}; launch a multiple of "
                             f"{tp * cp * pp} processes")
         self._validate_experts()
+        self._validate_hierarchical_context_parallel()
         if not self.distributed_timeout_minutes > 0:
             raise UserError(f"--distributed-timeout-minutes must be positive, got {self.distributed_timeout_minutes}")
         if self.num_layers_per_virtual_pipeline_stage is not None \
@@ -142,6 +148,27 @@ class ParallelConfig:
             raise UserError("--num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank "
                             "both given; pick one")
         return self
+
+    def _validate_hierarchical_context_parallel(self) -> None:
+        """a2a+p2p needs its two levels, whose product is CP; the levels go with a2a+p2p only."""
+        sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
+        if self.cp_comm_type == "a2a+p2p" and cp > 1:
+            if sizes is None or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
+                given = "none" if sizes is None else " ".join(map(str, sizes))
+                raise UserError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P, the "
+                                f"all-to-all and ring sizes with A x P = --context-parallel-size {cp} (given: {given})")
+        elif sizes is not None:
+            raise UserError("--hierarchical-context-parallel-sizes sets --cp-comm-type a2a+p2p's levels; add "
+                            "--cp-comm-type a2a+p2p, or drop it")
+
+    @property
+    def cp_a2a_size(self) -> int:
+        """The CP ranks whose heads are exchanged all-to-all: all of them under a2a, the first level under
+        a2a+p2p, none (1) otherwise."""
+        if self.cp_comm_type == "a2a":
+            return self.context_parallel_size
+        return self.hierarchical_context_parallel_sizes[0] if self.cp_comm_type == "a2a+p2p" \
+            and self.context_parallel_size > 1 else 1
 
     def _validate_experts(self) -> None:
         """The expert grid's rules: ETP is 1 or TP, and ETP x EP divides the DP x CP x TP ranks of a stage, which

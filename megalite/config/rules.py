@@ -201,9 +201,11 @@ def check_sequence_split(seq_length: int, cp: int, tp: int = 1, sequence_paralle
                         f"use a multiple of {cp * tp}")
 
 
-def check_a2a_heads(num_heads: int, cp: int) -> None:
-    """UserError unless the attention heads per TP rank divide by CP, as --cp-comm-type a2a needs."""
-    if num_heads % cp:
+def check_a2a_heads(num_heads: int, size: int) -> None:
+    """UserError unless the attention heads per TP rank divide by the CP ranks exchanging them all-to-all (a2a: CP;
+    a2a+p2p: its first level)."""
+    if num_heads % size:
         raise UserError(f"--cp-comm-type a2a needs the attention heads per tensor-parallel rank ({num_heads}) "
-                        f"divisible by --context-parallel-size {cp}: change one of them, or use "
+                        f"divisible by the {size} context-parallel ranks exchanging them (--context-parallel-size, "
+                        "or a2a+p2p's first --hierarchical-context-parallel-sizes): change one of them, or use "
                         "--cp-comm-type p2p or all_gather")

@@ -214,5 +214,5 @@ class RunConfig:
         model, parallel = self.model, self.parallel
         tp, cp = parallel.tensor_model_parallel_size, parallel.context_parallel_size
         check_sequence_split(model.seq_length, cp, tp, parallel.sequence_parallel)
-        if cp > 1 and parallel.cp_comm_type == "a2a":
-            check_a2a_heads(model.num_attention_heads // tp, cp)
+        if cp > 1 and parallel.cp_a2a_size > 1:
+            check_a2a_heads(model.num_attention_heads // tp, parallel.cp_a2a_size)

@@ -15,6 +15,8 @@ does the same causal work. q, k and v arrive already split, in the attention cor
   ring back to their owners.
 - `a2a` (Ulysses): an all-to-all turns the sequence split into a head split, each rank attends over the whole
   sequence for its heads, and an all-to-all turns it back.
+- `a2a+p2p` (hierarchical): the all-to-all among A adjacent CP ranks, then the ring over the P = CP/A such groups.
+  The A ranks' chunks, put in order, are chunks p and 2P-1-p of the sequence cut in 2P: the ring's own zig-zag.
 """
 
 import math
@@ -28,20 +30,23 @@ from megalite.data.loader import context_parallel_positions
 from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_to_all, gather_from_sequence_parallel_region, group_size
 
-CP_COMM_TYPES = ("p2p", "all_gather", "a2a")
+CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
 _KV_TAG, _GRAD_KV_TAG = 1, 2
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
-                               scale: float | None = None) -> torch.Tensor:
+                               scale: float | None = None, levels: tuple | None = None) -> torch.Tensor:
     """Causal softmax(scale · q k^T) v over the global positions of the CP group's zig-zag split: q
     `[s, b, heads, d]`, k and v `[s, b, groups, d]` (this rank's s = S/CP tokens) -> `[s, b, heads, d]`.
-    `scale` None: 1/sqrt(d). A group of one (or None) is plain causal attention."""
+    `scale` None: 1/sqrt(d). A group of one (or None) is plain causal attention. `levels`: a2a+p2p's (all-to-all
+    group, ring group) within `group`."""
     if comm_type not in CP_COMM_TYPES:
         raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
     size = group_size(group)
     check_sequence_split(q.shape[0] * size, size)
+    if comm_type == "a2a+p2p" and size > 1:
+        check_a2a_heads(q.shape[2], group_size(levels[0]))
     if comm_type == "a2a":
         check_a2a_heads(q.shape[2], size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
@@ -51,8 +56,38 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         return _all_gather_attention(q, k, v, group, scale)
     if comm_type == "a2a":
         return _a2a_attention(q, k, v, group, scale)
+    if comm_type == "a2a+p2p":
+        return _a2a_ring_attention(q, k, v, *levels, scale)
+    return _ring_attention(q, k, v, group, scale)
+
+
+def _ring_attention(q, k, v, group, scale):
+    """The ring on `[s, b, n, d]` tensors in the zig-zag order of `group`."""
     ring_layout = [t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v)]  # [b, n, s, d], the kernels' layout
     return _RingAttention.apply(*ring_layout, group, scale).permute(2, 0, 1, 3)
+
+
+def _a2a_ring_attention(q, k, v, a2a_group, ring_group, scale):
+    """a2a+p2p: heads split over the all-to-all group's A ranks, which then hold the tokens of all A; put in order,
+    those are the two zig-zag chunks of the ring group's split of the sequence in 2P (module docstring)."""
+    size, s = group_size(a2a_group), q.shape[0]
+    k, v = _repeat_for_split(k, size), _repeat_for_split(v, size)
+    half = torch.arange(s // 2)
+    # Gathered in rank order: rank i's first chunk then its second. The firsts in rank order, then the seconds in
+    # reverse rank order, are each one run of consecutive chunks.
+    order = torch.cat([i * s + half for i in range(size)] + [i * s + s // 2 + half for i in reversed(range(size))])
+    order = order.to(q.device)
+    q, k, v = (_heads_to_sequence(t, a2a_group)[order] for t in (q, k, v))  # [A·s, b, n/A, d]
+    out = _ring_attention(q, k, v, ring_group, scale)[torch.argsort(order)]
+    return _sequence_to_heads(out, a2a_group)
+
+
+def _repeat_for_split(x: torch.Tensor, size: int) -> torch.Tensor:
+    """k or v `[s, b, groups, d]` with each key/value head repeated only as far as needed to split the heads over
+    `size` ranks: query head chunk j then holds the query heads of key/value head chunk j (heads/groups is a
+    multiple of the repeat, since `size` divides the heads)."""
+    repeat = size // math.gcd(x.shape[2], size)
+    return x.repeat_interleave(repeat, dim=2) if repeat > 1 else x
 
 
 def rank_order_positions(seq_length: int, size: int) -> torch.Tensor:
@@ -68,14 +103,22 @@ def gather_sequence(x: torch.Tensor, group) -> torch.Tensor:
 
 
 def bytes_sent(comm_type: str, cp: int, tokens: int, batch: int, heads: int, groups: int, head_dim: int,
-               element_bytes: int) -> int:
+               element_bytes: int, a2a_size: int = 1) -> int:
     """Bytes one CP rank sends in one attention forward + backward: `tokens` (s = S/CP) of its own, `heads` (n) and
     `groups` (g) of `head_dim` (d) elements of `element_bytes` (e) per rank; KV = 2 s b g d e, its K and V.
     - p2p: K/V go P-1 hops round the ring in the forward and again in the backward, and the dK/dV accumulator (in
       the LSE's dtype, fp32 or wider) P hops, the last bringing each rank its own;
     - all_gather: K and V all-gathered, dK and dV reduce-scattered: 2 (P-1) KV;
     - a2a: q, k, v turned from sequence to heads and the output back, each grad the reverse way, each rank sending
-      (P-1)/P of each; k and v with their heads repeated to lcm(g, P) to split over P."""
+      (P-1)/P of each; k and v with their heads repeated to lcm(g, P) to split over P;
+    - a2a+p2p: a2a among `a2a_size` (A) ranks, then p2p over CP/A ranks of A·s tokens, n/A heads and lcm(g, A)/A
+      key/value heads."""
+    if cp == 1:
+        return 0
+    if comm_type == "a2a+p2p":
+        a2a = bytes_sent("a2a", a2a_size, tokens, batch, heads, groups, head_dim, element_bytes)
+        return a2a + bytes_sent("p2p", cp // a2a_size, tokens * a2a_size, batch, heads // a2a_size,
+                                math.lcm(groups, a2a_size) // a2a_size, head_dim, element_bytes)
     per_head = tokens * batch * head_dim
     if comm_type == "p2p":
         return 2 * groups * per_head * ((2 * cp - 2) * element_bytes + cp * max(element_bytes, 4))
@@ -104,12 +147,8 @@ def _all_gather_attention(q, k, v, group, scale):
 
 def _a2a_attention(q, k, v, group, scale):
     """Ulysses: heads split over CP, the whole sequence on each rank, put in global order for causal SDPA."""
-    size, s, heads, groups = group_size(group), q.shape[0], q.shape[2], k.shape[2]
-    # Key/value heads repeat only as far as needed to split over CP: query head chunk j then holds the
-    # query heads of key/value head chunk j (heads/groups is a multiple of the repeat, since CP divides heads).
-    repeat = size // math.gcd(groups, size)
-    if repeat > 1:
-        k, v = (t.repeat_interleave(repeat, dim=2) for t in (k, v))
+    size, s = group_size(group), q.shape[0]
+    k, v = _repeat_for_split(k, size), _repeat_for_split(v, size)
     gathered = rank_order_positions(s * size, size).to(q.device)
     to_global = torch.argsort(gathered)
     q, k, v = (_heads_to_sequence(t, group)[to_global] for t in (q, k, v))  # [S, b, n/CP, d]
@@ -293,10 +332,21 @@ class _RingAttention(torch.autograd.Function):
         return *grads, None, None
 
 
-def apply(model: torch.nn.Module, group, comm_type: str) -> torch.nn.Module:
+def comm_levels(layout, parallel) -> tuple[str, tuple | None]:
+    """(comm type, levels) for `apply` from a ParallelConfig and its ParallelState: a2a+p2p with its (all-to-all,
+    ring) groups, or plain a2a (p2p) where its all-to-all level spans all of CP (none of it)."""
+    if layout.cp_comm_type != "a2a+p2p":
+        return layout.cp_comm_type, None
+    if layout.cp_a2a_size in (1, layout.context_parallel_size):
+        return ("p2p" if layout.cp_a2a_size == 1 else "a2a"), None
+    return "a2a+p2p", (parallel.cp_a2a_group, parallel.cp_p2p_group)
+
+
+def apply(model: torch.nn.Module, group, comm_type: str, levels: tuple | None = None) -> torch.nn.Module:
     """Give each layer of `model` (a GPTModel chunk) context-parallel attention over `group` as its core (q
-    `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`, the layer's own core's contract)."""
+    `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`, the layer's own core's contract);
+    `levels`: a2a+p2p's (all-to-all group, ring group)."""
     for layer in model.layers.values():
         layer.self_attention.core_attention = (
-            lambda q, k, v: context_parallel_attention(q, k, v, group, comm_type).flatten(2))
+            lambda q, k, v: context_parallel_attention(q, k, v, group, comm_type, levels=levels).flatten(2))
     return model

@@ -206,12 +206,16 @@ def _context_parallel_line(report: DryRunReport) -> str:
     cp, tp, comm_type = layout.context_parallel_size, layout.tensor_model_parallel_size, layout.cp_comm_type
     tokens = model.seq_length // cp
     per_layer = bytes_sent(comm_type, cp, tokens, run.train.micro_batch_size, model.num_attention_heads // tp,
-                           max(model.query_groups // tp, 1), model.head_dim, element_bytes(run.train.params_dtype))
+                           max(model.query_groups // tp, 1), model.head_dim, element_bytes(run.train.params_dtype),
+                           layout.cp_a2a_size)
     layers = max(sum(len(ids) for ids in cls.layers) for cls in report.classes)
+    if comm_type == "a2a+p2p":
+        comm_type += " (a2a over {}, p2p over {})".format(*layout.hierarchical_context_parallel_sizes)
     return (f"context parallel: CP {cp}, {tokens} tokens of each sequence per rank; --cp-comm-type {comm_type} sends "
             f"{per_layer / 2 ** 20:.1f} MiB per rank per layer and micro-batch (forward + backward), "
             f"{per_layer * layers * run.num_microbatches / GIB:.2f} GiB per iteration ({layers} layers x "
-            f"{run.num_microbatches} micro-batches; a recomputed forward's repeat not counted)")
+            f"{run.num_microbatches} micro-batch{'es' * (run.num_microbatches != 1)}; a recomputed forward's repeat not "
+            f"counted)")
 
 
 def format_report(report: DryRunReport) -> str:

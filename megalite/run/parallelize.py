@@ -21,7 +21,7 @@ def parallelize(chunks: ModelChunks, run: RunConfig, parallel: ParallelState) ->
     model, layout = run.model, run.parallel
     for chunk in chunks:
         if parallel.cp_size > 1:  # its own attention core, on every device
-            context_parallel.apply(chunk, parallel.cp_group, layout.cp_comm_type)
+            context_parallel.apply(chunk, parallel.cp_group, *context_parallel.comm_levels(layout, parallel))
         elif parallel.device.type == "cpu":
             cpu.apply(chunk)
         apply_options(chunk, recompute_granularity=model.recompute_granularity,

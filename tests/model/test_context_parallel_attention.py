@@ -18,6 +18,7 @@ from megalite.model import context_parallel
 from megalite.config.rules import check_a2a_heads, check_sequence_split
 from megalite.data.loader import context_parallel_positions
 from megalite.model.context_parallel import CP_COMM_TYPES, context_parallel_attention
+from megalite.parallel_state import group_ranks
 from tests.helpers.distributed import run_world
 
 SEQ, BATCH, HEADS, HEAD_DIM = 24, 2, 8, 8
@@ -46,6 +47,19 @@ def reference(q, k, v, grad):
     return out.detach(), q.grad, k.grad, v.grad
 
 
+def hierarchical_levels(size: int) -> tuple:
+    """a2a+p2p's (all-to-all, ring) groups of this rank: all-to-all among 2 adjacent ranks, the ring over the
+    size/2 pairs (every rank creates every group, in the same order)."""
+    groups = group_ranks(size, 1, 1, cp=size, cp_a2a=2)
+    mine = {}
+    for kind in ("cp_a2a", "cp_p2p"):
+        for ranks in groups[kind]:
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                mine[kind] = group
+    return mine["cp_a2a"], mine["cp_p2p"]
+
+
 def max_errors(comm_type: str, groups: int) -> dict:
     """This rank's max |CP - one process| of the output and each input grad."""
     size, rank = dist.get_world_size(), dist.get_rank()
@@ -53,7 +67,8 @@ def max_errors(comm_type: str, groups: int) -> dict:
     expected = reference(q, k, v, grad)
     mine = context_parallel_positions(SEQ, rank, size)
     q, k, v = (t[mine].clone().requires_grad_() for t in (q, k, v))
-    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type)
+    levels = hierarchical_levels(size) if comm_type == "a2a+p2p" else None
+    out = context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, levels=levels)
     out.backward(grad[mine])
     actual = (out.detach(), q.grad, k.grad, v.grad)
     return {name: (a - e[mine]).abs().max().item()
@@ -82,10 +97,11 @@ def check_merge_trap() -> dict:
     return {"dq": error}
 
 
-def checks() -> dict:
-    """name: a function with no arguments, in the order every rank runs them."""
+def checks(size: int) -> dict:
+    """name: a function with no arguments, in the order every rank runs them; a2a+p2p (all-to-all among 2 ranks,
+    the ring over the pairs) from CP 4."""
     table = {f"{comm_type}-{kind}": functools.partial(check_attention, comm_type, groups)
-             for comm_type in CP_COMM_TYPES for kind, groups in GROUPS.items()}
+             for comm_type in CP_COMM_TYPES if comm_type != "a2a+p2p" or size >= 4 for kind, groups in GROUPS.items()}
     table["p2p-autograd-through-the-merge-is-wrong"] = check_merge_trap
     return table
 
@@ -93,7 +109,7 @@ def checks() -> dict:
 def run_checks(rank: int, world_size: int) -> dict:
     """Every check on this rank; {name: (traceback or None, its max errors)}."""
     results = {}
-    for name, check in checks().items():
+    for name, check in checks(world_size).items():
         try:
             results[name] = (None, check())
         except Exception:  # noqa: BLE001 - reported per check by the tests below
@@ -107,7 +123,7 @@ def world_results(size: int) -> list[dict]:
     return run_world(size, run_checks)
 
 
-@pytest.mark.parametrize("size, check", [(size, name) for size in CP_SIZES for name in checks()])
+@pytest.mark.parametrize("size, check", [(size, name) for size in CP_SIZES for name in checks(size)])
 def test_context_parallel_attention_matches_one_process(size, check):
     reports = [f"rank {rank}:\n{results[check][0]}" for rank, results in enumerate(world_results(size))
                if results[check][0]]
@@ -121,8 +137,8 @@ def test_the_attention_checks_the_sequence_split():
 
 def test_a2a_needs_heads_divisible_by_cp():
     check_a2a_heads(8, 4)
-    with pytest.raises(UserError, match=r"heads per tensor-parallel rank \(6\) divisible by "
-                                        "--context-parallel-size 4"):
+    with pytest.raises(UserError, match=r"heads per tensor-parallel rank \(6\) divisible by the 4 context-parallel "
+                                        "ranks exchanging them"):
         check_a2a_heads(6, 4)
 
 
