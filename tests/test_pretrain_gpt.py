@@ -152,14 +152,14 @@ def test_ctrl_c_without_save_is_one_line_and_the_start_up_says_nothing_is_kept()
 def test_the_closing_sample_is_tools_generate_with_its_defaults(tmp_path, capsys, monkeypatch):
     from megalite.arguments import parse_args
     from megalite.run.training import pretrain
-    from tools.fork_ranks import _pretrain_gpt
+    from tools.fork_ranks import _script
     from tools.generate import main as generate_main
 
     flags = ["--mock-data", "--tokenizer-type", "NullTokenizer", "--vocab-size", "50", "--num-layers", "2",
              "--hidden-size", "32", "--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
              "--global-batch-size", "2", "--train-iters", "3", "--eval-interval", "0", "--save", str(tmp_path)]
     trainer, _ = pretrain(parse_args(flags), log=lambda line: None)
-    entry = _pretrain_gpt()
+    entry = _script()
     monkeypatch.setattr(entry, "SAMPLE_PROMPT", "1 2 3")  # NullTokenizer text: ids
     entry.print_sample(trainer)
     closing = capsys.readouterr().out.splitlines()

@@ -81,14 +81,15 @@ def _stop_with_launcher(launcher_pid: int) -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
-def _pretrain_gpt():
-    """The module pretrain_gpt.py (imported once per process): a script at the repository root, not
-    part of the installed packages, so it is loaded from its file."""
-    module = sys.modules.get("pretrain_gpt")
+def _script(path: str = os.path.join(REPO_ROOT, "pretrain_gpt.py")):
+    """The module of a script (imported once per process; pretrain_gpt.py by default): a file outside the
+    installed packages, so it is loaded from its path."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    module = sys.modules.get(name)
     if module is None:
-        spec = importlib.util.spec_from_file_location("pretrain_gpt", os.path.join(REPO_ROOT, "pretrain_gpt.py"))
+        spec = importlib.util.spec_from_file_location(name, path)
         module = importlib.util.module_from_spec(spec)
-        sys.modules["pretrain_gpt"] = module
+        sys.modules[name] = module
         spec.loader.exec_module(module)
         import torch._dynamo  # noqa: F401 - torch.optim's constructor imports it: seconds per rank otherwise
     return module
@@ -99,7 +100,7 @@ def launch(world_size: int, argv: list[str], main=None) -> int:
     main: each rank's entry point instead of pretrain_gpt.py's, called with `argv` (a harness that trains
     in-process, as tools/check_compositions.py)."""
     os.environ.update(cpu_world_environment())  # before torch initialises CUDA: the ranks see no GPU
-    entry = main or _pretrain_gpt().main  # torch and megalite, imported once here, before the fork
+    entry = main or _script().main  # torch and megalite, imported once here, before the fork
 
     port = free_port()
     context = multiprocessing.get_context("fork")
@@ -150,12 +151,14 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--nproc-per-node", "--nproc_per_node", type=int, required=True,
                         help="how many ranks to fork (the world size)")
-    parser.add_argument("args", nargs=argparse.REMAINDER, help="pretrain_gpt.py's flags, after --")
+    parser.add_argument("--script", help="fork this script's ranks (its main(argv)) instead of pretrain_gpt.py's: a "
+                                             "bench's workers (tools/bench/memory.py's run_ranks)")
+    parser.add_argument("args", nargs=argparse.REMAINDER, help="pretrain_gpt.py's flags (or the script's), after --")
     args = parser.parse_args(argv)
     if args.nproc_per_node < 1:
         parser.error(f"--nproc-per-node must be at least 1, got {args.nproc_per_node}")
     flags = args.args[1:] if args.args[:1] == ["--"] else args.args
-    return launch(args.nproc_per_node, flags)
+    return launch(args.nproc_per_node, flags, main=_script(os.path.abspath(args.script)).main if args.script else None)
 
 
 if __name__ == "__main__":

@@ -83,9 +83,9 @@ def test_two_processes_building_at_once_both_get_the_corpus(tmp_path):
 def test_the_closing_sample_prompt_tokenizes_as_it_would_inside_longer_text(built):
     """"def " tokenized as ['def', '▁']: a lone '▁', which in this corpus comes before digits, so the default
     run's sample read `def 4000200000...`. The prompt's tokens must be those of the same text in the corpus."""
-    from tools.fork_ranks import _pretrain_gpt
+    from tools.fork_ranks import _script
 
-    prompt = _pretrain_gpt().SAMPLE_PROMPT
+    prompt = _script().SAMPLE_PROMPT
     tokenizer = SentencePieceTokenizer(built[2])
     tokens = tokenizer.tokenize(prompt)
     for continuation in ("self, x):", "argv=None):", " x"):
@@ -97,7 +97,7 @@ def test_the_closing_sample_of_a_model_trained_briefly_is_mostly_the_corpus_word
     untrained one: about 1 word in 5)."""
     from megalite.arguments import parse_args
     from megalite.run.training import pretrain
-    from tools.fork_ranks import _pretrain_gpt
+    from tools.fork_ranks import _script
 
     _, data_prefix, tokenizer_model = built
     flags = ["--data-path", data_prefix, "--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
@@ -106,7 +106,7 @@ def test_the_closing_sample_of_a_model_trained_briefly_is_mostly_the_corpus_word
              "--lr-warmup-iters", "5", "--eval-iters", "0", "--log-interval", "100"]
     with torch.random.fork_rng():
         trainer, _ = pretrain(parse_args(flags), log=lambda line: None)
-    entry = _pretrain_gpt()
+    entry = _script()
     entry.print_sample(trainer)
     sample = capsys.readouterr().out.split("tools/generate.py's defaults):\n", 1)[1]
     assert sample.startswith(entry.SAMPLE_PROMPT)

@@ -1,4 +1,4 @@
-"""tools/bench/memory.py and tools/bench/sharding_comm.py on real torchrun worlds: model state and bytes
+"""tools/bench/memory.py and tools/bench/sharding_comm.py on real gloo worlds (forked ranks): model state and bytes
 communicated per rank under each sharding strategy."""
 
 import pytest

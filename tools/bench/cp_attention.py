@@ -4,7 +4,7 @@
     python tools/bench/cp_attention.py                  # a world of 4 gloo ranks; CP 2 and 4
     python tools/bench/cp_attention.py --cp 2 --seq-length 64 --heads 4 --groups 2
 
-The script launches itself under torchrun on max(--cp) gloo ranks (one thread each); at a smaller CP the world
+The script launches itself (tools/bench/memory.py's run_ranks) on max(--cp) gloo ranks (one thread each); at a smaller CP the world
 is DP x CP and each CP group runs on its own. Rank 0 prints every rank's figures.
 
 Bytes: `megalite.model.context_parallel.context_parallel_attention` runs a forward and a backward (fp32, seed
@@ -38,7 +38,7 @@ import torch
 
 from megalite.errors import UserError, run_main
 from megalite.model.context_parallel import bytes_sent
-from tools.bench.memory import flags_of, gather_to_file, run_under_torchrun
+from tools.bench.memory import flags_of, gather_to_file, run_ranks
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
@@ -244,7 +244,7 @@ def main(argv=None) -> int:
         worker(args)
         return 0
     flags = flags_of(args, ("seq_length", "batch", "heads", "groups", "head_dim", "dtype", "iters", "warmup_iters"))
-    ranks = run_under_torchrun(__file__, max(args.cp), ["--cp", *map(str, args.cp), *flags])
+    ranks = run_ranks(__file__, max(args.cp), ["--cp", *map(str, args.cp), *flags])
     match = traffic_table(args, ranks)
     time_table(args, ranks[0]["seconds"])
     print(f"{'PASS' if match else 'FAIL'}: every rank's bytes {'equal' if match else 'differ from'} the closed form")

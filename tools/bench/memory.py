@@ -5,8 +5,8 @@
     python tools/bench/memory.py --dp 1 2 --strategies no_shard optim_grads_params --small
     python tools/bench/memory.py --micro-batches 4     # each strategy's peak under accumulation
 
-For each data-parallel size the script launches itself under torchrun (gloo on the
-CPU, one thread per rank). Every rank builds a small LLaMA-style model, and for each
+For each data-parallel size the script launches its ranks (`run_ranks`: forked from one
+interpreter on a CPU, torchrun where CUDA is; gloo, one thread per rank). Every rank builds a small LLaMA-style model, and for each
 strategy in turn (--data-parallel-sharding-strategy: no_shard, optim = ZeRO-1, optim_grads
 = ZeRO-2, optim_grads_params = ZeRO-3, built as pretrain_gpt.py builds them) takes one real
 training step on random tokens (--micro-batches of them, gradients reduced as they are ready,
@@ -181,7 +181,7 @@ def measure(strategy: str, config: ModelConfig, dtype: torch.dtype, parallel, mi
 
 
 def worker(args) -> None:
-    """On every torchrun rank: each strategy; rank 0 writes every rank's figures to args.output."""
+    """On every rank: each strategy; rank 0 writes every rank's figures to args.output."""
     config, dtype = model_config(args.small), torch.bfloat16 if args.dtype == "bf16" else torch.float32
     counts = sorted({1, args.micro_batches})
     gather_to_file(args.output, lambda parallel: {
@@ -190,7 +190,7 @@ def worker(args) -> None:
 
 
 def gather_to_file(output: str, figures_of) -> None:
-    """On every torchrun rank: `figures_of(parallel)` in a gloo world; rank 0 writes every rank's result,
+    """On every rank: `figures_of(parallel)` in a gloo world; rank 0 writes every rank's result,
     in rank order, to `output` as JSON."""
     import torch.distributed as dist
 
@@ -210,7 +210,7 @@ def gather_to_file(output: str, figures_of) -> None:
 
 def launch(dp: int, args) -> list[dict]:
     """Run `worker` on `dp` gloo ranks; every rank's figures, in rank order."""
-    figures = run_under_torchrun(__file__, dp, ["--dtype", args.dtype, "--strategies", *args.strategies,
+    figures = run_ranks(__file__, dp, ["--dtype", args.dtype, "--strategies", *args.strategies,
                                                 "--micro-batches", str(args.micro_batches),
                                                 *(["--small"] if args.small else [])])
     # The main table: each strategy at --micro-batches; the accumulation table adds its peak at one.
@@ -223,14 +223,19 @@ def flags_of(args, names: tuple[str, ...]) -> list[str]:
     return [str(value) for name in names for value in (f"--{name.replace('_', '-')}", getattr(args, name))]
 
 
-def run_under_torchrun(script: str, ranks: int, flags: list[str]) -> list:
-    """Run `script --worker --output FILE *flags` on `ranks` gloo ranks (one thread each) under torchrun;
-    what its rank 0 wrote to FILE as JSON."""
+def run_ranks(script: str, ranks: int, flags: list[str]) -> list:
+    """Run `script --worker --output FILE *flags` on `ranks` gloo ranks (one thread each); what its rank 0 wrote
+    to FILE as JSON. Where CUDA is there, under torchrun (each rank may use the GPU); on a CPU, forked from one
+    interpreter by tools/fork_ranks.py (torch imported once, not once per rank: seconds per rank)."""
     with tempfile.TemporaryDirectory() as folder:
         output = os.path.join(folder, "figures.json")
-        # --standalone: a free rendezvous port, so other torchrun jobs on the machine do not collide.
-        command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
-                   os.path.abspath(script), "--worker", "--output", output, *flags]
+        worker = ["--worker", "--output", output, *flags]
+        if torch.cuda.is_available():  # --standalone: a free rendezvous port, so other torchrun jobs do not collide
+            command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(ranks),
+                       os.path.abspath(script), *worker]
+        else:
+            command = [sys.executable, os.path.join(REPO_ROOT, "tools", "fork_ranks.py"), "--nproc-per-node",
+                       str(ranks), "--script", os.path.abspath(script), "--", *worker]
         result = subprocess.run(command, capture_output=True, text=True, cwd=REPO_ROOT,
                                 env={**os.environ, "OMP_NUM_THREADS": "1"})
         if result.returncode != 0:
@@ -243,7 +248,7 @@ def run_under_torchrun(script: str, ranks: int, flags: list[str]) -> list:
 def parse_args(argv):
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dp", type=int, nargs="+", default=[1, 2, 4, 8],
-                        help="data-parallel sizes, one torchrun world each (DP=1 is always run)")
+                        help="data-parallel sizes, one world each (DP=1 is always run)")
     parser.add_argument("--strategies", nargs="+", choices=SHARDING_STRATEGIES, default=list(SHARDING_STRATEGIES),
                         help="--data-parallel-sharding-strategy values to measure (no_shard is always measured)")
     parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="the model params' dtype")

@@ -4,7 +4,7 @@ form, and tokens/s of a small MoE model at each EP size beside one process.
     python tools/bench/moe_dispatch.py                  # a world of 4 gloo ranks; EP 1, 2 and 4
     python tools/bench/moe_dispatch.py --ep 1 2 --hidden 128 --layers 4
 
-The script launches itself under torchrun on max(--ep) gloo CPU ranks (one thread each); EP folds over DP
+The script launches itself (tools/bench/memory.py's run_ranks) on max(--ep) gloo CPU ranks (one thread each); EP folds over DP
 (Megatron's MoE parallel folding): every rank is a data-parallel replica with its own micro-batch, and at each
 EP size the ranks of an EP group hold E/EP experts each. Rank 0's figures are printed.
 
@@ -36,7 +36,7 @@ import time
 import torch
 
 from megalite.errors import UserError, run_main
-from tools.bench.memory import flags_of, gather_to_file, run_under_torchrun
+from tools.bench.memory import flags_of, gather_to_file, run_ranks
 
 DISPATCHERS = ("allgather", "alltoall")
 KB = 2 ** 10
@@ -273,7 +273,7 @@ def main(argv=None) -> int:
     flags = flags_of(args, ("hidden", "experts", "topk", "layers", "seq_length", "micro_batch_size", "vocab_size",
                             "iters", "warmup_iters"))
     world = max(args.ep)
-    ranks = run_under_torchrun(__file__, world, ["--ep", *map(str, args.ep), *flags])
+    ranks = run_ranks(__file__, world, ["--ep", *map(str, args.ep), *flags])
     match = traffic_table(args, ranks) if world > 1 else True
     throughput_table(args, ranks[0]["seconds"], world)
     if world > 1:

@@ -4,7 +4,7 @@
     python tools/bench/sharding_comm.py --dp 8 --dtype bf16
     python tools/bench/sharding_comm.py --grad-reduce-in-bf16   # grads reduced in bf16: half their bytes
 
-The script launches itself under torchrun (gloo on the CPU, one thread per rank). Every
+The script launches itself (tools/bench/memory.py's run_ranks; gloo on the CPU, one thread per rank). Every
 rank builds a small LLaMA-style model and, for each --data-parallel-sharding-strategy,
 takes two training steps on random tokens; the second is counted. Each collective over
 the data-parallel group is counted by what a ring algorithm moves per rank: an all-reduce
@@ -25,7 +25,7 @@ import sys
 import torch
 
 from megalite.config.parallel import SHARDING_STRATEGIES, Sharding
-from tools.bench.memory import gather_to_file, model_config, random_micro_batch, run_under_torchrun
+from tools.bench.memory import gather_to_file, model_config, random_micro_batch, run_ranks
 
 MB = 2 ** 20
 TARGET = (1.4, 1.6)
@@ -110,7 +110,7 @@ def main(argv=None) -> int:
         return 0
     flags = ["--dtype", args.dtype, *(["--small"] if args.small else []),
              *(["--grad-reduce-in-bf16"] if args.grad_reduce_in_bf16 else [])]
-    rank0 = run_under_torchrun(__file__, args.dp, flags)[0]
+    rank0 = run_ranks(__file__, args.dp, flags)[0]
     plain = sum(rank0["no_shard"].values())
     reduced = "bf16" if args.grad_reduce_in_bf16 else "fp32"
     print(f"DP={args.dp}, {args.dtype} params, fp32 grads reduced in {reduced}; MB per rank in one iteration "
