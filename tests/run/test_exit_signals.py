@@ -99,7 +99,7 @@ wrap(training, "next_global_batch", before=next_batch)
 wrap(checkpointer, "save_checkpoint", before=start_save, after=lambda save, at, *a, **k: arrive("save-end", at))
 wrap(saving, "write_rank_files", after=lambda *a, **k: arrive("save-write", current["saving"]))
 wrap(parallel_state, "destroy", before=lambda *a, **k: arrive("teardown", 0))
-fork_ranks._pretrain_gpt()  # imported once, here
+fork_ranks._script()  # imported once, here
 
 
 def launch(flags, folder, phase, signal_at, timeout):
