@@ -1,5 +1,6 @@
-"""tools/bench/cp_attention.py: the closed form of each CP comm type's bytes, and the bench itself at CP 2 on two
-gloo ranks at the smallest sizes (its measured bytes equal the closed form on every rank)."""
+"""tools/bench/cp_attention.py: the closed form of each CP comm type's bytes, and the bench itself at CP 2 and 4
+(a2a+p2p: pairs and a ring of 2) on four gloo ranks at the smallest sizes (its measured bytes equal the closed
+form on every rank)."""
 
 import pytest
 
@@ -8,7 +9,7 @@ from megalite.model.context_parallel import bytes_sent
 from tools.bench.cp_attention import main as bench_main, parse_args
 
 # The bench's --seq-length, --heads, --groups, --head-dim below; fp32.
-SEQ, HEADS, GROUPS, HEAD_DIM = 8, 2, 1, 4
+SEQ, HEADS, GROUPS, HEAD_DIM = 8, 4, 1, 4
 
 
 def test_the_closed_forms_count_each_comm_types_messages():
@@ -29,22 +30,26 @@ def test_the_closed_forms_count_each_comm_types_messages():
 
 
 def test_the_bench_counts_each_comm_types_bytes_at_their_closed_form(capsys):
-    assert bench_main(["--cp", "2", "--seq-length", str(SEQ), "--heads", str(HEADS), "--groups", str(GROUPS),
+    assert bench_main(["--cp", "2", "4", "--seq-length", str(SEQ), "--heads", str(HEADS), "--groups", str(GROUPS),
                        "--head-dim", str(HEAD_DIM), "--iters", "1", "--warmup-iters", "0"]) == 0
     out = capsys.readouterr().out
     # CP, comm type, rank, p2p, all-gather, reduce-scatter, all-to-all, total, closed form (KB), ratio
-    rows = [line.split() for line in out.splitlines() if line.split()[:1] == ["2"]]
-    assert sorted((row[1], row[2]) for row in rows) == [(c, r) for c in ("a2a", "all_gather", "p2p") for r in "01"]
-    key_values_kb = 2 * (SEQ // 2) * GROUPS * HEAD_DIM * 4 / 1024
+    rows = [line.split() for line in out.splitlines() if line.split()[:1] in (["2"], ["4"])]
+    comm_types = {"2": ("a2a", "all_gather", "p2p"), "4": ("a2a", "a2a+p2p", "all_gather", "p2p")}
+    assert sorted(tuple(row[:3]) for row in rows) == [(cp, c, r) for cp in "24" for c in comm_types[cp]
+                                                      for r in "0123"]
+    # Each comm type's own collectives, and only those: a2a+p2p sends by all-to-all and the ring.
+    used = {"p2p": {"p2p"}, "all_gather": {"all-gather", "reduce-scatter"}, "a2a": {"all-to-all"},
+            "a2a+p2p": {"all-to-all", "p2p"}}
     for row in rows:
-        sent = dict(zip(("p2p", "all-gather", "reduce-scatter", "all-to-all"), map(float, row[3:7])))
+        cp, sent = int(row[0]), dict(zip(("p2p", "all-gather", "reduce-scatter", "all-to-all"), map(float, row[3:7])))
         assert row[9] == "1.000" and float(row[7]) == float(row[8])
-        measured = {"p2p": "p2p", "all_gather": "all-gather", "a2a": "all-to-all"}[row[1]]
-        assert all(kb == 0 for name, kb in sent.items() if name not in (measured, "reduce-scatter"))
+        assert {name for name, kb in sent.items() if kb > 0} == used[row[1]], row
+        key_values_kb = 2 * (SEQ // cp) * GROUPS * HEAD_DIM * 4 / 1024
         if row[1] == "p2p":
-            assert sent["p2p"] == pytest.approx(4 * key_values_kb, abs=0.01)
+            assert sent["p2p"] == pytest.approx((3 * cp - 2) * key_values_kb, abs=0.01)
         if row[1] == "all_gather":
-            assert sent["all-gather"] == sent["reduce-scatter"] == pytest.approx(key_values_kb, abs=0.01)
+            assert sent["all-gather"] == sent["reduce-scatter"] == pytest.approx((cp - 1) * key_values_kb, abs=0.01)
     assert "PASS: every rank's bytes equal the closed form" in out
 
 

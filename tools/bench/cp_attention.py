@@ -21,6 +21,8 @@ rank's K and V), per rank:
 - a2a: q, k, v all-to-all'd from sequence to heads and the output back, each grad the reverse way; each sends
   (P-1)/P of its tensor, k and v with their heads repeated to lcm(g, P) so they split over P:
   4 (P-1)/P s b d e (n + lcm(g, P)).
+- a2a+p2p (from CP 4: the all-to-all among pairs of adjacent CP ranks, the ring over the CP/2 pairs): a2a's
+  bytes over 2 ranks, then p2p's over CP/2 ranks of 2s tokens, n/2 heads and lcm(g, 2)/2 key/value heads.
 The closed form is `megalite.model.context_parallel.bytes_sent`, which the dry run prints too.
 
 Time (CUDA only; skipped on a CPU, saying so): the CP ranks share the one GPU, their tensors on it and their
@@ -41,6 +43,7 @@ from megalite.model.context_parallel import bytes_sent
 from tools.bench.memory import flags_of, gather_to_file, run_ranks
 
 COMM_TYPES = ("p2p", "all_gather", "a2a")
+A2A_SIZE = 2  # a2a+p2p here: the all-to-all among pairs of adjacent CP ranks, the ring over the pairs (CP 4 and up)
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 KB = 2 ** 10
 SEED = 1234
@@ -84,18 +87,31 @@ def random_qkv(args, cp: int, rank: int, device, dtype) -> list[torch.Tensor]:
     return [torch.randn(shape, generator=generator).to(device, dtype).requires_grad_() for shape in shapes]
 
 
+def comm_types(cp: int) -> tuple[str, ...]:
+    """The comm types measured at `cp`: a2a+p2p where its two levels are both above one rank."""
+    return COMM_TYPES + (("a2a+p2p",) if cp > A2A_SIZE else ())
+
+
+def levels_of(comm_type: str, parallel) -> tuple | None:
+    """a2a+p2p's (all-to-all, ring) groups of `parallel` (built with cp_a2a=A2A_SIZE); None for the others."""
+    return (parallel.cp_a2a_group, parallel.cp_p2p_group) if comm_type == "a2a+p2p" else None
+
+
 def attention_traffic(args, comm_type: str, parallel) -> dict:
-    """Bytes sent per collective in one CP attention forward + backward of this rank's share (fp32, CPU)."""
+    """Bytes sent per collective in one CP attention forward + backward of this rank's share (fp32, CPU); a2a+p2p's
+    over both of its groups."""
     from megalite.model.context_parallel import context_parallel_attention
 
     q, k, v = random_qkv(args, parallel.cp_size, parallel.cp_rank, "cpu", torch.float32)
-    traffic = ContextParallelTraffic(parallel.cp_group)
+    levels = levels_of(comm_type, parallel)
+    counters = [ContextParallelTraffic(group) for group in (levels or (parallel.cp_group,))]
     try:
-        out = context_parallel_attention(q, k, v, parallel.cp_group, comm_type)
+        out = context_parallel_attention(q, k, v, parallel.cp_group, comm_type, levels=levels)
         out.backward(torch.randn_like(out))
     finally:
-        traffic.remove()
-    return traffic.bytes
+        for counter in reversed(counters):  # each wraps the functions the one before it wrapped
+            counter.remove()
+    return {kind: sum(counter.bytes[kind] for counter in counters) for kind in counters[0].bytes}
 
 
 def seconds_per_iteration(args, attend, qkv, together: bool) -> float:
@@ -121,7 +137,7 @@ def attention_seconds(args, comm_type: str, parallel) -> float | str:
     """This rank's CP attention forward + backward time on the GPU, or why it could not run."""
     from megalite.model.context_parallel import context_parallel_attention
 
-    if comm_type == "p2p":  # a CUDA tensor sent by gloo fails ("Bad address") and can abort the whole world
+    if "p2p" in comm_type:  # a CUDA tensor sent by gloo fails ("Bad address") and can abort the whole world
         return "gloo's send/receive take CPU tensors only"
     qkv = random_qkv(args, parallel.cp_size, parallel.cp_rank, "cuda", DTYPES[args.dtype])
     try:
@@ -150,11 +166,11 @@ def figures(args, world) -> dict:
     timed = torch.cuda.is_available()
     result = {"traffic": {}, "seconds": {}}
     for cp in args.cp:
-        parallel = build_parallel_state(cp=cp)
-        for comm_type in COMM_TYPES:
+        parallel = build_parallel_state(cp=cp, cp_a2a=A2A_SIZE)
+        for comm_type in comm_types(cp):
             result["traffic"][f"{cp} {comm_type}"] = attention_traffic(args, comm_type, parallel)
     for cp in args.cp if timed else ():
-        for comm_type in COMM_TYPES:  # fresh groups each: a collective refused mid-way leaves its group unusable
+        for comm_type in comm_types(cp):  # fresh groups each: a collective refused mid-way leaves its group unusable
             result["seconds"][f"{cp} {comm_type}"] = attention_seconds(args, comm_type, build_parallel_state(cp=cp))
     if timed and world.rank == 0:
         result["seconds"]["one device"] = one_device_seconds(args)
@@ -175,9 +191,9 @@ def traffic_table(args, ranks: list[dict]) -> bool:
           f"{'all-to-all':>10} {'total':>9} {'closed form':>11} {'ratio':>6}")
     match = True
     for cp in args.cp:
-        for comm_type in COMM_TYPES:
+        for comm_type in comm_types(cp):
             expected = bytes_sent(comm_type, cp, args.seq_length // cp, args.batch, args.heads, args.groups,
-                                         args.head_dim, 4)
+                                  args.head_dim, 4, A2A_SIZE)
             for rank, figures_of_rank in enumerate(ranks):
                 sent = figures_of_rank["traffic"][f"{cp} {comm_type}"]
                 total = sum(sent.values())
