@@ -47,7 +47,7 @@ def test_the_matrix_holds_every_pair_of_values_in_allowed_runs_that_megalite_acc
     for run in RUNS:  # each run's flags, and its references', are valid at their world sizes
         for values in (run, matrix.exact_reference(run), matrix.one_process_reference(run)):
             parse_args(matrix.flags(values), matrix.ranks_of(values))
-    assert len(RUNS) <= 27  # each run is a multi-process training: keep the suite's share small
+    assert len(RUNS) <= 33  # each run is a multi-process training: keep the suite's share small
 
 
 def test_references_keep_the_settings_and_drop_what_they_test():
@@ -79,10 +79,17 @@ def test_moe_meets_every_layout_and_a_pipeline_rank_without_moe_layers():
 
 
 def test_context_parallelism_meets_every_model_layout_and_option_that_allows_it():
-    cp = [run for run in RUNS if run["cp"] == "2"]
-    for name in ("model", "tp", "pp", "ep", "sharding", "recompute", "precision", "resume", "micro-batches"):
-        assert {run[name] for run in cp} == set(FACTORS[name]), name
-    assert {run["size"] for run in cp} == {"base"}  # the tiny size's 2 tokens do not cut into 2 x CP chunks
+    for comm_type in ("2", "2+a2a"):
+        cp = [run for run in RUNS if run["cp"] == comm_type]
+        for name in ("model", "tp", "pp", "ep", "sharding", "recompute", "precision", "resume", "micro-batches"):
+            assert {run[name] for run in cp} == set(FACTORS[name]), (comm_type, name)
+        assert {run["size"] for run in cp} == {"base"}  # the tiny size's 2 tokens do not cut into 2 x CP chunks
+
+
+def test_a_run_with_an_exact_option_costs_twice_for_its_reference():
+    plain = {name: FACTORS[name][0] for name in FACTORS}
+    assert matrix.cost({**plain, "recompute": "full"}) == 2 * matrix.cost(plain)
+    assert matrix.cost({**plain, "kernels": "triton", "size": "tiny"}) == 10 * matrix.cost(plain)
 
 
 # -- the probe -------------------------------------------------------------------------------------

@@ -127,11 +127,11 @@ FEATURES = (
                                              "--num-virtual-stages-per-pipeline-rank", "2"), ranks=2,
                                    requires={"micro-batches": ("several",)}))),
     Feature("dp", ROUNDING, (Value("1"), Value("2", ranks=2, rtol=FP32_RTOL))),
-    # Context parallelism by the ring (p2p, the default): the sequence in 2 x CP chunks, which the tiny size's 2
-    # tokens are not. The other comm types run in tools/check_layouts.py's CP layouts (4 more runs here: a2a's
-    # pairs cost the suite 30 s).
-    Feature("cp", ROUNDING, (Value("1"), Value("2", ("--context-parallel-size", "2"), ranks=2, rtol=FP32_RTOL,
-                                               requires={"size": ("base",)}))),
+    # Context parallelism: the ring (p2p, the default) or Ulysses' all-to-all over heads (a2a); the sequence in
+    # 2 x CP chunks, which the tiny size's 2 tokens are not. all_gather and a2a+p2p run in tools/check_layouts.py.
+    Feature("cp", ROUNDING, (Value("1"), *(Value(name, ("--context-parallel-size", "2", "--cp-comm-type", comm),
+                                                ranks=2, rtol=FP32_RTOL, requires={"size": ("base",)})
+                                          for name, comm in (("2", "p2p"), ("2+a2a", "a2a"))))),
     # Expert parallelism folds over the DP x TP ranks: the experts split over TP (ETP = TP) and EP over DP with the
     # alltoall dispatcher, or whole experts (ETP 1) over DP or TP ranks with the allgather one (EP_FITS).
     Feature("ep", ROUNDING, (Value("1"), Value("2", ("--expert-model-parallel-size", "2", "--moe-token-dispatcher-type",
@@ -200,8 +200,10 @@ def ranks_of(values: dict) -> int:
 
 
 def cost(values: dict) -> float:
-    """A (possibly partial) run's relative cost: its processes times the slowness of its values."""
-    return ranks_of(values) * math.prod(VALUE[item].slowness for item in values.items())
+    """A (possibly partial) run's relative cost: its processes times the slowness of its values, twice that with an
+    exact option, whose reference (the same run without it) trains too, as slowly."""
+    exact = any(FEATURE[name].kind == EXACT and value != FEATURE[name].values[0].name for name, value in values.items())
+    return ranks_of(values) * math.prod(VALUE[item].slowness for item in values.items()) * (2 if exact else 1)
 
 
 def _requirement(name: str, value: str, other: str, names: tuple[str, ...]):
