@@ -294,3 +294,6 @@ def test_a2a_p2p_levels_are_adjacent_cp_ranks_and_a_ring_over_them():
             layout(*sizes)
     with pytest.raises(UserError, match=r"^--hierarchical-context-parallel-sizes sets --cp-comm-type a2a\+p2p's"):
         layout(2, 2, comm="p2p")
+    with pytest.raises(UserError, match=r"A x P = --context-parallel-size 1 \(given: 2 2\)"):
+        ParallelConfig(cp_comm_type="a2a+p2p", hierarchical_context_parallel_sizes=[2, 2]).validate()
+    assert ParallelConfig(cp_comm_type="a2a+p2p").validate().cp_a2a_size == 1  # CP 1: nothing to split

@@ -152,14 +152,16 @@ class ParallelConfig:
     def _validate_hierarchical_context_parallel(self) -> None:
         """a2a+p2p needs its two levels, whose product is CP; the levels go with a2a+p2p only."""
         sizes, cp = self.hierarchical_context_parallel_sizes, self.context_parallel_size
-        if self.cp_comm_type == "a2a+p2p" and cp > 1:
-            if sizes is None or len(sizes) != 2 or min(sizes) < 1 or sizes[0] * sizes[1] != cp:
-                given = "none" if sizes is None else " ".join(map(str, sizes))
-                raise UserError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P, the "
-                                f"all-to-all and ring sizes with A x P = --context-parallel-size {cp} (given: {given})")
-        elif sizes is not None:
-            raise UserError("--hierarchical-context-parallel-sizes sets --cp-comm-type a2a+p2p's levels; add "
-                            "--cp-comm-type a2a+p2p, or drop it")
+        if self.cp_comm_type != "a2a+p2p":
+            if sizes is not None:
+                raise UserError("--hierarchical-context-parallel-sizes sets --cp-comm-type a2a+p2p's levels; add "
+                                "--cp-comm-type a2a+p2p, or drop it")
+            return
+        if (sizes is not None or cp > 1) and (sizes is None or len(sizes) != 2 or min(sizes) < 1
+                                              or sizes[0] * sizes[1] != cp):
+            given = "none" if sizes is None else " ".join(map(str, sizes))
+            raise UserError(f"--cp-comm-type a2a+p2p needs --hierarchical-context-parallel-sizes A P, the "
+                            f"all-to-all and ring sizes with A x P = --context-parallel-size {cp} (given: {given})")
 
     @property
     def cp_a2a_size(self) -> int:
