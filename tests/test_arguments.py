@@ -117,8 +117,6 @@ REJECTED = [
     (["--rotary-percent", "0.3"], 1, ["--rotary-percent 0.3 rotates 19 of a head's 64 channels", "even"]),
     (["--vocab-file", "v.json", *MOCK], 1, ["--vocab-file", "GPT2BPETokenizer"]),
     (["--context-parallel-size", "2"], 1, ["--context-parallel-size 2", "does not divide the world size 1"]),
-    (["--context-parallel-size", "2", "--attention-dropout", "0.1"], 2, ["--context-parallel-size 2 needs "
-                                                                        "--attention-dropout 0"]),
     (["--context-parallel-size", "4", "--attention-dropout", "0", "--cp-comm-type", "a2a",
       "--num-attention-heads", "6", "--hidden-size", "384", "--num-query-groups", "6"], 4,
      ["--cp-comm-type a2a needs the attention heads per tensor-parallel rank (6)"]),

@@ -56,13 +56,16 @@ def test_one_process_checkpoint_resumes_at_tp2(single, tmp_path):
     assert_matches(single, resume_elsewhere(tmp_path / "tp1", tmp_path / "tp2", 2, *TP2), 7)
 
 
-def test_dropout_under_tp_resumes_bitwise(tmp_path):
-    """Per-rank dropout RNG (tracker states) is saved and restored: a stopped and resumed
-    TP=2 run with dropout logs exactly the losses of the uninterrupted one."""
-    dropout = [*TP2, "--sequence-parallel", "--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
-    uninterrupted = train(tmp_path / "whole", 2, *dropout)
-    train(tmp_path / "stopped", 2, *dropout, "--exit-interval", "2")
-    resumed = train(tmp_path / "stopped", 2, *dropout, load=True)
+def test_dropout_under_tp_and_cp_resumes_bitwise_under_recomputation(tmp_path):
+    """Per-rank dropout RNG (tracker states, a stream per TP and CP rank) is saved and restored, and full
+    recomputation redraws the masks its forward drew (the ring's attention dropout included): a TP 2-SP x CP 2
+    run with dropout, stopped and resumed with full recomputation, logs exactly the uninterrupted run's losses."""
+    dropout = [*TP2, "--sequence-parallel", "--context-parallel-size", "2", "--hidden-dropout", "0.1",
+               "--attention-dropout", "0.1"]
+    uninterrupted = train(tmp_path / "whole", 4, *dropout)
+    train(tmp_path / "stopped", 4, *dropout, "--exit-interval", "2")
+    resumed = train(tmp_path / "stopped", 4, *dropout, "--recompute-granularity", "full", "--recompute-method",
+                    "uniform", "--recompute-num-layers", "1", load=True)
     assert resumed == uninterrupted
     assert len(resumed) == 7
 

@@ -203,10 +203,6 @@ class RunConfig:
                                 parallel.virtual_pipeline_model_parallel_size)
         if train.exit_signal_handler and self.checkpoint.save is None:
             raise UserError("--exit-signal-handler saves a checkpoint on SIGTERM, so it needs --save DIR")
-        cp = parallel.context_parallel_size
-        if cp > 1 and model.attention_dropout:
-            raise UserError(f"--context-parallel-size {cp} needs --attention-dropout 0 (the context-parallel "
-                            f"attention has no dropout); add --attention-dropout 0")
         return self
 
     def _validate_sequence_split(self) -> None:

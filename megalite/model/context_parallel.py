@@ -19,6 +19,7 @@ does the same causal work. q, k and v arrive already split, in the attention cor
   The A ranks' chunks, put in order, are chunks p and 2P-1-p of the sequence cut in 2P: the ring's own zig-zag.
 """
 
+import contextlib
 import math
 
 import torch
@@ -29,6 +30,7 @@ from megalite.config.rules import check_a2a_heads, check_sequence_split
 from megalite.data.loader import context_parallel_positions
 from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_to_all, gather_from_sequence_parallel_region, group_size
+from megalite.tensor_parallel.random import model_parallel_rng_tracker
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
@@ -36,11 +38,13 @@ _KV_TAG, _GRAD_KV_TAG = 1, 2
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
-                               scale: float | None = None, levels: tuple | None = None) -> torch.Tensor:
+                               scale: float | None = None, levels: tuple | None = None,
+                               dropout: float = 0.0) -> torch.Tensor:
     """Causal softmax(scale · q k^T) v over the global positions of the CP group's zig-zag split: q
     `[s, b, heads, d]`, k and v `[s, b, groups, d]` (this rank's s = S/CP tokens) -> `[s, b, heads, d]`.
     `scale` None: 1/sqrt(d). A group of one (or None) is plain causal attention. `levels`: a2a+p2p's (all-to-all
-    group, ring group) within `group`."""
+    group, ring group) within `group`. `dropout`: the attention probabilities' dropout, its masks drawn from the
+    current RNG (the caller forks the per-rank stream)."""
     if comm_type not in CP_COMM_TYPES:
         raise UserError(f"--cp-comm-type {comm_type} is not supported: use one of {', '.join(CP_COMM_TYPES)}")
     size = group_size(group)
@@ -51,23 +55,23 @@ def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
         check_a2a_heads(q.shape[2], size)
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else scale
     if size == 1:
-        return _causal_sdpa(q, k, v, scale)
+        return _causal_sdpa(q, k, v, scale, dropout=dropout)
     if comm_type == "all_gather":
-        return _all_gather_attention(q, k, v, group, scale)
+        return _all_gather_attention(q, k, v, group, scale, dropout)
     if comm_type == "a2a":
-        return _a2a_attention(q, k, v, group, scale)
+        return _a2a_attention(q, k, v, group, scale, dropout)
     if comm_type == "a2a+p2p":
-        return _a2a_ring_attention(q, k, v, *levels, scale)
-    return _ring_attention(q, k, v, group, scale)
+        return _a2a_ring_attention(q, k, v, *levels, scale, dropout)
+    return _ring_attention(q, k, v, group, scale, dropout)
 
 
-def _ring_attention(q, k, v, group, scale):
+def _ring_attention(q, k, v, group, scale, dropout=0.0):
     """The ring on `[s, b, n, d]` tensors in the zig-zag order of `group`."""
     ring_layout = [t.permute(1, 2, 0, 3).contiguous() for t in (q, k, v)]  # [b, n, s, d], the kernels' layout
-    return _RingAttention.apply(*ring_layout, group, scale).permute(2, 0, 1, 3)
+    return _RingAttention.apply(*ring_layout, group, scale, dropout).permute(2, 0, 1, 3)
 
 
-def _a2a_ring_attention(q, k, v, a2a_group, ring_group, scale):
+def _a2a_ring_attention(q, k, v, a2a_group, ring_group, scale, dropout=0.0):
     """a2a+p2p: heads split over the all-to-all group's A ranks, which then hold the tokens of all A; put in order,
     those are the two zig-zag chunks of the ring group's split of the sequence in 2P (module docstring)."""
     size, s = group_size(a2a_group), q.shape[0]
@@ -78,7 +82,7 @@ def _a2a_ring_attention(q, k, v, a2a_group, ring_group, scale):
     order = torch.cat([i * s + half for i in range(size)] + [i * s + s // 2 + half for i in reversed(range(size))])
     order = order.to(q.device)
     q, k, v = (_heads_to_sequence(t, a2a_group)[order] for t in (q, k, v))  # [A·s, b, n/A, d]
-    out = _ring_attention(q, k, v, ring_group, scale)[torch.argsort(order)]
+    out = _ring_attention(q, k, v, ring_group, scale, dropout)[torch.argsort(order)]
     return _sequence_to_heads(out, a2a_group)
 
 
@@ -127,32 +131,32 @@ def bytes_sent(comm_type: str, cp: int, tokens: int, batch: int, heads: int, gro
     return 4 * (cp - 1) * per_head * element_bytes * (heads + math.lcm(groups, cp)) // cp
 
 
-def _causal_sdpa(q, k, v, scale, mask=None):
+def _causal_sdpa(q, k, v, scale, mask=None, dropout=0.0):
     """SDPA on `[s, b, n, d]` tensors: causal by local order, or by `mask` `[s_q, s_k]` (True: attend)."""
     q, k, v = (t.permute(1, 2, 0, 3) for t in (q, k, v))
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
-                                         enable_gqa=k.shape[1] != q.shape[1])
+                                         dropout_p=dropout, enable_gqa=k.shape[1] != q.shape[1])
     return out.permute(2, 0, 1, 3)
 
 
-def _all_gather_attention(q, k, v, group, scale):
+def _all_gather_attention(q, k, v, group, scale, dropout=0.0):
     """All of K and V on every rank (gathered in rank order), masked by global positions."""
     size, rank, s = group_size(group), dist.get_rank(group), q.shape[0]
     key_positions = rank_order_positions(s * size, size).to(q.device)
     query_positions = key_positions[rank * s:(rank + 1) * s]
     mask = key_positions[None, :] <= query_positions[:, None]  # [s, S]
     k, v = (gather_from_sequence_parallel_region(t, group) for t in (k, v))  # backward: reduce-scatter
-    return _causal_sdpa(q, k, v, scale, mask)
+    return _causal_sdpa(q, k, v, scale, mask, dropout)
 
 
-def _a2a_attention(q, k, v, group, scale):
+def _a2a_attention(q, k, v, group, scale, dropout=0.0):
     """Ulysses: heads split over CP, the whole sequence on each rank, put in global order for causal SDPA."""
     size, s = group_size(group), q.shape[0]
     k, v = _repeat_for_split(k, size), _repeat_for_split(v, size)
     gathered = rank_order_positions(s * size, size).to(q.device)
     to_global = torch.argsort(gathered)
     q, k, v = (_heads_to_sequence(t, group)[to_global] for t in (q, k, v))  # [S, b, n/CP, d]
-    return _sequence_to_heads(_causal_sdpa(q, k, v, scale)[gathered], group)
+    return _sequence_to_heads(_causal_sdpa(q, k, v, scale, dropout=dropout)[gathered], group)
 
 
 def _heads_to_sequence(x, group):
@@ -182,22 +186,27 @@ def _block_backward_cpu(grad_out, q, k, v, out, lse, causal, scale):
         grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
-def _block_forward_matmul(q, k, v, causal, scale):
+def _block_forward_matmul(q, k, v, causal, scale, keep=None):
     """(out, lse) of one block by plain matmuls, on any device and dtype: q `[b, n, s_q, d]`, k/v
-    `[b, n, s_k, d]` -> `[b, n, s_q, d]`, `[b, n, s_q]` (fp32 or wider)."""
+    `[b, n, s_k, d]` -> `[b, n, s_q, d]`, `[b, n, s_q]` (fp32 or wider). `keep`: dropout's scaled keep mask
+    `[b, n, s_q, s_k]` (0 or 1/(1-p)) on the probabilities; the LSE is the undropped one, which merges."""
     scores = _scores(q, k, causal, scale)
     lse = torch.logsumexp(scores, dim=-1)
-    return (torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype) @ v), lse
+    probs = torch.exp(scores - lse.unsqueeze(-1))
+    return ((probs if keep is None else probs * keep).to(v.dtype) @ v), lse
 
 
-def _block_backward_matmul(grad_out, q, k, v, out, lse, causal, scale):
+def _block_backward_matmul(grad_out, q, k, v, out, lse, causal, scale, keep=None):
     """One block's (dq, dk, dv) from the MERGED output and LSE (the block's probabilities are exp(scores -
-    lse)): dS = P * (dO V^T - rowsum(dO * O))."""
+    lse)): dS = P * (dP - rowsum(dO * O)), dP = dO V^T (times `keep` under dropout, whose dV takes the dropped
+    probabilities; the rowsum still is dO·O, as O is the dropped output)."""
     probs = torch.exp(_scores(q, k, causal, scale) - lse.unsqueeze(-1))
     delta = (grad_out.to(probs.dtype) * out.to(probs.dtype)).sum(-1, keepdim=True)
-    grad_scores = probs * ((grad_out @ v.transpose(-1, -2)).to(probs.dtype) - delta)
-    grad_scores, probs = grad_scores.to(q.dtype), probs.to(q.dtype)
-    return (grad_scores @ k) * scale, (grad_scores.transpose(-1, -2) @ q) * scale, probs.transpose(-1, -2) @ grad_out
+    grad_probs = (grad_out @ v.transpose(-1, -2)).to(probs.dtype)
+    dropped = probs if keep is None else probs * keep
+    grad_scores = probs * ((grad_probs if keep is None else grad_probs * keep) - delta)
+    grad_scores, dropped = grad_scores.to(q.dtype), dropped.to(q.dtype)
+    return (grad_scores @ k) * scale, (grad_scores.transpose(-1, -2) @ q) * scale, dropped.transpose(-1, -2) @ grad_out
 
 
 def _scores(q, k, causal, scale):
@@ -207,12 +216,21 @@ def _scores(q, k, causal, scale):
     return scores
 
 
-def _block_ops(device: torch.device):
+def _block_ops(device: torch.device, dropout: float = 0.0):
     """(forward, backward) of one attention block, the one device dispatch: CPU's fused flash kernel (it returns
-    the LSE); plain matmuls elsewhere (a fused GPU kernel that returns the LSE can take their place here)."""
-    if device.type == "cpu":
+    the LSE; it has no dropout); plain matmuls elsewhere and under dropout (a fused GPU kernel that returns the
+    LSE can take their place here)."""
+    if device.type == "cpu" and not dropout:
         return _block_forward_cpu, _block_backward_cpu
     return _block_forward_matmul, _block_backward_matmul
+
+
+def _keep_masks(dropout: float):
+    """`keep(shape, device)`: dropout's next scaled keep mask (0 or 1/(1-p)) from the current RNG, or None
+    without dropout. The ring draws one per block in step order, forward and (from the same RNG state) backward."""
+    if not dropout:
+        return lambda shape, device: None
+    return lambda shape, device: (torch.rand(shape, device=device) >= dropout) / (1.0 - dropout)
 
 
 def _block(step: int, source: int, rank: int, half: int) -> tuple[slice, slice, bool]:
@@ -253,12 +271,12 @@ def _wait(requests) -> None:
         request.wait()
 
 
-def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float):
+def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale: float, dropout: float = 0.0):
     """The ring's (out `[b, heads, s, d]`, lse `[b, heads, s]`) for q `[b, heads, s, d]`, k/v `[b, groups, s, d]`
     (contiguous). Differentiable in q only through the block kernels' outputs, NOT their LSE: `_RingAttention`
-    is the differentiable form."""
+    is the differentiable form. `dropout`: each block's keep mask drawn from the current RNG, in step order."""
     size, rank, half, heads = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1]
-    forward = _block_ops(q.device)[0]
+    forward, keep = _block_ops(q.device, dropout)[0], _keep_masks(dropout)
     key_values = torch.stack([k, v])
     out = lse = None
     for step in range(size):
@@ -266,7 +284,9 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale
             next_key_values, requests = _send_to_next(key_values, group, _KV_TAG)
         rows, keys, causal = _block(step, (rank - step) % size, rank, half)
         block_k, block_v = (_repeat_heads(t[:, :, keys], heads) for t in key_values)
-        block_out, block_lse = forward(q[:, :, rows], block_k, block_v, causal, scale)
+        mask = keep((*q[:, :, rows].shape[:3], block_k.shape[2]), q.device)
+        block_out, block_lse = forward(q[:, :, rows], block_k, block_v, causal, scale,
+                                       **({} if mask is None else {"keep": mask}))
         if step == 0:  # the diagonal block covers every row
             out, lse = block_out.to(block_lse.dtype), block_lse
         else:
@@ -287,11 +307,12 @@ def _merge(out, lse, rows, block_out, block_lse):
     return out, lse
 
 
-def _ring_backward(grad_out, q, k, v, out, lse, group, scale):
+def _ring_backward(grad_out, q, k, v, out, lse, group, scale, dropout=0.0):
     """(dq, dk, dv) of the ring: K/V travel the ring again, each rank adds its queries' share of every
-    block's dK/dV into the accumulator travelling with that block, and one last step hands each rank its own."""
+    block's dK/dV into the accumulator travelling with that block, and one last step hands each rank its own.
+    Under dropout the RNG must be where the forward drew its masks: they are drawn again, in the same order."""
     size, rank, half, heads, groups = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1], k.shape[1]
-    backward = _block_ops(q.device)[1]
+    backward, keep = _block_ops(q.device, dropout)[1], _keep_masks(dropout)
     key_values = torch.stack([k, v])
     grad_q = torch.zeros_like(q, dtype=lse.dtype)
     for step in range(size):
@@ -299,8 +320,10 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, scale):
             next_key_values, kv_requests = _send_to_next(key_values, group, _KV_TAG)
         rows, keys, causal = _block(step, (rank - step) % size, rank, half)
         block_k, block_v = (_repeat_heads(t[:, :, keys], heads) for t in key_values)
+        mask = keep((*q[:, :, rows].shape[:3], block_k.shape[2]), q.device)
         block_grads = backward(grad_out[:, :, rows].contiguous(), q[:, :, rows].contiguous(), block_k, block_v,
-                               out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, scale)
+                               out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, scale,
+                               **({} if mask is None else {"keep": mask}))
         grad_q[:, :, rows] += block_grads[0]
         grad_key_values = torch.zeros_like(key_values, dtype=lse.dtype)
         for held, grad in zip(grad_key_values, block_grads[1:]):
@@ -317,19 +340,39 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, scale):
 
 
 class _RingAttention(torch.autograd.Function):
-    """The ring as one differentiable function of q, k, v `[b, n, s, d]` (see `ring_forward`)."""
+    """The ring as one differentiable function of q, k, v `[b, n, s, d]` (see `ring_forward`). Under dropout the
+    forward keeps the RNG state it drew its masks from; the backward draws them again from it, in a fork of the
+    RNG, so that it neither stores the masks nor moves the RNG."""
 
     @staticmethod
-    def forward(ctx, q, k, v, group, scale):
-        out, lse = ring_forward(q, k, v, group, scale)
+    def forward(ctx, q, k, v, group, scale, dropout=0.0):
+        ctx.rng_state = _rng_state(q.device) if dropout else None
+        out, lse = ring_forward(q, k, v, group, scale, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.group, ctx.scale = group, scale
+        ctx.group, ctx.scale, ctx.dropout = group, scale, dropout
         return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grads = _ring_backward(grad_out.contiguous(), *ctx.saved_tensors, ctx.group, ctx.scale)
-        return *grads, None, None
+        saved = ctx.saved_tensors  # unpacked once: under recomputation a second unpacking is an error
+        device = saved[0].device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
+                                   enabled=ctx.rng_state is not None):
+            if ctx.rng_state is not None:
+                _set_rng_state(device, ctx.rng_state)
+            grads = _ring_backward(grad_out.contiguous(), *saved, ctx.group, ctx.scale, ctx.dropout)
+        return *grads, None, None, None
+
+
+def _rng_state(device: torch.device) -> torch.Tensor:
+    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
+
+
+def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
+    if device.type == "cuda":
+        torch.cuda.set_rng_state(state, device)
+    else:
+        torch.set_rng_state(state)
 
 
 def comm_levels(layout, parallel) -> tuple[str, tuple | None]:
@@ -347,6 +390,15 @@ def apply(model: torch.nn.Module, group, comm_type: str, levels: tuple | None = 
     `[s, b, heads, d]`, k/v `[s, b, groups, d]` -> `[s, b, heads * d]`, the layer's own core's contract);
     `levels`: a2a+p2p's (all-to-all group, ring group)."""
     for layer in model.layers.values():
-        layer.self_attention.core_attention = (
-            lambda q, k, v: context_parallel_attention(q, k, v, group, comm_type, levels=levels).flatten(2))
+        layer.self_attention.core_attention = _core(layer.self_attention, group, comm_type, levels)
     return model
+
+
+def _core(attention: torch.nn.Module, group, comm_type: str, levels: tuple | None):
+    """The CP core of one attention module; its dropout masks from this rank's own stream of the TP-style
+    tracker (seeded with the CP rank), since the CP ranks hold other tokens (or, under a2a, other heads)."""
+    def core_attention(q, k, v):
+        dropout = attention.attention_dropout if attention.training else 0.0
+        with model_parallel_rng_tracker.fork() if dropout else contextlib.nullcontext():
+            return context_parallel_attention(q, k, v, group, comm_type, levels=levels, dropout=dropout).flatten(2)
+    return core_attention

@@ -81,6 +81,55 @@ def check_attention(comm_type: str, groups: int) -> dict:
     return errors
 
 
+DROPOUT, EPS = 0.3, 1e-6
+
+
+def dropped_attention(comm_type: str, q, k, v, dropout: float = DROPOUT) -> torch.Tensor:
+    """This rank's CP attention with dropout, its masks from a seeded RNG: the same masks on every call."""
+    torch.manual_seed(1000 + dist.get_rank())
+    levels = hierarchical_levels(dist.get_world_size()) if comm_type == "a2a+p2p" else None
+    return context_parallel_attention(q, k, v, dist.group.WORLD, comm_type, levels=levels, dropout=dropout)
+
+
+def check_dropout_gradients(comm_type: str, groups: int) -> dict:
+    """Attention dropout under CP: it drops (the output moves off the undropped one), and its grads are those of
+    the function it computes, with the masks fixed: central differences of the loss summed over every rank, at
+    coordinates of each rank's q, k and v in turn (fp64). A backward that drew other masks than its forward, or
+    that left the masks out of dV or dP, fails."""
+    size, rank = dist.get_world_size(), dist.get_rank()
+    q, k, v, grad = inputs(groups)
+    mine = context_parallel_positions(SEQ, rank, size)
+    local = [t[mine].clone().requires_grad_() for t in (q, k, v)]
+    weights = grad[mine]
+    undropped = dropped_attention(comm_type, *local, dropout=0.0).detach()
+    out = dropped_attention(comm_type, *local)
+    moved = (out - undropped).abs().max().item()
+    torch.rand(100)  # the RNG moves on before the backward, as other layers' dropout moves it
+    out.backward(weights)
+
+    def global_loss(tensors) -> float:
+        with torch.no_grad():
+            loss = (dropped_attention(comm_type, *tensors) * weights).sum()
+        dist.all_reduce(loss)
+        return loss.item()
+
+    worst = 0.0
+    for owner in range(size):
+        for which, tensor in enumerate(local):
+            for index in (3, tensor.numel() // 2, tensor.numel() - 5):
+                values = []
+                for sign in (1, -1):
+                    perturbed = [t.detach().clone() for t in local]
+                    if rank == owner:
+                        perturbed[which].view(-1)[index] += sign * EPS
+                    values.append(global_loss(perturbed))
+                if rank == owner:
+                    numeric = (values[0] - values[1]) / (2 * EPS)
+                    worst = max(worst, abs(numeric - tensor.grad.view(-1)[index].item()))
+    assert moved > 1e-2 and worst < 1e-6, (moved, worst)
+    return {"moved": moved, "gradient": worst}
+
+
 def check_merge_trap() -> dict:
     """The ring's forward differentiated by plain autograd: the kernels' LSE carries no grad, so the dQ through
     the merge is wrong by far more than the bar (the reason the ring has its own backward)."""
@@ -102,6 +151,8 @@ def checks(size: int) -> dict:
     the ring over the pairs) from CP 4."""
     table = {f"{comm_type}-{kind}": functools.partial(check_attention, comm_type, groups)
              for comm_type in CP_COMM_TYPES if comm_type != "a2a+p2p" or size >= 4 for kind, groups in GROUPS.items()}
+    table |= {f"{comm_type}-dropout": functools.partial(check_dropout_gradients, comm_type, GROUPS["gqa"])
+              for comm_type in CP_COMM_TYPES if comm_type != "a2a+p2p" or size >= 4}
     table["p2p-autograd-through-the-merge-is-wrong"] = check_merge_trap
     return table
 
