@@ -30,7 +30,7 @@ from megalite.config.rules import check_a2a_heads, check_sequence_split
 from megalite.data.loader import context_parallel_positions
 from megalite.errors import UserError
 from megalite.tensor_parallel.comm import all_to_all, gather_from_sequence_parallel_region, group_size
-from megalite.tensor_parallel.random import model_parallel_rng_tracker
+from megalite.tensor_parallel.random import get_rng_state, model_parallel_rng_tracker, set_rng_state
 
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
@@ -346,7 +346,7 @@ class _RingAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, group, scale, dropout=0.0):
-        ctx.rng_state = _rng_state(q.device) if dropout else None
+        ctx.rng_state = get_rng_state(q.device) if dropout else None
         out, lse = ring_forward(q, k, v, group, scale, dropout)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.group, ctx.scale, ctx.dropout = group, scale, dropout
@@ -359,20 +359,10 @@ class _RingAttention(torch.autograd.Function):
         with torch.random.fork_rng(devices=[device] if device.type == "cuda" else [],
                                    enabled=ctx.rng_state is not None):
             if ctx.rng_state is not None:
-                _set_rng_state(device, ctx.rng_state)
+                set_rng_state(ctx.rng_state, device)
             grads = _ring_backward(grad_out.contiguous(), *saved, ctx.group, ctx.scale, ctx.dropout)
         return *grads, None, None, None
 
-
-def _rng_state(device: torch.device) -> torch.Tensor:
-    return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
-
-
-def _set_rng_state(device: torch.device, state: torch.Tensor) -> None:
-    if device.type == "cuda":
-        torch.cuda.set_rng_state(state, device)
-    else:
-        torch.set_rng_state(state)
 
 
 def comm_levels(layout, parallel) -> tuple[str, tuple | None]:

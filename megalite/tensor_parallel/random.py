@@ -11,11 +11,12 @@ import torch.utils.checkpoint
 TENSOR_PARALLEL_RNG = "tensor-parallel"
 
 
-def _get_rng_state(device: torch.device) -> torch.Tensor:
+def get_rng_state(device: torch.device) -> torch.Tensor:
+    """The default generator's state on `device` (the CPU's, or that CUDA device's)."""
     return torch.cuda.get_rng_state(device) if device.type == "cuda" else torch.get_rng_state()
 
 
-def _set_rng_state(state: torch.Tensor, device: torch.device) -> None:
+def set_rng_state(state: torch.Tensor, device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.set_rng_state(state, device)
     else:
@@ -47,13 +48,13 @@ class RNGStatesTracker:
         """Draw from state `name` inside the block; the default RNG is restored after it."""
         if name not in self.states:
             raise KeyError(f"RNG state {name!r} is not tracked; call model_parallel_seed(...) first")
-        default_state = _get_rng_state(self.device)
-        _set_rng_state(self.states[name], self.device)
+        default_state = get_rng_state(self.device)
+        set_rng_state(self.states[name], self.device)
         try:
             yield
         finally:
-            self.states[name] = _get_rng_state(self.device)
-            _set_rng_state(default_state, self.device)
+            self.states[name] = get_rng_state(self.device)
+            set_rng_state(default_state, self.device)
 
 
 model_parallel_rng_tracker = RNGStatesTracker()
