@@ -39,11 +39,14 @@ LLAMA2_7B_64_RANKS = ["--model", "llama2-7b", "--tensor-model-parallel-size", "8
 
 def _saved_bytes(function) -> dict[int, int]:
     """{storage pointer: bytes} of the distinct storages autograd saves while `function()` runs."""
-    saved = {}
+    saved, kept = {}, []
 
     def pack(tensor):
         storage = tensor.untyped_storage()
         saved[storage.data_ptr()] = storage.nbytes()
+        # Held to the end: a storage saved by a part of the graph that is freed at once (its output unused) would
+        # free its address for a later one, which then counted as the same storage.
+        kept.append(storage)
         return tensor
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
