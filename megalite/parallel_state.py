@@ -244,7 +244,7 @@ def initialize(parallel_config: ParallelConfig) -> ParallelState:
         dist.init_process_group(backend, timeout=timeout, device_id=device if device.type == "cuda" else None,
                                 **_restart_scoped_rendezvous(world_size, timeout))
     state = build_parallel_state(tp, pp, cp=parallel_config.context_parallel_size,
-                                 cp_a2a=parallel_config.cp_a2a_size if parallel_config.cp_comm_type == "a2a+p2p" else 1,
+                                 cp_a2a=parallel_config.cp_a2a_size,  # its groups exist under a2a+p2p only
                                  ep=parallel_config.expert_model_parallel_size,
                                  etp=parallel_config.expert_tensor_size,
                                  sequence_parallel=parallel_config.sequence_parallel, device=device, timeout=timeout)

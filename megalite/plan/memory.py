@@ -59,7 +59,6 @@ class ActivationModel:
         self.ep, self.etp = ep, tp if etp is None else etp  # the routed experts' EP and ETP
         self.tokens = config.seq_length // cp * micro_batch_size  # s*b: what TP-region tensors hold per rank
         self.routing_tokens = self.tokens * cp  # an MoE router routes the whole sequence (its logits gathered over CP)
-        self.cp = cp
         # The residual stream (norm inputs, dropout) is split over TP only under SP.
         self.stream_tokens = self.tokens // tp if sequence_parallel else self.tokens
         self.stats = STATS_BYTES * (2 if config.normalization == "LayerNorm" else 1)
@@ -154,7 +153,7 @@ class ActivationModel:
             "router input": FP32_BYTES * self.tokens * h + (0 if fp32_model else FP32_BYTES * experts * h),
             # CP: the logits gathered from every CP rank, then this rank's rows of the probs and routing map
             "context-parallel routing": (FP32_BYTES * tokens * experts + (FP32_BYTES + MASK_BYTES) * self.tokens
-                                         * experts if self.cp > 1 else 0),
+                                         * experts if tokens > self.tokens else 0),
             # top-k ids and the scores (below); the probs `[tokens, E]` and the map dispatch selects by
             "routing": ID_BYTES * tokens * topk + self._score_bytes() + (FP32_BYTES + MASK_BYTES) * tokens * experts,
             # a capacity by probs: each expert's top tokens (ids; by position no grad flows through the choice)
