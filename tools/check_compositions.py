@@ -51,7 +51,7 @@ from tools.loss_compare import compare, read_losses
 
 SETTING, EXACT, ROUNDING = "setting", "exact", "rounding"
 # Enough for each feature to act on a step after a step: the ramp's half then whole batch, a resume after 1 with 2
-# to go, the overlapped gathers of a step's updated weights (4 cost the suite 35 s more and checked nothing more).
+# to go, the overlapped gathers of a step's updated weights (docs/benchmarks.md has what a fourth would cost).
 ITERATIONS = 3
 BASE = [*COMMON, "--train-iters", str(ITERATIONS)]
 MAX_RANKS = 4  # every pair of layout values fits in 4 ranks; 8 would cost the suite more than it adds
