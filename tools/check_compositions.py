@@ -156,6 +156,10 @@ FEATURES = (
         "sharding": ("optim", "optim_grads"), "buckets": SEVERAL_BUCKETS}))),
     Feature("grad-reduce-in-bf16", ROUNDING, (Value("off"), Value("on", ("--grad-reduce-in-bf16",), rtol=1e-3,
                                                                   requires=DP2))),
+    # Megatron's gradient-accumulation fusion, on by default: the linear layers' backward GEMMs add their weight
+    # grads into the fp32 buffer; off, autograd's grads are added by the buffer's hook (fp32: another rounding).
+    Feature("grad-accum-fusion", ROUNDING, (Value("on"), Value("off", ("--no-gradient-accumulation-fusion",),
+                                                               rtol=FP32_RTOL))),
     Feature("fused-output-ce", ROUNDING, (Value("off"), Value("on", ("--fused-output-cross-entropy",),
                                                               rtol=FP32_RTOL, requires={"tp": ("1",)}))),
     # Full recomputation in Megatron's units: each chunk's layers in groups of two, each group one checkpoint

@@ -39,8 +39,6 @@ COMPAT_FLAGS = [
     CompatFlag("--no-bias-dropout-fusion", _FUSION),
     CompatFlag("--no-rope-fusion", _FUSION),
     CompatFlag("--no-persist-layer-norm", _FUSION),
-    CompatFlag("--no-gradient-accumulation-fusion", "gradients accumulate into megalite's fp32 grad buffer "
-                                                    "either way"),
     CompatFlag("--no-create-attention-mask-in-dataloader", "megalite's loader never builds an attention mask "
                                                            "(causal attention needs none)"),
     CompatFlag("--no-position-embedding", "Megatron's switch off of the learned position table, which rope models "

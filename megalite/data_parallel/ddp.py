@@ -33,15 +33,18 @@ class ParallelModel:
 
     sharding: what DP ranks shard (ParallelConfig.sharding); all but NO_SHARD reduce-scatter into dp_size
     shards (expert_dp_size for the experts) for the distributed optimizer. overlap_grad_reduce: start each
-    bucket's collective from the backward hooks (always, when the grads are sharded). overlap_param_gather:
+    bucket's collective from the backward hooks (always, when the grads are sharded). gradient_accumulation_fusion:
+    the linear layers' backwards add their weight grads into the buffers directly. overlap_param_gather:
     the step only starts the parameters' all-gathers (ZeRO-1/2), and each forward waits for its own. Per
     iteration: `zero_grad()`, `start_iteration(...)`, the backwards, `finish_grad_sync()`, the optimizer's step.
     """
 
     def __init__(self, model: nn.Module, parallel: ParallelState = ONE_PROCESS, bucket_size: int | None = None,
                  sharding: Sharding = Sharding.NO_SHARD, overlap_grad_reduce: bool = False,
-                 overlap_param_gather: bool = False, grad_reduce_in_bf16: bool = False):
+                 overlap_param_gather: bool = False, grad_reduce_in_bf16: bool = False,
+                 gradient_accumulation_fusion: bool = False):
         self.model, self.parallel, self.sharding = model, parallel, sharding
+        self.fuse_weight_grads = gradient_accumulation_fusion
         self.reduce_dtype = torch.bfloat16 if grad_reduce_in_bf16 else None
         self.shard, self.sharded_grads = sharding.optimizer_state, sharding.grads
         self.chunks = list(model) if isinstance(model, nn.ModuleList) else [model]
@@ -84,7 +87,7 @@ class ParallelModel:
         buffer = GradBuffer(buffer_groups(self.chunks, sharding, expert),
                             bucket_size=None if sharding.params else bucket_size,
                             shard_count=size if self.shard else 1, shard_rank=rank if self.shard else 0,
-                            sharded=self.sharded_grads)
+                            sharded=self.sharded_grads, fuse_weight_grads=self.fuse_weight_grads)
         buffer.hold_params(sharded=sharding.params)
         return GradDomain(buffer, group, size, rank)
 

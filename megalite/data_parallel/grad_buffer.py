@@ -20,6 +20,7 @@ A model has one buffer per `GradDomain`: the dense parameters, reduced over DP, 
 (`expert_parallel`), reduced over expert-DP (Megatron's expert_parallel_buffers).
 """
 
+import functools
 from dataclasses import dataclass, field
 
 import torch
@@ -64,11 +65,13 @@ class GradBuffer:
     bucket per chunk. `data` (1-D; None when sharded), `shards` (sharded only), `params` (buffer
     order), `offsets` (param -> (start, numel)), `buckets`, `numel` (unpadded), `size` (padded). After each backward
     `param.main_grad` holds its grads' sum since `zero()`, `param.grad` is None, and
-    `on_grad_ready(param)` runs if set (the DDP bucket hook). shard_rank: this rank's shard.
+    `on_grad_ready(param)` runs if set (the DDP bucket hook). shard_rank: this rank's shard. fuse_weight_grads:
+    each parameter's `add_to_main_grad` lets a linear layer's backward add its weight grad into `main_grad`
+    directly (Megatron's gradient-accumulation fusion); else it is None.
     """
 
     def __init__(self, chunks: list[list[nn.Parameter]], bucket_size: int | None = None, shard_count: int = 1,
-                 shard_rank: int = 0, sharded: bool = False):
+                 shard_rank: int = 0, sharded: bool = False, fuse_weight_grads: bool = False):
         if shard_count < 1:
             raise ValueError(f"shard_count must be >= 1, got {shard_count}")
         seen: set[int] = set()
@@ -99,6 +102,8 @@ class GradBuffer:
             whole, offset = (bucket.grad, offset - bucket.start) if sharded else (self.data, offset)
             param.main_grad = whole[offset:offset + numel].view(param.shape)
             param.register_post_accumulate_grad_hook(self._accumulate)
+            # tensor_parallel/grad_accumulation.py: a linear's backward adds its weight grad into main_grad itself.
+            param.add_to_main_grad = functools.partial(self.add_to_main_grad, param) if fuse_weight_grads else None
         for bucket in self.buckets if sharded else ():
             free(bucket.grad)  # after the main_grad views were cut from it
 
@@ -198,12 +203,19 @@ class GradBuffer:
 
     def _accumulate(self, param: nn.Parameter) -> None:
         """Add this backward's `param.grad` (a tied weight's uses summed) into the fp32 `main_grad`; free it."""
+        if param.grad is None:  # the linear's fused GEMM added it (autograd still runs the hook, with no grad)
+            return
+        self.add_to_main_grad(param, lambda main_grad: main_grad.add_(param.grad))
+
+    def add_to_main_grad(self, param: nn.Parameter, add) -> None:
+        """Run `add(param.main_grad)`, which adds this backward's whole grad of `param` into it in place (the hook
+        above, or a linear's fused weight-grad GEMM), once its bucket can take it; then report the grad ready."""
         bucket = self.bucket_of[param]
         if self.before_grad is not None:
             self.before_grad(bucket)
         if self.sharded:
             self.bucket_grads(bucket)  # its memory exists from the bucket's first grad on
-        param.main_grad.add_(param.grad)
+        add(param.main_grad)
         param.grad = None
         if self.on_grad_ready is not None:
             self.on_grad_ready(param)

@@ -34,7 +34,8 @@ class LanguageModelLoss:
         config = self.config
         if config.fused_output_cross_entropy:  # TP = 1: no logits at all
             losses = linear_cross_entropy(hidden, model.output_weight(), labels.t(), config.real_vocab_size,
-                                          config.z_loss_weight, kernels=self.kernels).t()
+                                          config.z_loss_weight, kernels=self.kernels,
+                                          weight_used_once=not model.tied).t()
         else:
             output_layer = model.output_layer
             logits = output_layer(hidden, model.output_weight())  # [s, b, vocab/tp]: never gathered

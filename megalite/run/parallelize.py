@@ -4,7 +4,8 @@ Tensor and pipeline parallelism, and the `--kernels` path of the fused ops, are 
 built (`build_model_chunks`: each rank builds only its layers, as column/row-parallel linears). Then, in this
 order, from outside the plain model: the context-parallel attention core under CP (else the CPU backend on a
 CPU), recomputation, torch.compile, and data parallelism with the sharding strategy (its hooks see the compiled
-and recomputed modules).
+and recomputed modules) and, in eager layers, the linear layers' weight grads added into its fp32 buffer by their
+backward (gradient-accumulation fusion).
 """
 
 from megalite import cpu
@@ -30,4 +31,6 @@ def parallelize(chunks: ModelChunks, run: RunConfig, parallel: ParallelState) ->
     return ParallelModel(chunks, parallel, bucket_size=layout.ddp_bucket_size, sharding=layout.sharding,
                          overlap_grad_reduce=layout.overlap_grad_reduce,
                          overlap_param_gather=layout.overlap_param_gather,
-                         grad_reduce_in_bf16=layout.grad_reduce_in_bf16)
+                         grad_reduce_in_bf16=layout.grad_reduce_in_bf16,
+                         # A compiled layer's backward is traced: the fused add's hooks and collectives stay out.
+                         gradient_accumulation_fusion=layout.gradient_accumulation_fusion and not run.train.compile)

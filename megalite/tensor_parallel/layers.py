@@ -15,6 +15,7 @@ from megalite.parallel_state import ONE_PROCESS, ParallelState
 from megalite.tensor_parallel.comm import (copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
                                            reduce_from_tensor_parallel_region,
                                            reduce_scatter_to_sequence_parallel_region)
+from megalite.tensor_parallel.grad_accumulation import linear
 
 
 def init_full_tensor(shape: tuple[int, ...], std: float, seed: int, name: str,
@@ -99,12 +100,13 @@ class ColumnParallelLinear(nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: torch.Tensor, weight: torch.Tensor | None = None) -> torch.Tensor:
-        weight = self.weight if weight is None else weight
         if self.sequence_parallel:
             input = gather_from_sequence_parallel_region(input, self.tp_group)  # [s/tp, b, in] -> [s, b, in]
         else:
             input = copy_to_tensor_parallel_region(input, self.tp_group)
-        return F.linear(input, weight, self.bias)
+        if weight is None or weight is self.weight:
+            return linear(input, self.weight, self.bias)
+        return F.linear(input, weight, self.bias)  # a tied weight, used elsewhere too: autograd sums its grads
 
     def extra_repr(self) -> str:
         return f"in={self.input_size}, out={self.output_size}, tp={self.tp_size}, bias={self.bias is not None}"
@@ -135,7 +137,7 @@ class RowParallelLinear(nn.Module):
                 self.bias.zero_()
 
     def forward(self, input: torch.Tensor) -> torch.Tensor:
-        output = F.linear(input, self.weight)  # this rank's partial sum
+        output = linear(input, self.weight)  # this rank's partial sum
         if self.sequence_parallel:
             output = reduce_scatter_to_sequence_parallel_region(output, self.tp_group)  # -> [s/tp, b, out]
         else:

@@ -48,7 +48,7 @@ def test_the_bench_runs_end_to_end_on_a_cpu(capsys, one_thread):
     summary = out.split("by implementation")[1].splitlines()
     assert summary[1].split()[:3] == ["kernel", "size", "triton" if triton else "eager"]
     assert summary[2].split()[:2] == ["rmsnorm", "tiny"] and summary[3].split()[:2] == ["swiglu", "tiny"]
-    for path in ("unfused", "unfused-torch", "fused"):
+    for path in ("unfused", "unfused-torch", "fused", "fused-main-grad"):
         assert f" {path} " in out
     assert "fused peak memory over the unfused path's" in out
 
@@ -78,6 +78,8 @@ def test_fused_output_cross_entropy_needs_less_memory_than_unfused(one_thread):
     weight_grad_mb = TINY.vocab * TINY.hidden * 4 / bench.MB
     assert unfused >= 2 * logits_mb  # logits and their grad (or the saved softmax)
     assert weight_grad_mb <= fused < weight_grad_mb + logits_mb / 2
+    # Gradient-accumulation fusion: no [V, h] grad, the weight grad goes into the standing fp32 main grad.
+    assert results["fused-main-grad"][1] < fused - 0.9 * weight_grad_mb
     assert all(ms > 0 and timer == "wall" for ms, _, _, timer in results.values())
 
 

@@ -73,7 +73,7 @@ def test_fused_path_keeps_no_logits(one_thread, device):
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
         _LinearCrossEntropy.apply(hidden, weight, torch.arange(12, device=device), 50, 0.0, IGNORE_INDEX, 200,
-                                  "auto")
+                                  "auto", None)
     assert sorted(t.numel() for t in saved) == sorted([12, 12, weight.numel(), hidden.numel()])
     assert {t.data_ptr() for t in saved} >= {hidden.data_ptr(), weight.data_ptr()}
 

@@ -34,6 +34,17 @@ def test_parallelize_applies_the_cpu_backend_recomputation_and_data_parallelism_
         assert torch.equal(param.detach(), plain[name]), name
 
 
+@pytest.mark.parametrize("flags,fused", [([], True), (["--no-gradient-accumulation-fusion"], False),
+                                         (["--compile"], False)])
+def test_gradient_accumulation_fusion_is_on_by_default_and_off_for_compiled_layers(flags, fused):
+    """Megatron's default; a compiled layer's traced backward cannot run the grad buffer's hooks."""
+    run = parse_args([*SMALL, *flags])
+    chunks = build_model_chunks(run.model, run.train.seed)
+    model = parallelize(chunks, run, ONE_PROCESS)
+    assert model.fuse_weight_grads is fused
+    assert all((param.add_to_main_grad is not None) is fused for param in chunks.parameters())
+
+
 @pytest.mark.parametrize("sharding", list(Sharding))
 def test_every_strategy_holds_the_parameters_in_the_one_buffer(sharding):
     """No strategy keeps a second layout: each parameter is a view of its bucket's values, which are views of

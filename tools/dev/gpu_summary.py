@@ -42,6 +42,8 @@ def versions() -> dict:
     """Python, torch (and its CUDA), triton, transformers; the device torch sees."""
     import torch
 
+    from megalite.tensor_parallel.grad_accumulation import mixed_gemm
+
     found = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     for module in ("triton", "transformers", "numpy"):
         try:
@@ -50,6 +52,8 @@ def versions() -> dict:
             found[module] = None
     cuda = torch.cuda.is_available()
     found["device"] = torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, no CUDA)"
+    # how the linears' fused weight grads (tensor_parallel/grad_accumulation.py) reach the fp32 main grads here
+    found["mixed_gemm"] = mixed_gemm(torch.device("cuda")) if cuda else None
     found["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
     return found
 
