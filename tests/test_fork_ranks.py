@@ -5,13 +5,14 @@ The happy path (every rank trains and matches one process) is tests/test_paralle
 import multiprocessing
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
 
 from tools.check_layouts import COMMON
 from tools.fault_campaign import child_pids, wait_for
-from tools.fork_ranks import REPO_ROOT, _wait, rank_environment
+from tools.fork_ranks import REPO_ROOT, _ephemeral_low, _wait, free_port, rank_environment
 
 ONE_THREAD = {**os.environ, "OMP_NUM_THREADS": "1"}
 
@@ -87,3 +88,15 @@ def test_a_signal_to_the_launcher_reaches_every_rank_and_no_rank_outlives_it(tmp
         finally:
             if launcher.poll() is None:
                 launcher.kill()
+
+
+def test_a_rendezvous_port_is_free_and_outside_the_range_outgoing_connections_take():
+    """A port from the ephemeral range can be taken by another world's gloo connection before the rendezvous
+    binds it (EADDRINUSE in a busy suite); ports below it are only ever taken by a listener."""
+    low = _ephemeral_low()
+    ports = {free_port() for _ in range(20)}
+    assert len(ports) > 1  # drawn, not the same port for every world
+    for port in ports:
+        assert low == 0 or port < low, (port, low)
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as listener:
+            listener.bind(("127.0.0.1", port))

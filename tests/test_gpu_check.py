@@ -14,7 +14,7 @@ from tools.dev.gpu_summary import last_iteration, pytest_counts
 
 REPO_ROOT = Path(__file__).resolve().parents[1]
 STEPS = ("gpu_tests", "bench_1b", "pretrain_eager", "pretrain_compile", "kernels", "profile_1b", "moe_loop",
-         "moe_grouped", "cp_attention", "suite")  # in the script's order (its priority)
+         "moe_grouped", "cp_attention", "pretrain_unfused", "suite")  # in the script's order (its priority)
 
 
 def gpu_check(out: Path, **env: str) -> subprocess.CompletedProcess:
@@ -55,9 +55,11 @@ def test_a_dry_run_reads_each_steps_figures_from_its_output(dry_run):
     bench = figures["bench_1b"]
     assert set(bench["tokens_per_s"]) == {"megalite eager", "HF eager", "minimal eager"}
     assert set(bench["megalite_over"]) == {"HF", "minimal"} and bench["megalite_over"]["HF"]["ratio"] > 0
-    for name in ("pretrain_eager", "pretrain_compile", "moe_loop", "moe_grouped"):
+    for name in ("pretrain_eager", "pretrain_compile", "moe_loop", "moe_grouped", "pretrain_unfused"):
         assert figures[name]["iteration"] == "2/2" and figures[name]["tokens_per_s"] > 0, name
     assert "--compile" in summary["steps"]["pretrain_compile"]["command"]
+    assert "--no-gradient-accumulation-fusion" in summary["steps"]["pretrain_unfused"]["command"]
+    assert set(summary) >= {"torch", "device", "mixed_gemm"} and summary["mixed_gemm"] is None  # a CPU has none
     assert "--moe-grouped-gemm" in summary["steps"]["moe_grouped"]["command"]
     assert {row["kernel"] for row in figures["kernels"]["kernels"]} >= {"rmsnorm", "rotary", "swiglu"}
     assert len(figures["profile_1b"]["megalite_top10"]) == 10

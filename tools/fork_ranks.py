@@ -26,6 +26,7 @@ import importlib.util
 import multiprocessing
 import multiprocessing.connection
 import os
+import random
 import signal
 import socket
 import sys
@@ -51,10 +52,28 @@ def cpu_world_environment(base=None, **extra: str) -> dict[str, str]:
 
 
 def free_port() -> int:
-    """A TCP port on localhost that nothing listens on now (the rendezvous binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
+    """A TCP port on localhost that nothing listens on now (the rendezvous binds it moments later), drawn below
+    the kernel's ephemeral range: a port from that range can be taken in the meantime by any outgoing connection,
+    such as another world's gloo pairs (EADDRINUSE at the rendezvous)."""
+    low = _ephemeral_low()
+    candidates = random.Random().sample(range(max(1024, low - 12_000), low), 64) if low > 2048 else []
+    for port in [*candidates, 0]:  # 0: the kernel's choice, when no range or no candidate is free
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+            try:
+                probe.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return probe.getsockname()[1]
+    raise OSError("no free TCP port on localhost")
+
+
+def _ephemeral_low() -> int:
+    """The lowest port of the kernel's ephemeral range (Linux), else 0."""
+    try:
+        with open("/proc/sys/net/ipv4/ip_local_port_range") as file:
+            return int(file.read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def rank_environment(rank: int, world_size: int, port: int) -> dict[str, str]:

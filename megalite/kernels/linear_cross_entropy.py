@@ -12,7 +12,7 @@ instead, and no `[V, h]` grad exists.
 import torch
 
 from megalite.kernels.cross_entropy import IGNORE_INDEX, logit_grads, losses_from_stats, row_stats
-from megalite.tensor_parallel.grad_accumulation import add_product
+from megalite.kernels.gemm import add_product
 
 CHUNK_ELEMENTS = 2 ** 25  # logits per chunk: 64 MiB in bf16
 

@@ -6,9 +6,9 @@ import pytest
 import torch
 
 from megalite.data_parallel.grad_buffer import GradBuffer
+from megalite.kernels.gemm import add_product, mixed_gemm
 from megalite.model.gpt import GPTModel
 from megalite.model.options import apply_options
-from megalite.tensor_parallel.grad_accumulation import add_product, mixed_gemm
 from megalite.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from tests.helpers.configs import gpt2_config, llama_config
 from tests.helpers.model import token_losses

@@ -42,7 +42,7 @@ def versions() -> dict:
     """Python, torch (and its CUDA), triton, transformers; the device torch sees."""
     import torch
 
-    from megalite.tensor_parallel.grad_accumulation import mixed_gemm
+    from megalite.kernels.gemm import mixed_gemm
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     for module in ("triton", "transformers", "numpy"):
@@ -162,7 +162,8 @@ def cp_attention(out: Path, name: str) -> dict:
 
 FIGURES = {"gpu_tests": pytest_counts, "bench_1b": bench, "pretrain_eager": last_iteration,
            "pretrain_compile": last_iteration, "kernels": kernels, "profile_1b": profile, "moe_loop": last_iteration,
-           "moe_grouped": last_iteration, "cp_attention": cp_attention, "suite": pytest_counts}
+           "moe_grouped": last_iteration, "cp_attention": cp_attention, "pretrain_unfused": last_iteration,
+           "suite": pytest_counts}
 
 
 def read(out: Path, name: str) -> str:
