@@ -59,7 +59,8 @@ def test_a_dry_run_reads_each_steps_figures_from_its_output(dry_run):
         assert figures[name]["iteration"] == "2/2" and figures[name]["tokens_per_s"] > 0, name
     assert "--compile" in summary["steps"]["pretrain_compile"]["command"]
     assert "--no-gradient-accumulation-fusion" in summary["steps"]["pretrain_unfused"]["command"]
-    assert set(summary) >= {"torch", "device", "mixed_gemm"} and summary["mixed_gemm"] is None  # a CPU has none
+    assert set(summary) >= {"torch", "device", "mixed_gemm", "cp_ring_blocks"}
+    assert summary["mixed_gemm"] is None and summary["cp_ring_blocks"] is None  # a CPU has neither
     assert "--moe-grouped-gemm" in summary["steps"]["moe_grouped"]["command"]
     assert {row["kernel"] for row in figures["kernels"]["kernels"]} >= {"rmsnorm", "rotary", "swiglu"}
     assert len(figures["profile_1b"]["megalite_top10"]) == 10

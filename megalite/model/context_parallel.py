@@ -35,6 +35,8 @@ from megalite.tensor_parallel.random import get_rng_state, model_parallel_rng_tr
 CP_COMM_TYPES = ("p2p", "all_gather", "a2a", "a2a+p2p")
 # The ring's two messages in flight between the same ranks, told apart (gloo matches by tag).
 _KV_TAG, _GRAD_KV_TAG = 1, 2
+# device type -> (CUDA flash kernel's markers for its backward, or None; why not): `_flash_markers`.
+_FLASH: dict[str, tuple[tuple | None, str]] = {}
 
 
 def context_parallel_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, comm_type: str,
@@ -186,6 +188,56 @@ def _block_backward_cpu(grad_out, q, k, v, out, lse, causal, scale):
         grad_out, q, k, v, out, lse, 0.0, causal, scale=scale)
 
 
+def _block_forward_flash(q, k, v, causal, scale):
+    return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
+
+
+def _block_backward_flash(grad_out, q, k, v, out, lse, causal, scale):
+    cum_seq_q, cum_seq_k, rng_state, rng_offset = _flash_markers(q.device)
+    return torch.ops.aten._scaled_dot_product_flash_attention_backward(
+        grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, q.shape[2], k.shape[2], 0.0, causal, rng_state,
+        rng_offset, scale=scale)
+
+
+def _flash_markers(device: torch.device) -> tuple | None:
+    """What CUDA's flash kernel returned beside (out, lse) for a dense call without dropout (its sequence offsets
+    and RNG state), which its backward takes back; None where the ring's blocks cannot use it (`ring_blocks`)."""
+    if device.type not in _FLASH:
+        _FLASH[device.type] = _probe_flash(device) if device.type == "cuda" else (None, "not a CUDA device")
+    return _FLASH[device.type][0]
+
+
+def ring_blocks(device: torch.device) -> str:
+    """How the ring computes its 16-bit blocks on `device` without dropout: "flash" (CUDA's fused kernel, the
+    scores never whole), or "matmul" and why the kernel is not used."""
+    _flash_markers(device)
+    markers, why = _FLASH[device.type]
+    return "flash" if markers is not None else f"matmul ({why})"
+
+
+def _probe_flash(device: torch.device) -> tuple[tuple | None, str]:
+    """(the markers, "") when the flash kernel's forward and its backward from a given (out, lse) match the
+    matmul blocks on a small bf16 causal block, else (None, why not)."""
+    generator = torch.Generator().manual_seed(0)
+    q, k, v, grad = (torch.randn(1, 2, 64, 64, generator=generator).to(device, torch.bfloat16) for _ in range(4))
+    scale = 64 ** -0.5
+    try:
+        results = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=scale)
+        out, lse, markers = results[0], results[1], (results[2], results[3], results[6], results[7])
+        _FLASH[device.type] = (markers, "")
+        grads = _block_backward_flash(grad, q, k, v, out, lse, True, scale)
+    except (RuntimeError, TypeError, NotImplementedError, IndexError) as error:
+        return None, f"its call failed: {type(error).__name__}: {str(error).splitlines()[0]}"
+    wide = [t.float() for t in (grad, q, k, v)]
+    expected_out, expected_lse = _block_forward_matmul(*wide[1:], True, scale)
+    expected = (expected_out, expected_lse, *_block_backward_matmul(*wide, out.float(), lse.float(), True, scale))
+    for name, actual, wanted in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads), expected):
+        error = ((actual.float() - wanted).norm() / wanted.norm()).item()
+        if not error <= 2e-2:  # bf16's rounding of a 64-long dot product, with margin
+            return None, f"its {name} differs from the matmul blocks' by {error:.2e} (relative)"
+    return markers, ""
+
+
 def _block_forward_matmul(q, k, v, causal, scale, keep=None):
     """(out, lse) of one block by plain matmuls, on any device and dtype: q `[b, n, s_q, d]`, k/v
     `[b, n, s_k, d]` -> `[b, n, s_q, d]`, `[b, n, s_q]` (fp32 or wider). `keep`: dropout's scaled keep mask
@@ -216,12 +268,15 @@ def _scores(q, k, causal, scale):
     return scores
 
 
-def _block_ops(device: torch.device, dropout: float = 0.0):
+def _block_ops(device: torch.device, dropout: float = 0.0, dtype: torch.dtype | None = None, head_dim: int = 0):
     """(forward, backward) of one attention block, the one device dispatch: CPU's fused flash kernel (it returns
-    the LSE; it has no dropout); plain matmuls elsewhere and under dropout (a fused GPU kernel that returns the
-    LSE can take their place here)."""
+    the LSE; it has no dropout); CUDA's flash kernel for bf16/fp16 blocks of head size 8k <= 256 without dropout,
+    where it works (`ring_blocks`); plain matmuls elsewhere and under dropout."""
     if device.type == "cpu" and not dropout:
         return _block_forward_cpu, _block_backward_cpu
+    if (device.type == "cuda" and not dropout and dtype in (torch.bfloat16, torch.float16)
+            and head_dim % 8 == 0 and 0 < head_dim <= 256 and _flash_markers(device) is not None):
+        return _block_forward_flash, _block_backward_flash
     return _block_forward_matmul, _block_backward_matmul
 
 
@@ -276,7 +331,7 @@ def ring_forward(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group, scale
     (contiguous). Differentiable in q only through the block kernels' outputs, NOT their LSE: `_RingAttention`
     is the differentiable form. `dropout`: each block's keep mask drawn from the current RNG, in step order."""
     size, rank, half, heads = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1]
-    forward, keep = _block_ops(q.device, dropout)[0], _keep_masks(dropout)
+    forward, keep = _block_ops(q.device, dropout, q.dtype, q.shape[-1])[0], _keep_masks(dropout)
     key_values = torch.stack([k, v])
     out = lse = None
     for step in range(size):
@@ -312,7 +367,7 @@ def _ring_backward(grad_out, q, k, v, out, lse, group, scale, dropout=0.0):
     block's dK/dV into the accumulator travelling with that block, and one last step hands each rank its own.
     Under dropout the RNG must be where the forward drew its masks: they are drawn again, in the same order."""
     size, rank, half, heads, groups = group_size(group), dist.get_rank(group), q.shape[2] // 2, q.shape[1], k.shape[1]
-    backward, keep = _block_ops(q.device, dropout)[1], _keep_masks(dropout)
+    backward, keep = _block_ops(q.device, dropout, q.dtype, q.shape[-1])[1], _keep_masks(dropout)
     key_values = torch.stack([k, v])
     grad_q = torch.zeros_like(q, dtype=lse.dtype)
     for step in range(size):

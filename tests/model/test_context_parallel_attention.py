@@ -200,14 +200,52 @@ def test_blocks_merged_by_lse_match_sdpa(device, block_ops):
     (out, LSE) merged, and each block's backward from the merged output and LSE, equal causal SDPA. On a GPU
     the device's block ops run in fp32 (TF32 off), so the bar there is fp32's."""
     dtype = torch.float64 if device == "cpu" else torch.float32
-    tolerance = TOLERANCE if dtype == torch.float64 else 1e-4
-    forward, backward = (context_parallel._block_ops(torch.device(device)) if block_ops == "device"
-                         else (context_parallel._block_forward_matmul, context_parallel._block_backward_matmul))
+    ops = (context_parallel._block_ops(torch.device(device), dtype=dtype, head_dim=HEAD_DIM) if block_ops == "device"
+           else (context_parallel._block_forward_matmul, context_parallel._block_backward_matmul))
+    check_merged_blocks(*ops, device, dtype, TOLERANCE if dtype == torch.float64 else 1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_on_cuda_16_bit_blocks_run_the_flash_kernel_and_merge_to_sdpa(dtype):
+    """The ring's bf16/fp16 blocks on a GPU: CUDA's flash kernel (its scores never whole), its backward taking
+    the merged output and LSE; within 16-bit rounding of fp32 SDPA."""
+    device = torch.device("cuda")
+    assert context_parallel.ring_blocks(device) == "flash"
+    ops = context_parallel._block_ops(device, dtype=dtype, head_dim=HEAD_DIM)
+    assert ops == (context_parallel._block_forward_flash, context_parallel._block_backward_flash)
+    check_merged_blocks(*ops, "cuda", dtype, 3e-2, relative=True)
+
+
+def test_the_flash_blocks_calls_fit_the_kernels_schema(monkeypatch):
+    """Off a GPU, the flash kernel's meta (shape) functions run the calls as the ring makes them: a causal
+    diagonal forward, then a backward over other rows' keys from an fp32 LSE, with the markers the forward
+    returned."""
+    q, k, v, grad = (torch.empty(1, 2, 64, 64, device="meta", dtype=torch.bfloat16) for _ in range(4))
+    results = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=0.125)
+    monkeypatch.setitem(context_parallel._FLASH, "meta", ((results[2], results[3], results[6], results[7]), ""))
+    out, lse = context_parallel._block_forward_flash(q, k, v, True, 0.125)
+    assert out.shape == q.shape and lse.shape == (1, 2, 64) and lse.dtype == torch.float32
+    grads = context_parallel._block_backward_flash(grad, q, k[:, :, :32], v[:, :, :32], out, lse, False, 0.125)
+    assert [tuple(g.shape) for g in grads] == [(1, 2, 64, 64), (1, 2, 32, 64), (1, 2, 32, 64)]
+
+
+def test_off_cuda_the_ring_blocks_say_why_they_are_matmuls():
+    assert context_parallel.ring_blocks(torch.device("cpu")) == "matmul (not a CUDA device)"
+    assert context_parallel._block_ops(torch.device("cpu"), dtype=torch.bfloat16, head_dim=HEAD_DIM)[0] is (
+        context_parallel._block_forward_cpu)
+
+
+def check_merged_blocks(forward, backward, device: str, dtype: torch.dtype, tolerance: float,
+                        relative: bool = False) -> None:
+    """Three blocks: the first half's rows with the first half's keys (a diagonal), the second half's rows with
+    them (full) and with the second half's keys (a diagonal); the last two merge by LSE. Output and grads against
+    causal SDPA on the same (rounded) inputs in at least fp32, within `tolerance` (of the largest value, with
+    `relative`)."""
     q, k, v, grad = (t[:16].to(device, dtype).permute(1, 2, 0, 3).contiguous() for t in inputs(HEADS))
     half, scale = 8, HEAD_DIM ** -0.5
-    expected = reference(*(t.permute(2, 0, 1, 3) for t in (q, k, v, grad)))
-    # Three blocks: the first half's rows with the first half's keys (a diagonal), the second half's rows with
-    # them (full) and with the second half's keys (a diagonal); the last two merge.
+    wide = torch.promote_types(dtype, torch.float32)
+    expected = reference(*(t.to(wide).permute(2, 0, 1, 3) for t in (q, k, v, grad)))
     first, second = slice(None, half), slice(half, None)
     blocks = [(first, first, True), (second, first, False), (second, second, True)]
     (top_out, top_lse), (full_out, full_lse), (diagonal_out, diagonal_lse) = (
@@ -221,5 +259,6 @@ def test_blocks_merged_by_lse_match_sdpa(device, block_ops):
     grad_q = torch.cat([top[0], full[0] + diagonal[0]], dim=2)
     grad_k, grad_v = (torch.cat([top[i] + full[i], diagonal[i]], dim=2) for i in (1, 2))
     for name, actual, wanted in zip(("out", "dq", "dk", "dv"), (out, grad_q, grad_k, grad_v), expected):
-        error = (actual.permute(2, 0, 1, 3) - wanted).abs().max().item()
-        assert error <= tolerance, (name, error)
+        error = (actual.permute(2, 0, 1, 3).to(wanted.dtype) - wanted).abs().max().item()
+        bar = tolerance * (wanted.abs().max().item() if relative else 1.0)
+        assert error <= bar, (name, error, bar)

@@ -43,6 +43,7 @@ def versions() -> dict:
     import torch
 
     from megalite.kernels.gemm import mixed_gemm
+    from megalite.model.context_parallel import ring_blocks
 
     found = {"python": platform.python_version(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     for module in ("triton", "transformers", "numpy"):
@@ -52,8 +53,10 @@ def versions() -> dict:
             found[module] = None
     cuda = torch.cuda.is_available()
     found["device"] = torch.cuda.get_device_name() if cuda else f"cpu ({platform.machine()}, no CUDA)"
-    # how the linears' fused weight grads (tensor_parallel/grad_accumulation.py) reach the fp32 main grads here
+    # how the linears' fused weight grads (tensor_parallel/grad_accumulation.py) reach the fp32 main grads here,
+    # and how the CP ring's 16-bit blocks run (model/context_parallel.py)
     found["mixed_gemm"] = mixed_gemm(torch.device("cuda")) if cuda else None
+    found["cp_ring_blocks"] = ring_blocks(torch.device("cuda")) if cuda else None
     found["nvidia_smi"] = run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version", "--format=csv,noheader"])
     return found
 
