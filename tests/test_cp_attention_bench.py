@@ -56,3 +56,16 @@ def test_the_bench_counts_each_comm_types_bytes_at_their_closed_form(capsys):
 def test_a_cp_size_that_does_not_divide_the_world_is_refused():
     with pytest.raises(UserError, match="--cp 2 must be at least 2 and divide the world of 3 ranks"):
         parse_args(["--cp", "2", "3"])
+
+
+def test_one_ranks_ring_blocks_are_timed_as_the_ring_runs_them():
+    """The ring's arithmetic alone (CUDA in the bench): on a CPU the matmul blocks time, and the flash row says
+    why it cannot run."""
+    from tools.bench.cp_attention import ring_block_seconds
+
+    args = parse_args(["--cp", "2", "--seq-length", "16", "--heads", "2", "--groups", "1", "--head-dim", "8",
+                       "--dtype", "fp32", "--iters", "1", "--warmup-iters", "1"])
+    for cp in (2, 4):
+        assert ring_block_seconds(args, cp, "matmul", device="cpu") > 0
+    assert ring_block_seconds(args, 2, "flash", device="cpu") == (
+        "the ring's blocks here: matmul (not a CUDA device)")

@@ -29,7 +29,9 @@ Time (CUDA only; skipped on a CPU, saying so): the CP ranks share the one GPU, t
 collectives over gloo, and time forward + backward of their share at the same total length S as one-device
 causal SDPA on the whole sequence. With the ranks on one GPU this measures the CP path's overhead (the
 collectives through the host, the per-block kernels), not the speed-up of CP devices. The p2p ring is not
-timed there: gloo's send/receive take CPU tensors only (timing it needs NCCL, one GPU per rank).
+timed there: gloo's send/receive take CPU tensors only (timing it needs NCCL, one GPU per rank). Its arithmetic
+is: one rank's ring blocks, without communication, by CUDA's flash kernel (the ring's bf16 path) and by plain
+matmuls, each beside 1/CP of the one-device SDPA time (1.0: no overhead over a perfect split).
 """
 
 import argparse
@@ -156,6 +158,50 @@ def one_device_seconds(args) -> float:
                                  False)
 
 
+def ring_block_seconds(args, cp: int, kind: str, device: str = "cuda") -> float | str:
+    """One CP rank's share of the ring's arithmetic on the GPU, without communication, per iteration: the causal
+    diagonal block of its S/CP tokens, then CP-1 half blocks merged in by LSE, and every block's backward from
+    the merged output and LSE; `kind` "flash" (the fused kernel, as the ring runs bf16 on CUDA) or "matmul". A
+    string says why it was not timed."""
+    from megalite.model import context_parallel as ring
+
+    dtype, where = DTYPES[args.dtype], torch.device(device)
+    if kind == "flash":
+        ops = ring._block_ops(where, dtype=dtype, head_dim=args.head_dim)
+        if ops[0] is not ring._block_forward_flash:
+            return f"the ring's blocks here: {ring.ring_blocks(where)}"
+    else:
+        ops = (ring._block_forward_matmul, ring._block_backward_matmul)
+    forward, backward = ops
+    tokens, half, scale = args.seq_length // cp, args.seq_length // cp // 2, args.head_dim ** -0.5
+    generator = torch.Generator().manual_seed(SEED)
+    q, k, v, grad = (torch.randn(args.batch, args.heads, tokens, args.head_dim, generator=generator).to(where, dtype)
+                     for _ in range(4))
+    synchronize = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
+    blocks = [(slice(None), slice(None), True)] + [(slice(None), slice(None, half), False) if step % 2 else
+                                                   (slice(half, None), slice(None), False) for step in range(1, cp)]
+
+    def iteration():
+        out, lse = forward(q, k, v, True, scale)
+        out = out.float()
+        for rows, keys, causal in blocks[1:]:
+            block_out, block_lse = forward(q[:, :, rows], k[:, :, keys], v[:, :, keys], causal, scale)
+            out, lse = ring._merge(out, lse, rows, block_out, block_lse)
+        out = out.to(dtype)
+        for rows, keys, causal in blocks:
+            backward(grad[:, :, rows].contiguous(), q[:, :, rows].contiguous(), k[:, :, keys], v[:, :, keys],
+                     out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, scale)
+
+    for _ in range(args.warmup_iters):
+        iteration()
+    synchronize()
+    start = time.perf_counter()
+    for _ in range(args.iters):
+        iteration()
+    synchronize()
+    return (time.perf_counter() - start) / args.iters
+
+
 def figures(args, world) -> dict:
     """On every rank: bytes per (CP, comm type); with CUDA, seconds per (CP, comm type) and on rank 0 the
     one-device SDPA (the other ranks wait at a barrier)."""
@@ -174,6 +220,8 @@ def figures(args, world) -> dict:
             result["seconds"][f"{cp} {comm_type}"] = attention_seconds(args, comm_type, build_parallel_state(cp=cp))
     if timed and world.rank == 0:
         result["seconds"]["one device"] = one_device_seconds(args)
+        result["ring"] = {f"{cp} {kind}": ring_block_seconds(args, cp, kind) for cp in args.cp
+                          for kind in ("flash", "matmul")}
     dist.barrier()
     return result
 
@@ -204,8 +252,9 @@ def traffic_table(args, ranks: list[dict]) -> bool:
     return match
 
 
-def time_table(args, seconds: dict) -> None:
-    """Print rank 0's ms per forward + backward per layout beside one-device SDPA's."""
+def time_table(args, seconds: dict, ring: dict) -> None:
+    """Print rank 0's ms per forward + backward per layout beside one-device SDPA's, then one rank's ring blocks
+    (`ring_block_seconds`) beside 1/CP of it."""
     if not seconds:
         print("\nTime: skipped, CUDA is not available here (the CP attention is timed against one-device SDPA on a "
               "GPU only)")
@@ -223,6 +272,16 @@ def time_table(args, seconds: dict) -> None:
             print(f"{name:<20} not timed: {elapsed}")
         else:
             print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / elapsed:>13.3f}")
+    print("\nOne CP rank's ring blocks on the GPU, no communication (the diagonal, CP-1 half blocks merged by LSE, "
+          "each block's backward from the merged output), against 1/CP of one-device SDPA")
+    print(f"{'blocks':<20} {'ms/iter':>9} {'vs SDPA/CP':>13}")
+    for layout, elapsed in ring.items():
+        cp, kind = layout.split()
+        name = f"ring CP {cp} {kind}"
+        if isinstance(elapsed, str):
+            print(f"{name:<20} not timed: {elapsed}")
+        else:
+            print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / int(cp) / elapsed:>13.3f}")
 
 
 
@@ -262,7 +321,7 @@ def main(argv=None) -> int:
     flags = flags_of(args, ("seq_length", "batch", "heads", "groups", "head_dim", "dtype", "iters", "warmup_iters"))
     ranks = run_ranks(__file__, max(args.cp), ["--cp", *map(str, args.cp), *flags])
     match = traffic_table(args, ranks)
-    time_table(args, ranks[0]["seconds"])
+    time_table(args, ranks[0]["seconds"], ranks[0].get("ring", {}))
     print(f"{'PASS' if match else 'FAIL'}: every rank's bytes {'equal' if match else 'differ from'} the closed form")
     return 0 if match else 1
 

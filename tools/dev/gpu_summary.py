@@ -153,10 +153,12 @@ def profile(out: Path, name: str) -> dict:
 
 def cp_attention(out: Path, name: str) -> dict:
     """cp_attention.py's log: whether every rank's bytes equalled the closed form, and each timed layout's ms per
-    forward + backward and its speed against one-device SDPA (absent where the bench printed no time)."""
+    forward + backward and its speed against one-device SDPA (a ring-blocks row's: against SDPA / CP), absent
+    where the bench printed no time."""
     log = read(out, name)
     figures = {"bytes_equal_closed_form": "PASS: every rank's bytes equal" in log} if "every rank's bytes" in log else {}
-    timed = re.findall(r"^(one-device SDPA|CP \d+ \S+)\s+([\d.]+)\s+([\d.]+)$", log, flags=re.MULTILINE)
+    timed = re.findall(r"^(one-device SDPA|CP \d+ \S+|ring CP \d+ \S+)\s+([\d.]+)\s+([\d.]+)$", log,
+                       flags=re.MULTILINE)
     if timed:
         figures["ms_per_iteration"] = {layout: float(ms) for layout, ms, _ in timed}
         figures["vs_one_device"] = {layout: float(ratio) for layout, _, ratio in timed}
