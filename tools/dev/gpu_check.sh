@@ -70,7 +70,7 @@ step profile_1b 30 "$PYTHON" tools/bench/train_throughput.py "${PROFILE[@]}" --p
   --hf-iters 1 --hf-warmup-iters 1 --profile 25 --json "$OUT/profile_1b.json"
 step moe_loop 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}"
 step moe_grouped 15 "$PYTHON" pretrain_gpt.py "${MOE[@]}" "${MOCK[@]}" --moe-grouped-gemm
-step cp_attention 25 "$PYTHON" tools/bench/cp_attention.py "${CP[@]}"
+step cp_attention 35 "$PYTHON" tools/bench/cp_attention.py "${CP[@]}"
 # pretrain_eager's run without gradient-accumulation fusion (its default): what the fusion is worth here
 step pretrain_unfused 45 "$PYTHON" pretrain_gpt.py "${PRETRAIN[@]}" "${MOCK[@]}" --no-gradient-accumulation-fusion
 step suite "$BUDGET_S" "${PYTEST[@]}" -m "not gpu" "${SUITE[@]}" --junitxml="$OUT/suite.xml"
