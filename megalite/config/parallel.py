@@ -70,8 +70,9 @@ class ParallelConfig:
     grad_reduce_in_bf16: bool = option(False, "reduce gradients over data-parallel ranks in bf16 (half the bytes, "
                                               "rounded sums); micro-batch accumulation stays fp32")
     gradient_accumulation_fusion: bool = option(
-        True, "each linear layer's weight-grad GEMM adds into the fp32 main grad itself (Megatron's fusion; layers "
-              "under --compile keep autograd's grad, then the add)", inverted=True,
+        True, "turn off Megatron's gradient-accumulation fusion, by which each linear layer's weight-grad GEMM adds "
+              "into the fp32 main grad itself (layers under --compile never fuse: autograd's grad, then the add)",
+        inverted=True,
         flag="--no-gradient-accumulation-fusion")
     ddp_bucket_size: int | None = option(40_000_000, "gradient elements per data-parallel bucket")
     distributed_backend: str | None = option(None, "collective backend", choices=("nccl", "gloo"),
