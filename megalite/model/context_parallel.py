@@ -192,8 +192,9 @@ def _block_forward_flash(q, k, v, causal, scale):
     return torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, causal, scale=scale)[:2]
 
 
-def _block_backward_flash(grad_out, q, k, v, out, lse, causal, scale):
-    cum_seq_q, cum_seq_k, rng_state, rng_offset = _flash_markers(q.device)
+def _block_backward_flash(grad_out, q, k, v, out, lse, causal, scale, markers=None):
+    """The kernel's backward from a given (out, lse); `markers` (default: the device's) as `_flash_markers`."""
+    cum_seq_q, cum_seq_k, rng_state, rng_offset = markers or _flash_markers(q.device)
     return torch.ops.aten._scaled_dot_product_flash_attention_backward(
         grad_out, q, k, v, out, lse, cum_seq_q, cum_seq_k, q.shape[2], k.shape[2], 0.0, causal, rng_state,
         rng_offset, scale=scale)
@@ -224,8 +225,7 @@ def _probe_flash(device: torch.device) -> tuple[tuple | None, str]:
     try:
         results = torch.ops.aten._scaled_dot_product_flash_attention(q, k, v, 0.0, True, scale=scale)
         out, lse, markers = results[0], results[1], (results[2], results[3], results[6], results[7])
-        _FLASH[device.type] = (markers, "")
-        grads = _block_backward_flash(grad, q, k, v, out, lse, True, scale)
+        grads = _block_backward_flash(grad, q, k, v, out, lse, True, scale, markers)
     except (RuntimeError, TypeError, NotImplementedError, IndexError) as error:
         return None, f"its call failed: {type(error).__name__}: {str(error).splitlines()[0]}"
     wide = [t.float() for t in (grad, q, k, v)]

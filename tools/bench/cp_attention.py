@@ -116,23 +116,31 @@ def attention_traffic(args, comm_type: str, parallel) -> dict:
     return {kind: sum(counter.bytes[kind] for counter in counters) for kind in counters[0].bytes}
 
 
-def seconds_per_iteration(args, attend, qkv, together: bool) -> float:
-    """Forward + backward of `attend(q, k, v)` per iteration, after the warm-up ones, on the GPU; with
-    `together` every rank starts and ends the timing together."""
+def seconds_per_iteration(args, step, together: bool = False, device: str = "cuda") -> float:
+    """Seconds of `step()` (one iteration) per iteration, after the warm-up ones, the device drained at both ends;
+    with `together` every rank starts and ends the timing together."""
     import torch.distributed as dist
 
+    synchronize = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
     for iteration in range(args.warmup_iters + args.iters):
         if iteration == args.warmup_iters:
-            torch.cuda.synchronize()
+            synchronize()
             if together:
                 dist.barrier()
             start = time.perf_counter()
-        out = attend(*qkv)
-        out.backward(torch.ones_like(out))
-    torch.cuda.synchronize()
+        step()
+    synchronize()
     if together:
         dist.barrier()
     return (time.perf_counter() - start) / args.iters
+
+
+def forward_backward(attend, qkv):
+    """The step of one forward + backward of `attend(q, k, v)`, the output's grad all ones."""
+    def step():
+        out = attend(*qkv)
+        out.backward(torch.ones_like(out))
+    return step
 
 
 def attention_seconds(args, comm_type: str, parallel) -> float | str:
@@ -144,7 +152,8 @@ def attention_seconds(args, comm_type: str, parallel) -> float | str:
     qkv = random_qkv(args, parallel.cp_size, parallel.cp_rank, "cuda", DTYPES[args.dtype])
     try:
         return seconds_per_iteration(
-            args, lambda q, k, v: context_parallel_attention(q, k, v, parallel.cp_group, comm_type), qkv, True)
+            args, forward_backward(lambda q, k, v: context_parallel_attention(q, k, v, parallel.cp_group, comm_type),
+                                   qkv), together=True)
     except RuntimeError as error:  # a gloo collective that does not take CUDA tensors, say
         return str(error).splitlines()[0]
 
@@ -154,8 +163,8 @@ def one_device_seconds(args) -> float:
     from megalite.model.context_parallel import context_parallel_attention
 
     qkv = random_qkv(args, 1, 0, "cuda", DTYPES[args.dtype])
-    return seconds_per_iteration(args, lambda q, k, v: context_parallel_attention(q, k, v, None, "p2p"), qkv,
-                                 False)
+    attend = lambda q, k, v: context_parallel_attention(q, k, v, None, "p2p")  # noqa: E731 - one process: SDPA
+    return seconds_per_iteration(args, forward_backward(attend, qkv))
 
 
 def ring_block_seconds(args, cp: int, kind: str, device: str = "cuda") -> float | str:
@@ -177,7 +186,6 @@ def ring_block_seconds(args, cp: int, kind: str, device: str = "cuda") -> float 
     generator = torch.Generator().manual_seed(SEED)
     q, k, v, grad = (torch.randn(args.batch, args.heads, tokens, args.head_dim, generator=generator).to(where, dtype)
                      for _ in range(4))
-    synchronize = torch.cuda.synchronize if where.type == "cuda" else (lambda: None)
     blocks = [(slice(None), slice(None), True)] + [(slice(None), slice(None, half), False) if step % 2 else
                                                    (slice(half, None), slice(None), False) for step in range(1, cp)]
 
@@ -192,14 +200,7 @@ def ring_block_seconds(args, cp: int, kind: str, device: str = "cuda") -> float 
             backward(grad[:, :, rows].contiguous(), q[:, :, rows].contiguous(), k[:, :, keys], v[:, :, keys],
                      out[:, :, rows].contiguous(), lse[:, :, rows].contiguous(), causal, scale)
 
-    for _ in range(args.warmup_iters):
-        iteration()
-    synchronize()
-    start = time.perf_counter()
-    for _ in range(args.iters):
-        iteration()
-    synchronize()
-    return (time.perf_counter() - start) / args.iters
+    return seconds_per_iteration(args, iteration, device=device)
 
 
 def figures(args, world) -> dict:
@@ -267,22 +268,21 @@ def time_table(args, seconds: dict, ring: dict) -> None:
     print(f"{'one-device SDPA':<20} {alone * 1000:>9.3f} {1:>13.3f}")
     for layout, elapsed in seconds.items():
         cp, comm_type = layout.split()
-        name = f"CP {cp} {comm_type}"
-        if isinstance(elapsed, str):
-            print(f"{name:<20} not timed: {elapsed}")
-        else:
-            print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / elapsed:>13.3f}")
+        _time_row(f"CP {cp} {comm_type}", elapsed, alone)
     print("\nOne CP rank's ring blocks on the GPU, no communication (the diagonal, CP-1 half blocks merged by LSE, "
           "each block's backward from the merged output), against 1/CP of one-device SDPA")
     print(f"{'blocks':<20} {'ms/iter':>9} {'vs SDPA/CP':>13}")
     for layout, elapsed in ring.items():
         cp, kind = layout.split()
-        name = f"ring CP {cp} {kind}"
-        if isinstance(elapsed, str):
-            print(f"{name:<20} not timed: {elapsed}")
-        else:
-            print(f"{name:<20} {elapsed * 1000:>9.3f} {alone / int(cp) / elapsed:>13.3f}")
+        _time_row(f"ring CP {cp} {kind}", elapsed, alone / int(cp))
 
+
+def _time_row(name: str, elapsed: float | str, baseline: float) -> None:
+    """A timed row: its ms per iteration and `baseline` / its seconds; or why it was not timed."""
+    if isinstance(elapsed, str):
+        print(f"{name:<20} not timed: {elapsed}")
+    else:
+        print(f"{name:<20} {elapsed * 1000:>9.3f} {baseline / elapsed:>13.3f}")
 
 
 def parse_args(argv):

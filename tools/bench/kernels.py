@@ -675,12 +675,12 @@ def main(argv=None) -> int:
         shape = shapes[size]
         results = bench_fused_output(shape, dtype, device, repeats, chunk_elements, not args.no_compile, bool(liger),
                                      notes)
-        fused_peak = results["fused"][1]
+        fused_peak, unfused_peak = results["fused"][1], results["unfused"][1]
+        if unfused_peak > 0:
+            worst = max(worst, fused_peak / unfused_peak)
+            worst_main_grad = max(worst_main_grad, results["fused-main-grad"][1] / unfused_peak)
         for path, (ms, peak, wall, timer) in results.items():
             ratio = fused_peak / peak if peak > 0 else float("nan")
-            worst = max(worst, ratio) if path == "unfused" else worst
-            if path == "unfused":
-                worst_main_grad = max(worst_main_grad, results["fused-main-grad"][1] / peak)
             print(f"{shape.name:6} {shape.tokens:6} {shape.hidden:6} {shape.vocab:7} {path:15} {ms:9.2f} {timer:11} "
                   f"{wall:9.2f} {peak:9.1f} {ratio:10.3f}", flush=True)
             record["fused_output"].append({"size": shape.name, "path": path, "gpu_ms": ms, "timer": timer,
